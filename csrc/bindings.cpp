@@ -1,0 +1,9 @@
+// The only PYBIND11_MODULE of the package. Each subsystem exposes register_*(m).
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "vllm_hisparse CUDA data plane (resolve, gather_rows, page copies, mirrors)";
+  m.attr("cuda_archs") = HISPARSE_CUDA_ARCHS;
+}

@@ -1,0 +1,172 @@
+"""Reference copy ops: gather_rows (miss plans), copy_blocks (spill/restore), mirror_rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from resolve_cases import random_case
+from vllm_hisparse import ops
+from vllm_hisparse.ops import reference
+
+ROW_BYTES = (656, 1152, 16)
+
+
+def layers(num_layers: int, rows: int, row_bytes: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g)
+            for _ in range(num_layers)]
+
+
+def snapshot(ts):
+    return [t.clone() for t in ts]
+
+
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_gather_rows_copies_planned_rows_only(row_bytes, num_layers):
+    src = layers(num_layers, 64, row_bytes, 1)
+    dst = layers(num_layers, 40, row_bytes, 2)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    miss_src = torch.tensor([[5, 9, 63, 0], [7, 7, 7, 7], [1, 2, 3, 4]], dtype=torch.int32)
+    miss_dst = torch.tensor([[0, 39, 4, 8], [12, -5, 99, 99], [20, 21, 22, 23]], dtype=torch.int32)
+    miss_count = torch.tensor([4, 1, 0], dtype=torch.int32)
+    ops.gather_rows(src, dst, miss_src, miss_dst, miss_count)
+    expected = snapshot(dst_before)
+    for l in range(num_layers):
+        for s, d in [(5, 0), (9, 39), (63, 4), (0, 8), (7, 12)]:
+            expected[l][d] = src_before[l][s]
+        assert torch.equal(dst[l], expected[l])  # targeted rows copied, all others unchanged
+        assert torch.equal(src[l], src_before[l])  # source untouched
+
+
+def test_gather_rows_executes_a_resolve_plan():
+    """resolve's miss plan, executed, puts every host-backed selection's bytes where
+    out_rows says attention will read them."""
+    rng = random.Random(7)
+    for _ in range(30):
+        case = random_case(rng, block_size=4)
+        if case.topk.shape[0] == 0:
+            continue
+        num_rows, num_pages = case.residency.shape
+        bs = case.block_size
+        host_rows = int(case.host_blocks.max()) * bs + bs
+        device_rows = int(max(case.residency.max(), case.hot_blocks.max())) * bs + bs
+        row_bytes = 32
+        # Ground truth: the KV of (state row, position) is a deterministic byte pattern.
+        truth = torch.zeros((num_rows, num_pages * bs, row_bytes), dtype=torch.uint8)
+        for r in range(num_rows):
+            for p in range(num_pages * bs):
+                truth[r, p] = (torch.arange(row_bytes) * 7 + r * 31 + p * 13) % 256
+        host = torch.zeros((host_rows, row_bytes), dtype=torch.uint8)
+        device = torch.zeros((device_rows, row_bytes), dtype=torch.uint8)
+        for r in range(num_rows):
+            for p in range(num_pages * bs):
+                host[int(case.host_blocks[r, p // bs]) * bs + p % bs] = truth[r, p]
+                blk = int(case.residency[r, p // bs])
+                if blk >= 0:
+                    device[blk * bs + p % bs] = truth[r, p]
+            for s, pos in enumerate(case.slot_pos[r].tolist()):
+                if pos >= 0:  # slots hold the bytes of the position they claim
+                    device[int(case.hot_blocks[r, s // bs]) * bs + s % bs] = truth[r, pos]
+        try:
+            ops.resolve(*case.args())
+        except ops.ResolveError:
+            continue
+        ops.gather_rows([host], [device], case.miss_src, case.miss_dst, case.miss_count)
+        for t in range(case.topk.shape[0]):
+            r = int(case.token_rows[t])
+            for j in range(case.topk.shape[1]):
+                p = int(case.topk[t, j])
+                if r < 0 or p < 0:
+                    assert case.out_rows[t, j] == -1
+                    continue
+                assert torch.equal(device[int(case.out_rows[t, j])], truth[r, p])
+
+
+@pytest.mark.parametrize("row_bytes", ROW_BYTES)
+def test_copy_blocks_moves_whole_pages_and_skips_padding(row_bytes):
+    bs = 4
+    src = layers(2, 10 * bs, row_bytes, 3)
+    dst = layers(2, 6 * bs, row_bytes, 4)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    src_blocks = torch.tensor([2, 9, -1, 0, 5], dtype=torch.int32)
+    dst_blocks = torch.tensor([5, 0, 3, -1, 1], dtype=torch.int32)
+    ops.copy_blocks(src, dst, src_blocks, dst_blocks, bs)
+    for l in range(2):
+        expected = dst_before[l].clone()
+        for s, d in [(2, 5), (9, 0), (5, 1)]:
+            expected[d * bs:(d + 1) * bs] = src_before[l][s * bs:(s + 1) * bs]
+        assert torch.equal(dst[l], expected)
+        assert torch.equal(src[l], src_before[l])
+
+
+def test_mirror_rows_copies_rows_and_skips_padding():
+    src = layers(3, 30, 656, 5)
+    dst = layers(3, 50, 656, 6)
+    dst_before = snapshot(dst)
+    src_rows = torch.tensor([0, 29, -1, 7], dtype=torch.int32)
+    dst_rows = torch.tensor([49, 0, 3, -1], dtype=torch.int32)
+    ops.mirror_rows(src, dst, src_rows, dst_rows)
+    for l in range(3):
+        expected = dst_before[l].clone()
+        expected[49] = src[l][0]
+        expected[0] = src[l][29]
+        assert torch.equal(dst[l], expected)
+
+
+def test_empty_plans_copy_nothing():
+    src, dst = layers(1, 8, 16, 7), layers(1, 8, 16, 8)
+    before = snapshot(dst)
+    empty = torch.zeros((0,), dtype=torch.int32)
+    ops.gather_rows(src, dst, torch.zeros((0, 4), dtype=torch.int32),
+                    torch.zeros((0, 4), dtype=torch.int32), empty)
+    ops.copy_blocks(src, dst, empty, empty, 4)
+    ops.mirror_rows(src, dst, empty, empty)
+    assert torch.equal(dst[0], before[0])
+
+
+@pytest.mark.parametrize("call,text", [
+    (lambda s, d: ops.gather_rows(s, d[:1], *_plan()), "src_layers has 2 layers but dst_layers has 1"),
+    (lambda s, d: ops.gather_rows([], [], *_plan()), "src_layers is empty"),
+    (lambda s, d: ops.gather_rows(s[0], d[0], *_plan()), "must be a list or tuple"),
+    (lambda s, d: ops.gather_rows([s[0].view(torch.int8)] + s[1:], d, *_plan()),
+     r"src_layers\[0\] must have dtype torch.uint8"),
+    (lambda s, d: ops.gather_rows([x[:, :16] for x in s], d, *_plan()),
+     r"src_layers\[0\] must be contiguous"),
+    (lambda s, d: ops.gather_rows([x[:, :16].contiguous() for x in s], d, *_plan()),
+     "rows of 16 B but dst_layers"),
+    (lambda s, d: ops.gather_rows(s, d, *_plan(count=5)), "miss_count holds 5, outside"),
+    (lambda s, d: ops.gather_rows(s, d, *_plan(src_row=64)), "miss_src holds 64, outside"),
+    (lambda s, d: ops.copy_blocks(s, d, torch.tensor([1], dtype=torch.int32),
+                                  torch.tensor([1, 2], dtype=torch.int32), 4),
+     "dst_blocks must have shape"),
+    (lambda s, d: ops.copy_blocks(s, d, torch.tensor([16], dtype=torch.int32),
+                                  torch.tensor([1], dtype=torch.int32), 4),
+     "src_blocks holds 16, outside"),
+    (lambda s, d: ops.copy_blocks(s, d, torch.tensor([1], dtype=torch.int32),
+                                  torch.tensor([1], dtype=torch.int32), 5),
+     "not a multiple of block_size"),
+    (lambda s, d: ops.mirror_rows(s, d, torch.tensor([1], dtype=torch.int64),
+                                  torch.tensor([1], dtype=torch.int32)),
+     "src_rows must have dtype torch.int32"),
+])
+def test_bad_copy_arguments_are_named(call, text):
+    src = layers(2, 64, 32, 9)
+    dst = layers(2, 40, 32, 10)
+    with pytest.raises(ValueError, match=text):
+        call(src, dst)
+
+
+def _plan(count: int = 1, src_row: int = 3):
+    return (torch.tensor([[src_row, 0]], dtype=torch.int32),
+            torch.tensor([[1, 0]], dtype=torch.int32),
+            torch.tensor([count], dtype=torch.int32))
+
+
+def test_reference_twins_share_signatures_with_public_ops():
+    import inspect
+    for name in ("resolve", "gather_rows", "copy_blocks", "mirror_rows"):
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(reference, name))

@@ -1,0 +1,7 @@
+"""vllm_hisparse: hierarchical (GPU + pinned host) KV-cache residency for top-k sparse attention.
+
+Importing the package has no side effects: nothing is registered with vLLM and no
+extension is loaded until a submodule asks for it.
+"""
+
+__version__ = "0.1.0.dev0"

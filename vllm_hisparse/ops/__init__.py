@@ -1,0 +1,139 @@
+"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``.
+
+Each public function validates every tensor (dtype, device, shape, contiguity) and raises a
+``ValueError`` naming the argument, then runs the CUDA kernel when the index tensors are on a
+CUDA device and the extension ``vllm_hisparse._C`` provides it, and the pure-torch twin in
+:mod:`vllm_hisparse.ops.reference` otherwise (the fallback is logged once).
+
+:func:`select` returns the same four functions bound to one backend (``"auto"``, ``"cuda"`` or
+``"reference"``), which is how the connector's ``ops_backend`` setting is applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import torch
+
+from vllm_hisparse.ops import _checks, _extension, reference
+from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
+
+__all__ = [
+    "Backend",
+    "ResolveError",
+    "ResolveErrorCode",
+    "copy_blocks",
+    "gather_rows",
+    "mirror_rows",
+    "reference",
+    "resolve",
+    "select",
+]
+
+BACKENDS = ("auto", "cuda", "reference")
+
+
+def _kernels(device: torch.device, backend: str):
+    """The CUDA op module to use for tensors on ``device``, or None for the reference."""
+    if backend == "reference" or device.type != "cuda":
+        if backend == "cuda":
+            raise ValueError(f"ops backend 'cuda' needs CUDA index tensors, got {device}")
+        return None
+    kernels = _extension.cuda_ops()
+    if kernels is None and backend == "cuda":
+        raise RuntimeError("ops backend 'cuda' was requested but the CUDA kernels are not "
+                           "available: " + (_extension.load()[1] or "see the log"))
+    return kernels
+
+
+def _check_zero_copy_sources(layers: Sequence[torch.Tensor], device: torch.device,
+                             name: str) -> None:
+    """CUDA copies read host layers over UVA: they must be pinned."""
+    for i, t in enumerate(layers):
+        if t.device.type == "cpu" and not t.is_pinned():
+            raise ValueError(f"{name}[{i}] is a CPU tensor that is not pinned; the CUDA copy "
+                             f"reads host memory directly and needs pinned memory")
+        if t.device.type == "cuda" and t.device != device:
+            raise ValueError(f"{name}[{i}] is on {t.device}, the indices on {device}")
+
+
+def _resolve(backend: str, topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
+             block_size, out_rows, miss_src, miss_dst, miss_count, stats=None) -> None:
+    _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
+                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+    kernels = _kernels(topk.device, backend)
+    impl = kernels.resolve if kernels is not None else reference._resolve_unchecked
+    impl(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
+         out_rows, miss_src, miss_dst, miss_count, stats)
+
+
+def _gather_rows(backend: str, src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
+    _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+    kernels = _kernels(miss_src.device, backend)
+    if kernels is None:
+        reference.gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+        return
+    _check_zero_copy_sources(src_layers, miss_src.device, "src_layers")
+    _check_zero_copy_sources(dst_layers, miss_src.device, "dst_layers")
+    kernels.gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+
+
+def _copy_blocks(backend: str, src_layers, dst_layers, src_blocks, dst_blocks,
+                 block_size) -> None:
+    _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
+    kernels = _kernels(src_blocks.device, backend)
+    if kernels is None:
+        reference.copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
+        return
+    _check_zero_copy_sources(src_layers, src_blocks.device, "src_layers")
+    _check_zero_copy_sources(dst_layers, src_blocks.device, "dst_layers")
+    kernels.copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
+
+
+def _mirror_rows(backend: str, src_layers, dst_layers, src_rows, dst_rows) -> None:
+    _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
+    kernels = _kernels(src_rows.device, backend)
+    if kernels is None:
+        reference.mirror_rows(src_layers, dst_layers, src_rows, dst_rows)
+        return
+    _check_zero_copy_sources(src_layers, src_rows.device, "src_layers")
+    _check_zero_copy_sources(dst_layers, src_rows.device, "dst_layers")
+    kernels.mirror_rows(src_layers, dst_layers, src_rows, dst_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The four ops bound to one backend name; see :func:`select`."""
+
+    name: str
+    resolve: Callable[..., None]
+    gather_rows: Callable[..., None]
+    copy_blocks: Callable[..., None]
+    mirror_rows: Callable[..., None]
+
+
+def select(backend: str = "auto") -> Backend:
+    """The ops bound to ``backend``: ``"auto"`` (CUDA kernels for CUDA tensors when built,
+    else reference), ``"cuda"`` (kernels or a clear error) or ``"reference"`` (always the
+    pure-torch twins, on any device)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"ops backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+    def bind(fn):
+        def bound(*args, **kwargs):
+            return fn(backend, *args, **kwargs)
+        twin = getattr(reference, fn.__name__.lstrip("_"))
+        functools.update_wrapper(bound, twin)  # name, docstring and signature of the twin
+        return bound
+
+    return Backend(backend, bind(_resolve), bind(_gather_rows), bind(_copy_blocks),
+                   bind(_mirror_rows))
+
+
+_auto = select("auto")
+resolve = _auto.resolve
+gather_rows = _auto.gather_rows
+copy_blocks = _auto.copy_blocks
+mirror_rows = _auto.mirror_rows

@@ -1,0 +1,67 @@
+"""Errors raised by the data-plane ops.
+
+The reference twins raise :class:`ResolveError` at once. The CUDA kernels cannot raise,
+so they record the first error of a launch as four int32 words
+``(code, state_row, detail_a, detail_b)`` in a device buffer; the wrapper turns that record
+into the same exception later, without a per-step host sync (see ``ops/cuda.py``).
+The codes are shared by both so that a message reads the same whichever backend ran.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ResolveErrorCode(enum.IntEnum):
+    """Error codes of ``resolve`` (DESIGN.md §4.1 rule 7, plus the preconditions it relies on).
+
+    ``detail_a``/``detail_b`` of a device record carry the values named in brackets.
+    """
+
+    OK = 0
+    POSITION_OUT_OF_RANGE = 1  # [position, num_positions = P * block_size]
+    NO_HOST_BLOCK = 2  # a host-backed page has host block -1 [position, page]
+    HOT_OVERFLOW = 3  # more distinct host-backed positions than D [num_host_backed, D]
+    NOT_CONTIGUOUS = 4  # tokens of one request are not contiguous [token, first token]
+    HOT_BLOCK_MISSING = 5  # a hot slot is needed but its hot block is -1 [slot, position]
+    DUPLICATE_SLOT = 6  # one host-backed position is held by two hot slots [position, slot]
+    STATE_ROW_OUT_OF_RANGE = 7  # token_rows value outside [-1, R) [state_row, R]
+
+
+_TEMPLATES = {
+    ResolveErrorCode.POSITION_OUT_OF_RANGE:
+        "top-k position {a} is outside [0, {b}) (P * block_size) for state row {row}",
+    ResolveErrorCode.NO_HOST_BLOCK:
+        "position {a} of state row {row} is on page {b}, which is neither resident nor "
+        "backed by a host block (host_blocks == -1)",
+    ResolveErrorCode.HOT_OVERFLOW:
+        "state row {row} selects {a} distinct host-backed positions, more than its hot "
+        "region holds (D = {b})",
+    ResolveErrorCode.NOT_CONTIGUOUS:
+        "tokens of state row {row} are not contiguous: token {a} follows another request "
+        "after token {b}",
+    ResolveErrorCode.HOT_BLOCK_MISSING:
+        "state row {row} needs hot slot {a} (for position {b}) but its hot block is -1: "
+        "no hot region is leased",
+    ResolveErrorCode.DUPLICATE_SLOT:
+        "slot_pos of state row {row} holds position {a} in more than one slot (slot {b} "
+        "is one): hot state is corrupt",
+    ResolveErrorCode.STATE_ROW_OUT_OF_RANGE:
+        "token_rows holds state row {a}, outside [-1, {b})",
+}
+
+
+class ResolveError(ValueError):
+    """``resolve`` was given inputs that break its contract.
+
+    Attributes: ``code`` (:class:`ResolveErrorCode`), ``state_row`` (-1 when unknown) and the
+    two detail values of the record.
+    """
+
+    def __init__(self, code: int, state_row: int, detail_a: int, detail_b: int):
+        self.code = ResolveErrorCode(code)
+        self.state_row = int(state_row)
+        self.detail_a = int(detail_a)
+        self.detail_b = int(detail_b)
+        text = _TEMPLATES[self.code].format(a=detail_a, b=detail_b, row=state_row)
+        super().__init__(f"resolve: {text} [{self.code.name}]")

@@ -1,0 +1,385 @@
+"""Pure-torch twins of the data-plane ops (DESIGN.md §4).
+
+Every function here has the same name, arguments and results as the CUDA op in
+``vllm_hisparse.ops`` and is the definition the kernels are tested against, bit for bit.
+They run on any device (CPU in CI and in the simulator) and favour clarity over speed,
+but are vectorised per request so that a CPU decode step stays in milliseconds.
+
+Conventions shared by all ops:
+
+* indices are int32 and ``-1`` is the sentinel for "none / padding";
+* a "layer list" is a sequence of uint8 tensors ``[rows, row_bytes]`` (one per layer); a copy
+  op moves whole rows for every layer of the list;
+* nothing is allocated in the caller's tensors' place: outputs are written in place.
+
+``resolve`` raises :class:`~vllm_hisparse.ops.errors.ResolveError` (a ``ValueError``) for
+every broken precondition and then leaves every output and every IN/OUT tensor untouched,
+because all requests are checked before anything is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_hisparse.ops import _checks
+from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
+
+__all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows"]
+
+
+# --------------------------------------------------------------------------------------
+# resolve
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RequestPlan:
+    """What resolving one request writes; computed for all requests before any write."""
+
+    row: int
+    first_token: int
+    num_tokens: int
+    token_rows_out: torch.Tensor  # int64 [num_tokens, K], -1 for padding selections
+    copies_src: torch.Tensor  # int64 [num_misses]
+    copies_dst: torch.Tensor  # int64 [num_misses]
+    new_slot_pos: torch.Tensor | None  # int64 [D] or None when the hot state is untouched
+    new_lru: torch.Tensor | None  # int64 [D]
+    num_resident: int
+    num_hits: int
+
+
+def _request_runs(token_rows: list[int], num_rows: int) -> list[tuple[int, int, int]]:
+    """Split the batch into (state_row, first_token, num_tokens) runs; padding tokens skipped."""
+    runs: list[tuple[int, int, int]] = []
+    first_token_of_row: dict[int, int] = {}
+    t = 0
+    num_tokens = len(token_rows)
+    while t < num_tokens:
+        row = token_rows[t]
+        if row < -1 or row >= num_rows:
+            raise ResolveError(ResolveErrorCode.STATE_ROW_OUT_OF_RANGE, -1, row, num_rows)
+        if row == -1:
+            t += 1
+            continue
+        start = t
+        while t < num_tokens and token_rows[t] == row:
+            t += 1
+        if row in first_token_of_row:
+            raise ResolveError(
+                ResolveErrorCode.NOT_CONTIGUOUS, row, start, first_token_of_row[row]
+            )
+        first_token_of_row[row] = start
+        runs.append((row, start, t - start))
+    return runs
+
+
+def _plan_request(
+    row: int,
+    first_token: int,
+    selections: torch.Tensor,  # int64 [n, K]
+    residency_row: torch.Tensor,  # int64 [P]
+    host_blocks_row: torch.Tensor,  # int64 [P]
+    hot_blocks_row: torch.Tensor,  # int64 [D // bs]
+    slot_pos_row: torch.Tensor,  # int64 [D]
+    lru_row: torch.Tensor,  # int64 [D]
+    block_size: int,
+) -> _RequestPlan:
+    num_tokens, k = selections.shape
+    num_positions = residency_row.numel() * block_size
+    num_slots = slot_pos_row.numel()
+    flat = selections.reshape(-1)
+
+    bad = (flat < -1) | (flat >= num_positions)
+    if bool(bad.any()):
+        value = int(flat[bad][0])
+        raise ResolveError(ResolveErrorCode.POSITION_OUT_OF_RANGE, row, value, num_positions)
+
+    valid = flat >= 0
+    out_flat = torch.full_like(flat, -1)
+    empty = torch.empty(0, dtype=torch.int64, device=flat.device)
+    if not bool(valid.any()):
+        return _RequestPlan(row, first_token, num_tokens, out_flat.view(num_tokens, k),
+                            empty, empty, None, None, 0, 0)
+
+    # Distinct positions in first-reference order (row-major over (t, k)).
+    refs = flat[valid]
+    uniq, inverse = torch.unique(refs, return_inverse=True)
+    ref_index = torch.arange(refs.numel(), device=flat.device)
+    first_ref = torch.full((uniq.numel(),), refs.numel(), dtype=torch.int64, device=flat.device)
+    first_ref.scatter_reduce_(0, inverse, ref_index, reduce="amin")
+    order = torch.argsort(first_ref)  # distinct positions sorted by first reference
+    positions = uniq[order]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=flat.device)
+
+    pages = positions // block_size
+    offsets = positions % block_size
+    resident_block = residency_row[pages]
+    resident = resident_block >= 0
+    rows_of_positions = torch.where(resident, resident_block * block_size + offsets,
+                                    torch.full_like(positions, -1))
+
+    host_backed = ~resident
+    hb_positions = positions[host_backed]
+    hb_host_block = host_blocks_row[pages[host_backed]]
+    if bool((hb_host_block < 0).any()):
+        missing = hb_positions[hb_host_block < 0][0]
+        raise ResolveError(ResolveErrorCode.NO_HOST_BLOCK, row, int(missing),
+                           int(missing) // block_size)
+    num_host_backed = hb_positions.numel()
+    if num_host_backed > num_slots:
+        raise ResolveError(ResolveErrorCode.HOT_OVERFLOW, row, num_host_backed, num_slots)
+
+    num_resident = int(resident.sum())
+    if num_host_backed == 0:
+        # Resident positions never touch the hot state.
+        out_flat[valid] = rows_of_positions[rank[inverse]]
+        return _RequestPlan(row, first_token, num_tokens, out_flat.view(num_tokens, k),
+                            empty, empty, None, None, num_resident, 0)
+
+    # Hits: the slot (exactly one) whose slot_pos equals the position.
+    sorted_pos, sorted_slot = torch.sort(slot_pos_row, stable=True)
+    left = torch.searchsorted(sorted_pos, hb_positions, right=False)
+    right = torch.searchsorted(sorted_pos, hb_positions, right=True)
+    holders = right - left
+    if bool((holders > 1).any()):
+        dup = int(torch.nonzero(holders > 1)[0])
+        raise ResolveError(ResolveErrorCode.DUPLICATE_SLOT, row, int(hb_positions[dup]),
+                           int(sorted_slot[left[dup]]))
+    is_hit = holders == 1
+    hb_slot = torch.full_like(hb_positions, -1)
+    hb_slot[is_hit] = sorted_slot[left[is_hit]]
+
+    slot_is_hit = torch.zeros(num_slots, dtype=torch.bool, device=flat.device)
+    slot_is_hit[hb_slot[is_hit]] = True
+    lru_is_hit = slot_is_hit[lru_row]
+    evictable = lru_row[~lru_is_hit]  # not hit, in current LRU order
+    hit_slots = lru_row[lru_is_hit]  # hits, in current LRU order
+    miss_positions = hb_positions[~is_hit]  # misses in first-reference order
+    num_misses = miss_positions.numel()
+    taken = evictable[:num_misses]
+    hb_slot[~is_hit] = taken
+
+    # Device row of every used slot; its hot block must be leased.
+    slot_block = hot_blocks_row[hb_slot // block_size]
+    if bool((slot_block < 0).any()):
+        j = int(torch.nonzero(slot_block < 0)[0])
+        raise ResolveError(ResolveErrorCode.HOT_BLOCK_MISSING, row, int(hb_slot[j]),
+                           int(hb_positions[j]))
+    hb_rows = slot_block * block_size + hb_slot % block_size
+    rows_of_positions[host_backed] = hb_rows
+
+    miss_host_block = hb_host_block[~is_hit]
+    copies_src = miss_host_block * block_size + miss_positions % block_size
+    copies_dst = hb_rows[~is_hit]
+
+    new_slot_pos = slot_pos_row.clone()
+    new_slot_pos[taken] = miss_positions
+    new_lru = torch.cat([evictable[num_misses:], taken, hit_slots])
+
+    out_flat[valid] = rows_of_positions[rank[inverse]]
+    return _RequestPlan(row, first_token, num_tokens, out_flat.view(num_tokens, k),
+                        copies_src, copies_dst, new_slot_pos, new_lru, num_resident,
+                        int(is_hit.sum()))
+
+
+def resolve(
+    topk: torch.Tensor,
+    token_rows: torch.Tensor,
+    residency: torch.Tensor,
+    host_blocks: torch.Tensor,
+    hot_blocks: torch.Tensor,
+    slot_pos: torch.Tensor,
+    lru: torch.Tensor,
+    block_size: int,
+    out_rows: torch.Tensor,
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+    stats: torch.Tensor | None = None,
+) -> None:
+    """Map logical top-k positions to device rows, planning host→hot copies for misses.
+
+    Args (T tokens, K selections, R state rows, P pages, D hot slots, bs = ``block_size``):
+        topk: int32 ``[T, K]`` logical positions per query token; ``-1`` = padding.
+        token_rows: int32 ``[T]`` state row of each token; ``-1`` = padding token. The tokens
+            of one request are contiguous.
+        residency: int32 ``[R, P]`` device block of each resident page; ``-1`` = not resident.
+        host_blocks: int32 ``[R, P]`` host block of each page; ``-1`` = none.
+        hot_blocks: int32 ``[R, D // bs]`` device blocks of each hot region; ``-1`` = none.
+        slot_pos: int32 ``[R, D]`` IN/OUT, position held by each hot slot; ``-1`` = empty.
+        lru: int16 ``[R, D]`` IN/OUT, a permutation of the hot slots, least recent first.
+        block_size: positions per page (bs).
+        out_rows: int32 ``[T, K]`` OUT, device row of every selection; ``-1`` for padding.
+        miss_src, miss_dst: int32 ``[T, K]`` OUT, host row → device row copies. A request's
+            copies fill its own token rows in row-major order: copy ``i`` of a request whose
+            first token is ``t0`` sits at ``[t0 + i // K, i % K]``. Entries past
+            ``miss_count[t]`` are unspecified (left as they were).
+        miss_count: int32 ``[T]`` OUT, copies in each row.
+        stats: int64 ``[3]`` IN/OUT or None; adds the counts of distinct (resident, hot hit,
+            miss) positions.
+
+    Per request, with U its distinct valid positions in first-reference order: resident
+    positions map to ``residency * bs + p % bs`` and never touch the hot state; the others
+    are hits (a slot holds them) or misses, which take the evictable (not hit) slots in
+    ``lru`` order; the new ``lru`` is [evictable not taken] + [taken, miss order] + [hits, old
+    order]. A request with no host-backed position leaves ``lru`` and ``slot_pos`` as they are.
+
+    Raises:
+        ResolveError: a position outside ``[0, P * bs)``; a host-backed page with host block
+            -1; more distinct host-backed positions than D; a request's tokens not contiguous;
+            a state row outside ``[-1, R)``; a needed hot slot whose hot block is -1; one
+            host-backed position held by two slots. Nothing is written when it raises.
+    """
+    _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
+                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+    _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
+                       block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+
+
+def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
+                       block_size, out_rows, miss_src, miss_dst, miss_count, stats) -> None:
+    num_rows = residency.shape[0]
+    k = topk.shape[1]
+    runs = _request_runs(token_rows.tolist(), num_rows)
+
+    plans: list[_RequestPlan] = []
+    for row, first_token, num_tokens in runs:
+        plans.append(_plan_request(
+            row, first_token,
+            topk[first_token:first_token + num_tokens].to(torch.int64),
+            residency[row].to(torch.int64), host_blocks[row].to(torch.int64),
+            hot_blocks[row].to(torch.int64), slot_pos[row].to(torch.int64),
+            lru[row].to(torch.int64), block_size,
+        ))
+
+    # Every check passed: write.
+    out_rows.fill_(-1)
+    miss_count.zero_()
+    totals = [0, 0, 0]
+    for plan in plans:
+        t0, n = plan.first_token, plan.num_tokens
+        out_rows[t0:t0 + n] = plan.token_rows_out.to(torch.int32)
+        num_misses = plan.copies_src.numel()
+        if num_misses:
+            flat_src = miss_src[t0:t0 + n].view(-1)
+            flat_dst = miss_dst[t0:t0 + n].view(-1)
+            flat_src[:num_misses] = plan.copies_src.to(torch.int32)
+            flat_dst[:num_misses] = plan.copies_dst.to(torch.int32)
+        per_row = (num_misses - torch.arange(n, device=miss_count.device) * k).clamp(0, k)
+        miss_count[t0:t0 + n] = per_row.to(torch.int32)
+        if plan.new_lru is not None:
+            slot_pos[plan.row] = plan.new_slot_pos.to(torch.int32)
+            lru[plan.row] = plan.new_lru.to(torch.int16)
+        totals[0] += plan.num_resident
+        totals[1] += plan.num_hits
+        totals[2] += num_misses
+    if stats is not None:
+        stats += torch.tensor(totals, dtype=torch.int64, device=stats.device)
+
+
+# --------------------------------------------------------------------------------------
+# copies
+# --------------------------------------------------------------------------------------
+
+
+def _copy_rows_all_layers(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
+                          src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst_layers[l][dst_rows] = src_layers[l][src_rows] for every layer (int64 row ids)."""
+    if src_rows.numel() == 0:
+        return
+    for src, dst in zip(src_layers, dst_layers):
+        s = src_rows.to(src.device)
+        d = dst_rows.to(dst.device)
+        dst.index_copy_(0, d, src.index_select(0, s).to(dst.device))
+
+
+def gather_rows(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    miss_src: torch.Tensor,
+    miss_dst: torch.Tensor,
+    miss_count: torch.Tensor,
+) -> None:
+    """Execute a miss plan of :func:`resolve` for every layer of an index group.
+
+    For every layer ``l``, token row ``t`` and ``j < miss_count[t]``:
+    ``dst_layers[l][miss_dst[t, j]] = src_layers[l][miss_src[t, j]]``.
+
+    Args:
+        src_layers: L uint8 ``[src_rows, row_bytes]`` tensors (host pool views, pinned).
+        dst_layers: L uint8 ``[dst_rows, row_bytes]`` tensors (device KV views); same
+            ``row_bytes`` as the matching source layer.
+        miss_src, miss_dst: int32 ``[T, K]`` source and destination rows.
+        miss_count: int32 ``[T]``, each in ``[0, K]``.
+
+    Destinations within one call must be distinct (``resolve`` guarantees it).
+    """
+    _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+    k = miss_src.shape[1]
+    _checks.check_row_ids("miss_count", miss_count, k + 1)
+    take = (torch.arange(k, device=miss_count.device)[None, :]
+            < miss_count.to(torch.int64)[:, None])
+    src_rows = miss_src[take].to(torch.int64)
+    dst_rows = miss_dst[take].to(torch.int64)
+    _checks.check_row_ids("miss_src", src_rows, src_layers[0].shape[0])
+    _checks.check_row_ids("miss_dst", dst_rows, dst_layers[0].shape[0])
+    _copy_rows_all_layers(src_layers, dst_layers, src_rows, dst_rows)
+
+
+def copy_blocks(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_blocks: torch.Tensor,
+    dst_blocks: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Copy whole pages for every layer: spill (device→host) or restore (host→device).
+
+    For every layer ``l`` and entry ``i`` with ``src_blocks[i] >= 0`` and ``dst_blocks[i] >= 0``:
+    rows ``[dst_blocks[i] * bs, +bs)`` of ``dst_layers[l]`` = rows ``[src_blocks[i] * bs, +bs)``
+    of ``src_layers[l]``. Entries with ``-1`` on either side are padding and skipped, so a
+    caller can keep fixed-size (graph-capturable) id buffers.
+
+    Args:
+        src_layers, dst_layers: L uint8 ``[blocks * block_size, row_bytes]`` tensors each.
+        src_blocks, dst_blocks: int32 ``[N]`` block ids, ``-1`` = skip.
+        block_size: rows per block.
+    """
+    _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
+    keep = (src_blocks >= 0) & (dst_blocks >= 0)
+    src_b = src_blocks[keep].to(torch.int64)
+    dst_b = dst_blocks[keep].to(torch.int64)
+    _checks.check_row_ids("src_blocks", src_b, src_layers[0].shape[0] // block_size)
+    _checks.check_row_ids("dst_blocks", dst_b, dst_layers[0].shape[0] // block_size)
+    offsets = torch.arange(block_size, device=src_b.device)
+    src_rows = (src_b[:, None] * block_size + offsets).reshape(-1)
+    dst_rows = (dst_b[:, None] * block_size + offsets).reshape(-1)
+    _copy_rows_all_layers(src_layers, dst_layers, src_rows, dst_rows)
+
+
+def mirror_rows(
+    src_layers: Sequence[torch.Tensor],
+    dst_layers: Sequence[torch.Tensor],
+    src_rows: torch.Tensor,
+    dst_rows: torch.Tensor,
+) -> None:
+    """Copy single rows for every layer, typically newly written KV rows device→pinned host.
+
+    For every layer ``l`` and entry ``i`` with both ids ``>= 0``:
+    ``dst_layers[l][dst_rows[i]] = src_layers[l][src_rows[i]]``; ``-1`` entries are skipped.
+
+    Args:
+        src_layers, dst_layers: L uint8 ``[rows, row_bytes]`` tensors each.
+        src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip.
+    """
+    _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
+    keep = (src_rows >= 0) & (dst_rows >= 0)
+    s = src_rows[keep].to(torch.int64)
+    d = dst_rows[keep].to(torch.int64)
+    _checks.check_row_ids("src_rows", s, src_layers[0].shape[0])
+    _checks.check_row_ids("dst_rows", d, dst_layers[0].shape[0])
+    _copy_rows_all_layers(src_layers, dst_layers, s, d)
