@@ -1,0 +1,12 @@
+"""Worker side of the data plane, without vLLM: host pool, transfer engine, hot state.
+
+Imports torch, :mod:`vllm_hisparse.core` and :mod:`vllm_hisparse.ops` only, so it runs on a
+machine without vLLM (the GPU benchmark machine) and could serve another engine.
+"""
+
+from vllm_hisparse.worker.host_pool import HostPool
+from vllm_hisparse.worker.hot_state import HotState, ResolveResult
+from vllm_hisparse.worker.transfer import TransferEngine, TransferKind, TransferReport
+
+__all__ = ["HostPool", "HotState", "ResolveResult", "TransferEngine", "TransferKind",
+           "TransferReport"]

@@ -1,0 +1,82 @@
+"""TransferEngine on CPU tensors: byte-exact spills, restores and mirrors; progress reports;
+failures reported and nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_hisparse.worker.transfer import TransferEngine
+
+BS = 4
+
+
+def make(num_layers=2, device_blocks=6, host_blocks=8, row_bytes=32, **kw):
+    g = torch.Generator().manual_seed(0)
+    dev = [torch.randint(0, 256, (device_blocks * BS, row_bytes), dtype=torch.uint8, generator=g)
+           for _ in range(num_layers)]
+    host = [torch.zeros((host_blocks * BS, row_bytes), dtype=torch.uint8)
+            for _ in range(num_layers)]
+    return dev, host, TransferEngine(dev, host, BS, **kw)
+
+
+def test_spill_restore_roundtrip_and_reports():
+    dev, host, engine = make()
+    original = [d.clone() for d in dev]
+    engine.spill(1, [2, 5], [7, 0])
+    report = engine.poll()
+    assert report.enqueued == [1] and report.completed == [1] and not report.failed
+    assert report.bytes_to_host == 2 * 2 * BS * 32
+    for l in range(2):
+        assert torch.equal(host[l][7 * BS:8 * BS], original[l][2 * BS:3 * BS])
+        assert torch.equal(host[l][0:BS], original[l][5 * BS:6 * BS])
+        dev[l][2 * BS:3 * BS] = 0
+    engine.restore(2, [7], [2])
+    report = engine.poll()
+    assert report.completed == [2] and report.bytes_to_device == 2 * BS * 32
+    for l in range(2):
+        assert torch.equal(dev[l], original[l])
+    assert not engine.poll()  # nothing new
+
+
+def test_mirror_copies_rows():
+    dev, host, engine = make()
+    engine.mirror(3, [0, 23], [31, 1])
+    assert engine.poll().completed == [3]
+    for l in range(2):
+        assert torch.equal(host[l][31], dev[l][0]) and torch.equal(host[l][1], dev[l][23])
+
+
+def test_failed_transfer_is_reported_and_writes_nothing():
+    dev, host, engine = make(fail_transfer=lambda tid: tid == 9)
+    engine.spill(9, [1], [1])
+    engine.spill(10, [2], [2])
+    report = engine.poll()
+    assert [tid for tid, _ in report.failed] == [9] and "injected failure" in report.failed[0][1]
+    assert report.enqueued == [10] and report.completed == [10]
+    for l in range(2):
+        assert bool((host[l][BS:2 * BS] == 0).all())
+
+
+def test_out_of_range_block_fails_the_transfer_not_the_engine():
+    dev, host, engine = make()
+    engine.spill(4, [99], [0])
+    report = engine.poll()
+    assert report.failed and report.failed[0][0] == 4 and "outside" in report.failed[0][1]
+
+
+def test_mismatched_lengths_and_reused_ids_are_errors():
+    dev, host, engine = make()
+    with pytest.raises(ValueError, match="1 sources but 2 destinations"):
+        engine.spill(1, [0], [0, 1])
+    engine.spill(1, [0], [0])
+    with pytest.raises(ValueError, match="already in flight"):
+        engine.mirror(1, [0], [0])
+    engine.poll()
+    engine.mirror(1, [0], [0])  # reusable once completed
+
+
+def test_layer_count_mismatch():
+    with pytest.raises(ValueError, match="2 device layers but 1 host layers"):
+        TransferEngine([torch.zeros((4, 16), dtype=torch.uint8)] * 2,
+                       [torch.zeros((4, 16), dtype=torch.uint8)], BS)

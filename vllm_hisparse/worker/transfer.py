@@ -1,0 +1,196 @@
+"""Transfer engine: executes spills, restores and row mirrors and reports their progress.
+
+Each transfer carries an id chosen by the scheduler side. The engine reports an id twice, in
+this order, through :meth:`TransferEngine.poll`:
+
+* **enqueued**: the copy sits on the engine's copy stream. Later GPU work that the step fences
+  (:meth:`TransferEngine.fence`) runs after it, so a spilled device block may be reused;
+* **completed**: the copy's event has been observed: the destination bytes are valid (a host
+  page may now be published and its source released).
+
+A transfer whose launch raised is reported as **failed** (with the reason) and never as
+completed; the scheduler side keeps the source copy and marks nothing valid.
+
+On CUDA the copies run on a dedicated stream that first waits for the compute stream (the
+bytes it reads were written by the forward), and each transfer records an event. On CPU (tests,
+the simulator) copies run synchronously and an id is enqueued and completed at the same poll.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+from vllm_hisparse import ops
+
+logger = logging.getLogger("vllm_hisparse.worker")
+
+
+class TransferKind(enum.Enum):
+    SPILL = "spill"  # whole pages, device -> host
+    RESTORE = "restore"  # whole pages, host -> device
+    MIRROR = "mirror"  # single rows, device -> host
+
+
+@dataclasses.dataclass
+class TransferReport:
+    """Progress since the previous poll. Ids appear in ``enqueued`` before (or in the same
+    report as) ``completed``; a failed id appears only in ``failed``."""
+
+    enqueued: list[int] = dataclasses.field(default_factory=list)
+    completed: list[int] = dataclasses.field(default_factory=list)
+    failed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.enqueued or self.completed or self.failed)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    transfer_id: int
+    event: torch.cuda.Event | None
+
+
+class TransferEngine:
+    """Copies between one device layer list and one host layer list (same layer order).
+
+    Args:
+        device_layers: L uint8 ``[device_rows, row_bytes]`` views of the device KV.
+        host_layers: L uint8 ``[host_rows, row_bytes]`` views of the host pool.
+        block_size: rows per page.
+        ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"`` (see :func:`ops.select`).
+        fail_transfer: fault injection for tests and drills: called with each transfer id
+            before launch; True makes that transfer fail as a failed launch would.
+    """
+
+    def __init__(self, device_layers: Sequence[torch.Tensor], host_layers: Sequence[torch.Tensor],
+                 block_size: int, *, ops_backend: str = "auto",
+                 fail_transfer: Callable[[int], bool] | None = None):
+        if len(device_layers) != len(host_layers):
+            raise ValueError(f"TransferEngine: {len(device_layers)} device layers but "
+                             f"{len(host_layers)} host layers")
+        self.device_layers = list(device_layers)
+        self.host_layers = list(host_layers)
+        self.block_size = block_size
+        self.row_bytes = device_layers[0].shape[1] if device_layers else 0
+        self._ops = ops.select(ops_backend)
+        self._fail_transfer = fail_transfer
+        self.device = device_layers[0].device if device_layers else torch.device("cpu")
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._in_flight: deque[_InFlight] = deque()
+        self._report = TransferReport()
+        self._last_event: torch.cuda.Event | None = None
+        self._ids_in_use: set[int] = set()
+
+    # ---------------------------------------------------------------- submit
+
+    def spill(self, transfer_id: int, device_blocks: Sequence[int],
+              host_blocks: Sequence[int]) -> None:
+        """Copy whole pages device → host for every layer."""
+        self._submit(transfer_id, TransferKind.SPILL, device_blocks, host_blocks)
+
+    def restore(self, transfer_id: int, host_blocks: Sequence[int],
+                device_blocks: Sequence[int]) -> None:
+        """Copy whole pages host → device for every layer."""
+        self._submit(transfer_id, TransferKind.RESTORE, host_blocks, device_blocks)
+
+    def mirror(self, transfer_id: int, device_rows: Sequence[int],
+               host_rows: Sequence[int]) -> None:
+        """Copy single rows device → host for every layer (newly written KV)."""
+        self._submit(transfer_id, TransferKind.MIRROR, device_rows, host_rows)
+
+    def _submit(self, transfer_id: int, kind: TransferKind, src_ids: Sequence[int],
+                dst_ids: Sequence[int]) -> None:
+        if transfer_id in self._ids_in_use:
+            raise ValueError(f"TransferEngine: transfer id {transfer_id} is already in flight")
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"TransferEngine: {kind.value} {transfer_id} has {len(src_ids)} "
+                             f"sources but {len(dst_ids)} destinations")
+        try:
+            if self._fail_transfer is not None and self._fail_transfer(transfer_id):
+                raise RuntimeError("injected failure")
+            self._launch(kind, src_ids, dst_ids)
+        except Exception as exc:  # reported to the scheduler, which keeps the source copy
+            logger.warning("transfer %d (%s) failed: %s", transfer_id, kind.value, exc)
+            self._report.failed.append((transfer_id, f"{type(exc).__name__}: {exc}"))
+            return
+        moved = len(src_ids) * len(self.device_layers) * self.row_bytes
+        if kind is not TransferKind.MIRROR:
+            moved *= self.block_size
+        if kind is TransferKind.RESTORE:
+            self._report.bytes_to_device += moved
+        else:
+            self._report.bytes_to_host += moved
+        self._report.enqueued.append(transfer_id)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._last_event = event
+        self._ids_in_use.add(transfer_id)
+        self._in_flight.append(_InFlight(transfer_id, event))
+
+    def _launch(self, kind: TransferKind, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        index_device = self.device if self._cuda else torch.device("cpu")
+        src = torch.tensor(list(src_ids), dtype=torch.int32)
+        dst = torch.tensor(list(dst_ids), dtype=torch.int32)
+        if kind is TransferKind.RESTORE:
+            src_layers, dst_layers = self.host_layers, self.device_layers
+        else:
+            src_layers, dst_layers = self.device_layers, self.host_layers
+        if not self._cuda:
+            if kind is TransferKind.MIRROR:
+                self._ops.mirror_rows(src_layers, dst_layers, src, dst)
+            else:
+                self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)  # read what the forward wrote
+        with torch.cuda.stream(self._stream):
+            src = src.pin_memory().to(index_device, non_blocking=True)
+            dst = dst.pin_memory().to(index_device, non_blocking=True)
+            if kind is TransferKind.MIRROR:
+                self._ops.mirror_rows(src_layers, dst_layers, src, dst)
+            else:
+                self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
+            # The index tensors must outlive the copy: tie them to the copy stream.
+            src.record_stream(self._stream)
+            dst.record_stream(self._stream)
+
+    # ---------------------------------------------------------------- progress
+
+    def fence(self) -> None:
+        """Make later work on the current (compute) stream run after every enqueued copy:
+        restored pages are readable and spilled blocks may be overwritten."""
+        if self._cuda and self._last_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._last_event)
+
+    def poll(self) -> TransferReport:
+        """Progress since the last poll; never blocks."""
+        while self._in_flight:
+            head = self._in_flight[0]
+            if head.event is not None and not head.event.query():
+                break  # copies complete in stream order: nothing behind it is done either
+            self._in_flight.popleft()
+            self._ids_in_use.discard(head.transfer_id)
+            self._report.completed.append(head.transfer_id)
+        report, self._report = self._report, TransferReport()
+        return report
+
+    def wait_all(self) -> TransferReport:
+        """Block until every enqueued copy has completed, then poll."""
+        if self._cuda and self._stream is not None:
+            self._stream.synchronize()
+        return self.poll()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
