@@ -1,0 +1,41 @@
+"""The benchmark scripts still run (tiny sizes, CPU): a smoke check, not a timing."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_reference_runs(tmp_path):
+    out = tmp_path / "ref.json"
+    r = run("bench_reference.py", "--requests", "2", "--topk", "256", "--hot-slots", "512",
+            "--context", "4096", "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["requests"] == 2 and data["median_ms"] > 0
+    assert sum(data["distinct_resident_hit_miss"]) > 0
+
+
+def test_bench_decode_capacity_runs_on_cpu(tmp_path):
+    out = tmp_path / "cap.json"
+    r = run("bench_decode_capacity.py", "--contexts", "256", "2048", "--hbm-gib", "0.01",
+            "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
+            "--block-size", "16", "--steps", "2", "--warmup", "1",
+            "--weights-gib-per-layer", "0.001", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [x["context"] for x in results] == [256, 2048]
+    # Same HBM: short requests stay fully resident, long ones fit more in hybrid mode.
+    assert results[0]["hybrid_batch"] == results[0]["full_batch"]
+    assert results[1]["hybrid_batch"] > results[1]["full_batch"]
