@@ -1,0 +1,55 @@
+"""``vllm-hisparse replay``: table, JSON, plot, and bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_hisparse.cli.main import main
+from vllm_hisparse.core.trace import TraceRecorder
+
+SMALL = ["replay", "--requests", "2", "--steps", "20", "--top-k", "256", "--context", "4096",
+         "--capacities", "256", "512", "1024"]
+
+
+def test_replay_prints_a_table_and_writes_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(SMALL + ["--json", str(out), "--plot", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0] == "| hot rows | hisparse | lru | fifo | random | belady |"
+    assert len(table.splitlines()) == 2 + 3
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 5 * 3
+    for capacity in (256, 512, 1024):
+        rates = {r["policy"]: r["miss_rate"] for r in data["results"]
+                 if r["capacity_rows"] == capacity}
+        assert rates["belady"] == min(rates.values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replay_reads_a_recorded_trace(tmp_path, capsys):
+    rec = TraceRecorder(top_k=4, block_size=4, source="test")
+    for step, positions in enumerate([[1, 2, 3], [3, 4], [1, 5]]):
+        rec.add(7, step, positions)
+    path = tmp_path / "t.npz"
+    rec.trace().save(str(path))
+    assert main(["replay", "--trace", str(path), "--capacities", "3", "--policies", "belady",
+                 "lru"]) == 0
+    assert "| 3 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["replay", "--capacities", "0"], "--capacities must be positive"),
+    (["replay", "--policies", "clock"], "invalid choice: 'clock'"),
+    (["replay", "--trace", "/nonexistent/t.npz"], "not a vllm-hisparse selection trace"),
+    (["replay", "--steps", "-1"], "--steps must be positive"),
+    (["replay", "--top-k", "512", "--context", "4096", "--requests", "1", "--steps", "2",
+      "--capacities", "8"], "smaller than the largest selection set"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert text in capsys.readouterr().err
