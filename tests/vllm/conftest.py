@@ -1,0 +1,28 @@
+"""Fixtures shared by the vLLM-integration tests (CPU, real vLLM 0.33 objects)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.vllm_configs import write_model_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _registered() -> None:
+    """What vLLM's plugin loader does in every process: call our entry point."""
+    from vllm_hisparse.vllm.plugin import register
+
+    register()
+
+
+@pytest.fixture(scope="session")
+def dsa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("dsv32_tiny"))
+
+
+@pytest.fixture(scope="session")
+def mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSeek-V3-style MLA model without a DSA indexer (no index_topk)."""
+    return write_model_dir(tmp_path_factory.mktemp("dsv3_tiny"), with_index_topk=False)

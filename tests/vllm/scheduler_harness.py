@@ -1,0 +1,218 @@
+"""Drive vLLM 0.33's REAL ``Scheduler`` / ``AsyncScheduler`` on CPU.
+
+Everything is vLLM's own (config, KV planning, ``KVCacheManager``, ``BlockPool``,
+``Scheduler``); only the model forward is faked: each step returns a
+``ModelRunnerOutput`` that samples one fixed token for every request whose prompt is
+fully computed after the step. The KV cache config comes from vLLM's planner (so with
+our connector configured it is our split), sized to a chosen number of blocks.
+
+Usage::
+
+    harness = SchedulerHarness.build(model_dir, num_blocks=200)
+    harness.add_requests(8, prompt_len=1000, max_tokens=50)
+    stats = harness.run_to_completion()
+    harness.assert_no_leaks()
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from tests.vllm.dsa_specs import dsa_layer_specs
+from tests.vllm.vllm_configs import make_vllm_config
+from vllm_hisparse.vllm.compat import scheduler_classes
+
+#: Token every fake forward samples; far from any EOS id (requests end on max_tokens).
+SAMPLED_TOKEN = 7
+
+
+def planned_kv_cache_config(
+    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
+) -> KVCacheConfig:
+    """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``."""
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    try:
+        # With the override set, vLLM sizes the pool to exactly num_blocks whatever
+        # memory we claim; claim plenty so the max_model_len check passes.
+        (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
+    finally:
+        vllm_config.cache_config.num_gpu_blocks_override = None
+    assert config.num_blocks == num_blocks
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # The engine core hands the scheduler this form (each group's spec collapsed to
+    # its first layer's spec), as EngineCore._initialize_kv_caches does.
+    return generate_scheduler_kv_cache_config([config])
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    peak_running: int = 0
+    preemptions: int = 0
+    finished: list[str] = field(default_factory=list)
+    running_per_step: list[int] = field(default_factory=list)
+
+
+class SchedulerHarness:
+    """A real scheduler with a fake forward; counts running, preemptions, finishes."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        scheduler_cls, async_scheduler_cls = scheduler_classes()
+        async_scheduling = vllm_config.scheduler_config.async_scheduling
+        cls = async_scheduler_cls if async_scheduling else scheduler_cls
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        init_none_hash(sha256)
+        self._block_hasher = get_request_block_hasher(self.block_size, sha256)
+        self.scheduler = cls(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=self.block_size,
+            log_stats=True,
+        )
+        # The engine core keeps one batch in flight with async scheduling: step N+1 is
+        # scheduled before step N's output is applied.
+        self.in_flight_depth = 2 if async_scheduling else 1
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+        self.stats = RunStats()
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: Path,
+        *,
+        num_blocks: int,
+        num_layers: int = 4,
+        kv_transfer: KVTransferConfig | None = None,
+        construct_connector: bool = True,
+        **config_kwargs,
+    ) -> SchedulerHarness:
+        """A harness over a ``num_layers`` DSA model with a ``num_blocks`` device pool.
+
+        ``kv_transfer`` is seen by planning; with ``construct_connector=False`` the
+        scheduler then runs without it, i.e. vLLM's stock managers over the same plan
+        (the baseline for with/without-connector comparisons).
+        """
+        vllm_config = make_vllm_config(model_dir, kv_transfer=kv_transfer, **config_kwargs)
+        specs = dsa_layer_specs(num_layers, block_size=vllm_config.cache_config.block_size)
+        kv_cache_config = planned_kv_cache_config(vllm_config, specs, num_blocks)
+        if not construct_connector:
+            vllm_config.kv_transfer_config = None
+        return cls(vllm_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ workload
+
+    def add_request(
+        self, prompt_len: int, max_tokens: int, *, prompt_token_ids: list[int] | None = None
+    ) -> Request:
+        request_id = f"req-{next(self._ids)}"
+        tokens = prompt_token_ids or [
+            (hash((request_id, i)) % 900) + 10 for i in range(prompt_len)
+        ]
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self._block_hasher,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def add_requests(self, count: int, *, prompt_len: int, max_tokens: int) -> list[Request]:
+        return [self.add_request(prompt_len, max_tokens) for _ in range(count)]
+
+    # ------------------------------------------------------------------ stepping
+
+    def fake_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One sampled token per request whose prompt is complete after this step."""
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.requests[req_id]
+            # num_computed_tokens already includes this step's tokens (the scheduler
+            # advances it in schedule()); a partial prefill chunk samples nothing.
+            done_prefill = request.num_computed_tokens >= request.num_prompt_tokens
+            sampled.append([SAMPLED_TOKEN] if done_prefill else [])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _apply(self, scheduler_output: SchedulerOutput) -> None:
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, self.fake_forward(scheduler_output)
+        )
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                if output.finish_reason is not None:
+                    self.stats.finished.append(output.request_id)
+
+    def step(self) -> SchedulerOutput:
+        """``schedule()``, then apply the oldest in-flight step's fake output."""
+        scheduler_output = self.scheduler.schedule()
+        self._in_flight.append(scheduler_output)
+        running = len(self.scheduler.running)
+        self.stats.steps += 1
+        self.stats.running_per_step.append(running)
+        self.stats.peak_running = max(self.stats.peak_running, running)
+        self.stats.preemptions += len(scheduler_output.preempted_req_ids or ())
+        if len(self._in_flight) >= self.in_flight_depth:
+            self._apply(self._in_flight.popleft())
+        return scheduler_output
+
+    def drain(self) -> None:
+        while self._in_flight:
+            self._apply(self._in_flight.popleft())
+
+    def run_to_completion(self, max_steps: int = 10_000) -> RunStats:
+        while self.scheduler.has_requests():
+            if self.stats.steps >= max_steps:
+                raise AssertionError(
+                    f"workload not finished after {max_steps} steps: "
+                    f"{len(self.scheduler.running)} running, "
+                    f"{len(self.scheduler.waiting)} waiting"
+                )
+            self.step()
+            if not self.scheduler.has_requests():
+                break
+        self.drain()
+        return self.stats
+
+    # ------------------------------------------------------------------ checks
+
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def assert_no_leaks(self) -> None:
+        """No requests left; every device block except the null block is free."""
+        assert not self.scheduler.requests, sorted(self.scheduler.requests)
+        assert not self.scheduler.running and not self.scheduler.waiting
+        pool = self.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == self.kv_cache_config.num_blocks - 1
+        assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)

@@ -1,0 +1,120 @@
+"""Every vLLM internal this package (and its scheduler harness) relies on exists, with
+the signature relied on. A failure here names exactly what moved in a vLLM upgrade."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from vllm_hisparse.vllm import compat
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def test_vllm_version_is_the_pinned_series():
+    import vllm
+
+    assert vllm.__version__.startswith("0.33."), vllm.__version__
+
+
+def test_connector_factory():
+    factory = compat.KVConnectorFactory
+    assert isinstance(factory._registry, dict)
+    assert params(factory.register_connector) == ["name", "module_path", "class_name"]
+    assert params(factory.get_connector_class_by_name) == ["connector_name"]
+    assert params(factory.get_connector_class) == ["kv_transfer_config"]
+    assert params(factory.supports_hma_config) == ["kv_transfer_config"]
+
+
+def test_connector_base_api():
+    base = compat.KVConnectorBase_V1
+    assert params(base.__init__) == ["self", "vllm_config", "role", "kv_cache_config"]
+    assert sorted(base.__abstractmethods__) == [
+        "build_connector_meta", "get_num_new_matched_tokens", "save_kv_layer",
+        "start_load_kv", "update_state_after_alloc", "wait_for_layer_load", "wait_for_save",
+    ]
+    assert params(base.get_required_kvcache_layout) == ["vllm_config"]
+    assert params(compat.SupportsHMA.request_finished_all_groups) == ["self", "request", "block_ids"]
+    assert {r.name for r in compat.KVConnectorRole} == {"SCHEDULER", "WORKER"}
+    for name in ("reset", "aggregate", "reduce", "is_empty"):
+        assert callable(getattr(compat.KVConnectorStats, name))
+    assert "data" in {f.name for f in dataclasses.fields(compat.KVConnectorStats)}
+
+
+def test_planner_hook_target():
+    from vllm.platforms.interface import Platform
+
+    descriptor = Platform.__dict__["get_kv_cache_config_builder_cls"]
+    assert isinstance(descriptor, classmethod)
+    assert params(descriptor.__func__) == ["cls", "vllm_config"]
+    # The unwrapped function answers the default builder for every in-tree platform.
+    original = getattr(descriptor.__func__, "__vllm_hisparse_original__", descriptor.__func__)
+    assert original(Platform, None) == compat.DEFAULT_BUILDER_QUALNAME
+    builder = compat.DefaultKVCacheConfigBuilder
+    assert issubclass(builder, compat.KVCacheConfigBuilder)
+    assert params(builder.get_kv_cache_groups) == ["self", "vllm_config", "kv_cache_spec"]
+    assert params(builder.get_kv_cache_config_from_groups) == [
+        "self", "vllm_config", "kv_cache_groups", "num_blocks"]
+    assert params(compat.get_kv_cache_groups) == ["vllm_config", "kv_cache_spec"]
+    from vllm.v1.core import kv_cache_config_builder
+
+    assert params(kv_cache_config_builder.get_kv_cache_config_builder) == ["vllm_config"]
+
+
+def test_kv_cache_interface_fields():
+    mla = {f.name for f in dataclasses.fields(compat.MLAAttentionSpec)}
+    assert {"cache_role", "is_index_group_leader", "model_version", "block_size",
+            "is_draft", "block_stride_alignment"} <= mla
+    assert {r.name for r in compat.SparseCacheRole} == {"SPARSE", "INDEXER"}
+    assert issubclass(compat.HiddenStateCacheSpec, compat.MLAAttentionSpec)
+    assert callable(compat.UniformTypeKVCacheSpecs.from_specs)
+    assert {"layer_names", "kv_cache_spec", "role", "host_resident"} <= {
+        f.name for f in dataclasses.fields(compat.KVCacheGroupSpec)}
+    assert {"num_blocks", "kv_cache_tensors", "kv_cache_groups"} <= {
+        f.name for f in dataclasses.fields(compat.KVCacheConfig)}
+    assert compat.KVCacheLayout.BLHNC.is_block_outermost
+    assert not compat.KVCacheLayout.LBHNC.is_block_outermost
+    assert hasattr(compat.MLAAttentionSpec, "get_block_stride_alignment")
+
+
+def test_config_fields_read(dsa_model_dir):
+    from tests.vllm.vllm_configs import make_vllm_config
+
+    from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
+
+    assert {"pipeline_parallel_size", "decode_context_parallel_size",
+            "tensor_parallel_size"} <= set(ParallelConfig.__dataclass_fields__)
+    assert {"disable_hybrid_kv_cache_manager", "max_num_batched_tokens",
+            "async_scheduling"} <= set(SchedulerConfig.__dataclass_fields__)
+    assert {"block_size", "kv_cache_layout"} <= set(CacheConfig.__dataclass_fields__)
+    assert "num_speculative_tokens" in SpeculativeConfig.__dataclass_fields__
+    # original_max_model_len is set in ModelConfig.__post_init__ (config/model.py:823).
+    model_config = make_vllm_config(dsa_model_dir).model_config
+    assert isinstance(model_config, ModelConfig)
+    for name in ("hf_text_config", "max_model_len", "original_max_model_len",
+                 "supports_kv_cache_grouping"):
+        assert hasattr(model_config, name), name
+    assert compat.CUDAGraphMode.FULL.name == "FULL"
+    assert params(CacheConfig.get_resolved_kv_cache_layout) == ["self"]
+
+
+def test_scheduler_classes():
+    scheduler, async_scheduler = compat.scheduler_classes()
+    assert issubclass(async_scheduler, scheduler)
+    assert params(scheduler.__init__)[:5] == [
+        "self", "vllm_config", "kv_cache_config", "structured_output_manager", "block_size"]
+    assert params(scheduler.schedule)[0] == "self"
+    assert all(p.default is not inspect.Parameter.empty
+               for p in list(inspect.signature(scheduler.schedule).parameters.values())[1:])
+    assert params(scheduler.update_from_output) == ["self", "scheduler_output", "model_runner_output"]
+    assert params(scheduler.add_request) == ["self", "request"]
+
+
+@pytest.mark.parametrize("name", compat.__all__)
+def test_every_exported_name_resolves(name):
+    assert getattr(compat, name) is not None

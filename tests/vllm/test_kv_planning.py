@@ -1,0 +1,226 @@
+"""The planning split, run through vLLM 0.33's real planner entry points.
+
+``get_global_kv_cache_groups`` and ``get_kv_cache_configs`` are what the engine core
+calls; they resolve the builder through the platform, i.e. through our hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from vllm.v1.core.kv_cache_planning import (
+    DefaultKVCacheConfigBuilder,
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.kv_cache_interface import SparseCacheRole, UniformTypeKVCacheSpecs
+
+from tests.vllm.dsa_specs import (
+    deepseek_v32_specs,
+    dsa_layer_specs,
+    glm_index_share_specs,
+    indexer_name,
+    indexer_spec,
+    mla_name,
+    sparse_mla_spec,
+)
+from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import HiSparseConfigError
+from vllm_hisparse.vllm.kv_planning import (
+    HiSparseKVCacheConfigBuilder,
+    capacity_report,
+    choose_split,
+    classify_layers,
+    engine_capacity_report,
+    format_capacity_table,
+    index_units,
+    sparse_group_ids,
+    split_kv_cache_groups,
+)
+
+MLA_PAGE = 64 * 656  # 41,984 B
+INDEXER_PAGE = 64 * 132  # 8,448 B
+
+
+@pytest.fixture(scope="module")
+def configured(dsa_model_dir):
+    return make_vllm_config(
+        dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 64}), max_model_len=8192
+    )
+
+
+@pytest.fixture(scope="module")
+def unconfigured(dsa_model_dir):
+    return make_vllm_config(dsa_model_dir, max_model_len=8192)
+
+
+def plan(vllm_config, specs, num_blocks=4000):
+    """Group and place exactly as the engine core does."""
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    bytes_per_block = max(
+        sum(s.page_size_bytes for s in g.kv_cache_spec.kv_cache_specs.values()) for g in groups
+    )
+    (config,) = get_kv_cache_configs(
+        vllm_config, [specs], [num_blocks * bytes_per_block], groups
+    )
+    return config
+
+
+def group_layers(config):
+    return [g.layer_names for g in config.kv_cache_groups]
+
+
+def assert_equal_bytes_per_block(config, bytes_per_block):
+    tensors = config.kv_cache_tensors
+    assert {t.size for t in tensors} == {bytes_per_block * config.num_blocks}
+    assert {t.block_stride for t in tensors} == {bytes_per_block}
+    for group in config.kv_cache_groups:
+        assert group.kv_cache_spec.page_size_bytes <= bytes_per_block
+
+
+def test_default_planner_merges_mla_and_indexer(unconfigured):
+    """The measured fact behind the split: one group, one block id for both."""
+    assert isinstance(compat.resolve_kv_cache_config_builder(unconfigured), DefaultKVCacheConfigBuilder)
+    assert type(compat.resolve_kv_cache_config_builder(unconfigured)) is DefaultKVCacheConfigBuilder
+    config = plan(unconfigured, deepseek_v32_specs())
+    assert len(config.kv_cache_groups) == 1
+    roles = {s.cache_role for s in config.kv_cache_groups[0].kv_cache_spec.kv_cache_specs.values()}
+    assert roles == {SparseCacheRole.SPARSE, SparseCacheRole.INDEXER}
+
+
+def test_deepseek_v32_split(configured):
+    assert isinstance(compat.resolve_kv_cache_config_builder(configured), HiSparseKVCacheConfigBuilder)
+    specs = deepseek_v32_specs()
+    config = plan(configured, specs)
+    layers = group_layers(config)
+    # 5 sparse-MLA groups (13/13/13/13/9 layers) + 1 indexer group of all 61.
+    assert [len(names) for names in layers] == [13, 13, 13, 13, 9, 61]
+    assert layers[0][:2] == [mla_name(0), mla_name(1)] and layers[4][-1] == mla_name(60)
+    assert layers[5] == [indexer_name(i) for i in range(61)]
+    assert sorted(n for names in layers for n in names) == sorted(specs)
+    assert sparse_group_ids(config) == (0, 1, 2, 3, 4)
+    # Equal bytes per block: the widest group (13 x 41,984 B) sets it.
+    assert_equal_bytes_per_block(config, 13 * MLA_PAGE)
+    assert 13 * MLA_PAGE == 545_792
+    assert config.kv_cache_groups[5].kv_cache_spec.page_size_bytes == 61 * INDEXER_PAGE == 515_328
+
+
+def test_glm_index_share_split(configured):
+    specs = glm_index_share_specs()
+    classes = classify_layers(specs)
+    units = index_units(classes.sparse)
+    assert len(units) == 26 and all(len(unit) == 3 for unit in units)
+    config = plan(configured, specs)
+    layers = group_layers(config)
+    # 7 sparse groups of 4,4,4,4,4,4,2 units (12 or 6 layers) + 1 indexer group.
+    assert [len(names) for names in layers] == [12] * 6 + [6, 26]
+    group_of = {name: i for i, names in enumerate(layers) for name in names}
+    for leader in range(0, 78, 3):  # followers live in their leader's group
+        assert group_of[mla_name(leader)] == group_of[mla_name(leader + 1)] == group_of[mla_name(leader + 2)]
+    first = config.kv_cache_groups[0].kv_cache_spec
+    assert isinstance(first, UniformTypeKVCacheSpecs)
+    leader_flags = [s.is_index_group_leader for s in first.kv_cache_specs.values()]
+    assert leader_flags == [True, False, False] * 4
+    assert_equal_bytes_per_block(config, 12 * MLA_PAGE)
+
+
+def test_other_layers_keep_vllm_grouping(configured):
+    specs = dsa_layer_specs(4)
+    # An MTP layer reports its spec with is_draft=True.
+    specs["model.layers.4.self_attn.attn"] = replace(sparse_mla_spec(), is_draft=True)
+    split = split_kv_cache_groups(configured, specs)
+    # Four 41,984 B sparse pages + 33,792 B of indexer: 4 + 1 groups at 41,984 B.
+    assert split.sparse_group_ids == (0, 1, 2, 3) and split.indexer_group_ids == (4,)
+    assert split.choice.bytes_per_block == MLA_PAGE
+    assert split.groups[5].layer_names == ["model.layers.4.self_attn.attn"]
+
+
+def test_choose_split_minimises_bytes_per_token_page():
+    # Two 10-byte units, one 10-byte indexer layer: 2 sparse groups + 1 indexer at 10 B
+    # (30 B/page) beats 1 + 1 at 20 B (40 B/page).
+    choice = choose_split([10, 10], [10])
+    assert (choice.sparse_parts, choice.indexer_parts, choice.bytes_per_block) == ([[0], [1]], [[0]], 10)
+    # The group budget wins over density.
+    tight = choose_split([10, 10], [10], max_groups=2)
+    assert (tight.sparse_parts, tight.bytes_per_block) == ([[0, 1]], 20)
+    # Alignment rounds the block up.
+    assert choose_split([10], [3], alignment=16).bytes_per_block == 16
+    with pytest.raises(ValueError, match="max_groups must be >= 2"):
+        choose_split([1], [1], max_groups=1)
+
+
+def test_follower_without_leader_is_an_error():
+    specs = dsa_layer_specs(3, leaders={1})
+    with pytest.raises(HiSparseConfigError, match="no index leader precedes it"):
+        index_units(classify_layers(specs).sparse)
+
+
+def test_model_without_indexer_is_an_error():
+    with pytest.raises(HiSparseConfigError, match="found 2 sparse-MLA and 0 indexer"):
+        classify_layers({mla_name(0): sparse_mla_spec(), mla_name(1): sparse_mla_spec()})
+
+
+def test_mixed_block_sizes_are_an_error(configured):
+    specs = {mla_name(0): sparse_mla_spec(64), indexer_name(0): indexer_spec(128)}
+    with pytest.raises(HiSparseConfigError, match=r"block sizes \[64, 128\]"):
+        split_kv_cache_groups(configured, specs)
+
+
+def test_layer_outermost_layout_is_an_error(dsa_model_dir):
+    vllm_config = make_vllm_config(
+        dsa_model_dir, kv_transfer=kv_transfer_config(), kv_cache_layout="LBHNC"
+    )
+    with pytest.raises(HiSparseConfigError, match="LBHNC.*accepted: BLHNC"):
+        HiSparseKVCacheConfigBuilder().get_kv_cache_groups(vllm_config, dsa_layer_specs(2))
+
+
+def test_host_pool_checked_at_planning(dsa_model_dir):
+    vllm_config = make_vllm_config(
+        dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}), max_model_len=32768
+    )
+    with pytest.raises(HiSparseConfigError, match="fewer than one max_model_len=32768 request"):
+        get_global_kv_cache_groups(vllm_config, [deepseek_v32_specs()])
+
+
+def test_unsplit_config_is_detected(unconfigured):
+    with pytest.raises(HiSparseConfigError, match="planner hook did not run"):
+        sparse_group_ids(plan(unconfigured, deepseek_v32_specs()))
+
+
+# ---------------------------------------------------------------- startup table
+
+
+def test_capacity_report_arithmetic():
+    report = capacity_report(
+        device_blocks=10_001, bytes_per_block=545_792, num_sparse_groups=5,
+        num_indexer_groups=1, host_blocks=2_000, host_block_bytes=2_561_024,
+        host_copies=2, max_model_len=64 * 100, block_size=64,
+        admission_window_tokens=64 * 8, hot_blocks_per_request=64,
+    )
+    # 100 pages per request. No residency: 6 groups x 100 = 600 blocks per request.
+    assert report.max_concurrency_without_residency == 10_000 // 600 == 16
+    # Admission: indexer 100 + 5 x min(8 + 64, 100) = 460 blocks; host 2000 // 100 = 20.
+    assert report.max_concurrency_at_admission == min(10_000 // 460, 20) == 20
+    # Steady: 100 + 5 x (64 + 2) = 430 blocks -> 23, capped by the host pool at 20.
+    assert report.max_concurrency_steady == 20
+    assert report.logical_host_gib == pytest.approx(2_000 * 2_561_024 / 2**30)
+    assert report.physical_host_gib == pytest.approx(2 * report.logical_host_gib)
+    table = format_capacity_table(report)
+    for fragment in ("device blocks", "10,001", "545,792 B", "5 sparse-MLA + 1 indexer",
+                     "2,000 x 2,561,024 B", "4.77 GiB", "9.54 GiB (2 pinned copies)",
+                     "no residency", "admission", "steady state"):
+        assert fragment in table
+
+
+def test_engine_capacity_report(configured):
+    config = plan(configured, deepseek_v32_specs(), num_blocks=20_000)
+    report = engine_capacity_report(configured, config)
+    assert (report.device_blocks, report.bytes_per_block) == (20_000, 545_792)
+    assert (report.num_sparse_groups, report.num_indexer_groups) == (5, 1)
+    assert report.host_block_bytes == 61 * MLA_PAGE == 2_561_024
+    assert report.host_blocks == (64 << 30) // 2_561_024
+    # 128 pages per 8192-token request; 6 groups -> 768 blocks without residency.
+    assert report.max_concurrency_without_residency == 19_999 // 768
+    assert report.max_concurrency_steady > report.max_concurrency_without_residency

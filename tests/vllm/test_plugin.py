@@ -1,0 +1,99 @@
+"""The ``vllm.general_plugins`` entry point: registration, the planner hook, inertness."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import tomllib
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
+from vllm.platforms.interface import Platform
+
+from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import HiSparseConfigError
+from vllm_hisparse.vllm.kv_planning import BUILDER_QUALNAME, select_builder
+from vllm_hisparse.vllm.plugin import register
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_entry_point_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    plugins = project["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"hisparse_residency": "vllm_hisparse.vllm.plugin:register"}
+
+
+def test_register_is_idempotent_and_resolves_the_name():
+    register()
+    register()  # a second process-level call must not raise "already registered"
+    cls = KVConnectorFactory.get_connector_class_by_name("HiSparseResidencyConnector")
+    from vllm_hisparse.connector import HiSparseResidencyConnector
+
+    assert cls is HiSparseResidencyConnector
+    assert supports_hma(cls)
+    assert cls.get_required_kvcache_layout(None) == "BLHNC"
+    assert compat.planner_hook_installed()
+
+
+def test_nothing_is_named_like_the_in_tree_switch():
+    """The literal name HiSparseConnector turns on vLLM's in-tree HiSparse."""
+    package = ROOT / "vllm_hisparse"
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.Name)):
+                assert getattr(node, "name", getattr(node, "id", None)) != "HiSparseConnector", path
+            if isinstance(node, ast.Constant):
+                assert node.value != "HiSparseConnector", path
+    assert "HiSparseConnector" in KVConnectorFactory._registry  # vLLM's own, untouched
+
+
+def test_vllm_config_accepts_the_connector(dsa_model_dir):
+    """VllmConfig resolves the class by name while validating (HMA support check)."""
+    for multi in (False, True):
+        vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(under_multi=multi))
+        assert KVConnectorFactory.supports_hma_config(vllm_config.kv_transfer_config) or multi
+
+
+def test_planner_hook_is_inert_unless_configured(dsa_model_dir):
+    plain = make_vllm_config(dsa_model_dir)
+    other = make_vllm_config(dsa_model_dir)
+    other.kv_transfer_config = None
+    ours = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    assert select_builder(plain) is None and select_builder(other) is None
+    assert Platform.get_kv_cache_config_builder_cls(plain) == compat.DEFAULT_BUILDER_QUALNAME
+    assert Platform.get_kv_cache_config_builder_cls(ours) == BUILDER_QUALNAME
+
+
+def test_planner_hook_refuses_to_replace_a_vendor_builder(dsa_model_dir, monkeypatch):
+    ours = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    assert compat.remove_planner_hook()
+    try:
+        monkeypatch.setattr(
+            Platform, "get_kv_cache_config_builder_cls", classmethod(lambda cls, cfg: "vendor.Builder")
+        )
+        assert compat.install_planner_hook(select_builder)
+        assert not compat.install_planner_hook(select_builder)  # idempotent
+        with pytest.raises(ValueError, match="selects the KV cache config builder 'vendor.Builder'"):
+            Platform.get_kv_cache_config_builder_cls(ours)
+    finally:
+        compat.remove_planner_hook()
+        monkeypatch.undo()
+        assert compat.install_planner_hook(select_builder)
+    assert Platform.get_kv_cache_config_builder_cls(ours) == BUILDER_QUALNAME
+
+
+def test_connector_construction_is_honest(dsa_model_dir):
+    """Config errors first; then a clear 'not implemented' instead of a silent no-op."""
+    from vllm_hisparse.connector import HiSparseResidencyConnector
+
+    bad = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 0}))
+    with pytest.raises(HiSparseConfigError, match="host_pool_gib=0"):
+        HiSparseResidencyConnector(bad, KVConnectorRole.SCHEDULER, None)
+    good = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    for role, side in ((KVConnectorRole.SCHEDULER, "scheduler"), (KVConnectorRole.WORKER, "worker")):
+        with pytest.raises(NotImplementedError, match=f"the {side} role is not implemented yet"):
+            HiSparseResidencyConnector(good, role, None)

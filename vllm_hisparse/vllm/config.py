@@ -1,0 +1,401 @@
+"""Parse and validate the connector's ``kv_connector_extra_config`` against the engine.
+
+Every problem is reported at startup as a ``HiSparseConfigError`` (a ``ValueError``)
+whose message names the offending key or option and what is accepted. Nothing here
+changes vLLM state; ``resolve_config`` is called by the planner and by both connector
+roles, so each process fails with the same message.
+
+Extra-config keys (all per data-parallel replica):
+
+=====================  ========================================================  =====================
+key                    meaning                                                   default
+=====================  ========================================================  =====================
+``host_pool_gib``      pinned host memory for the sparse-MLA KV copy, GiB         required
+``device_buffer_size`` hot rows per request (a multiple of ``block_size``)        ``(q + 1) * top_k``
+``eager_host_mirror``  mirror new KV rows to the host pool as they are written    ``true``
+``ops_backend``        ``auto`` | ``cuda`` | ``reference`` (pure-torch twins)    ``auto``
+``record_trace``       file to record per-step top-k selections into              none
+=====================  ========================================================  =====================
+
+``q`` is the decode query length: 1 plus the number of speculative tokens.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
+
+#: The ``kv_connector`` name of this package's connector. Deliberately NOT
+#: ``HiSparseConnector``: that literal name switches on vLLM's in-tree HiSparse.
+CONNECTOR_NAME = "HiSparseResidencyConnector"
+
+#: Module the factory imports the connector class from.
+CONNECTOR_MODULE = "vllm_hisparse.connector"
+
+#: Upper bound on hot rows per request: the resolver keeps a request's slot state
+#: (int32 position + int16 LRU rank per slot) in on-chip shared memory.
+MAX_DEVICE_BUFFER_ROWS = 32768
+
+OPS_BACKENDS = ("auto", "cuda", "reference")
+
+ACCEPTED_KEYS = (
+    "host_pool_gib",
+    "device_buffer_size",
+    "eager_host_mirror",
+    "ops_backend",
+    "record_trace",
+)
+
+_GIB = 1 << 30
+
+
+class HiSparseConfigError(ValueError):
+    """The engine or connector configuration cannot run HiSparseResidencyConnector."""
+
+
+@dataclass(frozen=True)
+class HiSparseResidencyConfig:
+    """The validated connector configuration, with the engine facts it depends on."""
+
+    host_pool_gib: float
+    """Pinned host budget per data-parallel replica, GiB."""
+    device_buffer_size: int
+    """Hot rows per request (``B`` in DESIGN.md), a multiple of ``block_size``."""
+    eager_host_mirror: bool
+    ops_backend: str
+    record_trace: str | None
+    top_k: int
+    """Positions the model's indexer selects per query token (``index_topk``)."""
+    block_size: int
+    """Tokens per KV page (vLLM block)."""
+    max_decode_query_len: int
+    """Query tokens of one request in a decode step: 1 + speculative tokens."""
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return int(self.host_pool_gib * _GIB)
+
+    @property
+    def hot_blocks_per_request(self) -> int:
+        """Device blocks one request's hot region leases in each sparse-MLA group."""
+        return self.device_buffer_size // self.block_size
+
+
+# --------------------------------------------------------------------------------------
+# Finding our entry in kv_transfer_config
+# --------------------------------------------------------------------------------------
+
+
+def _connector_entries(kv_connector: str | None, extra: Mapping[str, Any]) -> list[dict]:
+    """Extra configs of every ``CONNECTOR_NAME`` entry, descending into MultiConnector."""
+    if kv_connector == CONNECTOR_NAME:
+        return [dict(extra)]
+    if kv_connector != "MultiConnector":
+        return []
+    found: list[dict] = []
+    for child in extra.get("connectors", []) or []:
+        found += _connector_entries(
+            child.get("kv_connector"), child.get("kv_connector_extra_config", {}) or {}
+        )
+    return found
+
+
+def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
+    """Our ``kv_connector_extra_config`` (top level or a MultiConnector child), or None.
+
+    Raises if the connector is configured more than once: one engine has one KV
+    residency policy.
+    """
+    kv_transfer_config = vllm_config.kv_transfer_config
+    if kv_transfer_config is None:
+        return None
+    entries = _connector_entries(
+        kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_extra_config
+    )
+    if len(entries) > 1:
+        raise HiSparseConfigError(
+            f"kv_transfer_config lists {CONNECTOR_NAME} {len(entries)} times; "
+            "accepted: exactly one entry (top level or one MultiConnector child)."
+        )
+    return entries[0] if entries else None
+
+
+def is_connector_configured(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's kv_transfer_config names ``HiSparseResidencyConnector``."""
+    return find_connector_extra_config(vllm_config) is not None
+
+
+# --------------------------------------------------------------------------------------
+# Extra-config parsing (pure)
+# --------------------------------------------------------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass; `"host_pool_gib": true` is a typo, not 1 GiB.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _reject_unknown_keys(extra: Mapping[str, Any]) -> None:
+    for key in extra:
+        if key in ACCEPTED_KEYS:
+            continue
+        hint = difflib.get_close_matches(str(key), ACCEPTED_KEYS, n=1)
+        did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: unknown kv_connector_extra_config key {key!r}"
+            f"{did_you_mean}; accepted keys: {', '.join(ACCEPTED_KEYS)}."
+        )
+
+
+def _parse_host_pool_gib(extra: Mapping[str, Any]) -> float:
+    if "host_pool_gib" not in extra:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: kv_connector_extra_config key 'host_pool_gib' is "
+            "required; accepted: a number > 0 (GiB of pinned host memory per "
+            "data-parallel replica)."
+        )
+    value = extra["host_pool_gib"]
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: host_pool_gib={value!r} is invalid; accepted: a "
+            "finite number > 0 (GiB of pinned host memory per data-parallel replica)."
+        )
+    return float(value)
+
+
+def default_device_buffer_size(top_k: int, block_size: int, max_decode_query_len: int) -> int:
+    """``(max_decode_query_len + 1) * top_k`` rounded up to whole blocks.
+
+    One step's selections need at most ``max_decode_query_len * top_k`` distinct rows;
+    one extra ``top_k`` leaves room for rows reused from the previous step, which is
+    what makes the LRU pay off. If that exceeds ``MAX_DEVICE_BUFFER_ROWS``, the largest
+    block multiple under the cap is used, as long as one step still fits.
+    """
+    rows = _round_up((max_decode_query_len + 1) * top_k, block_size)
+    if rows <= MAX_DEVICE_BUFFER_ROWS:
+        return rows
+    return MAX_DEVICE_BUFFER_ROWS // block_size * block_size
+
+
+def _parse_device_buffer_size(
+    extra: Mapping[str, Any], top_k: int, block_size: int, max_decode_query_len: int
+) -> int:
+    min_rows = max_decode_query_len * top_k
+    explicit = "device_buffer_size" in extra
+    value = (
+        extra["device_buffer_size"]
+        if explicit
+        else default_device_buffer_size(top_k, block_size, max_decode_query_len)
+    )
+    source = "device_buffer_size" if explicit else "the default device_buffer_size"
+    accepted = (
+        f"accepted: a multiple of block_size={block_size} between "
+        f"max_decode_query_len*top_k={max_decode_query_len}*{top_k}={min_rows} "
+        f"and {MAX_DEVICE_BUFFER_ROWS}"
+    )
+    if not _is_int(value) or value <= 0 or value % block_size:
+        raise HiSparseConfigError(f"{CONNECTOR_NAME}: {source}={value!r} is invalid; {accepted}.")
+    if value > MAX_DEVICE_BUFFER_ROWS or value < min_rows:
+        why = (
+            "one decode step can select more distinct rows than the hot region holds"
+            if value < min_rows
+            else "the resolver keeps a request's hot-slot state in shared memory"
+        )
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: {source}={value} is out of range ({why}); {accepted}."
+        )
+    return value
+
+
+def _parse_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: {key}={value!r} is invalid; accepted: true or false."
+        )
+    return value
+
+
+def _parse_ops_backend(extra: Mapping[str, Any]) -> str:
+    value = extra.get("ops_backend", "auto")
+    if value not in OPS_BACKENDS:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: ops_backend={value!r} is invalid; accepted: "
+            f"{' | '.join(OPS_BACKENDS)}."
+        )
+    return value
+
+
+def _parse_record_trace(extra: Mapping[str, Any]) -> str | None:
+    value = extra.get("record_trace")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace={value!r} is invalid; accepted: a file "
+            "path (string) or null."
+        )
+    parent = os.path.dirname(os.path.abspath(value))
+    if not os.path.isdir(parent):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace={value!r}: directory {parent!r} does not "
+            "exist; accepted: a file path in an existing directory."
+        )
+    return value
+
+
+def parse_extra_config(
+    extra: Mapping[str, Any], *, top_k: int, block_size: int, max_decode_query_len: int
+) -> HiSparseResidencyConfig:
+    """Validate ``kv_connector_extra_config`` given the engine facts it depends on."""
+    if not isinstance(extra, Mapping):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: kv_connector_extra_config must be a JSON object; "
+            f"got {type(extra).__name__}."
+        )
+    _reject_unknown_keys(extra)
+    return HiSparseResidencyConfig(
+        host_pool_gib=_parse_host_pool_gib(extra),
+        device_buffer_size=_parse_device_buffer_size(
+            extra, top_k, block_size, max_decode_query_len
+        ),
+        eager_host_mirror=_parse_bool(extra, "eager_host_mirror", True),
+        ops_backend=_parse_ops_backend(extra),
+        record_trace=_parse_record_trace(extra),
+        top_k=top_k,
+        block_size=block_size,
+        max_decode_query_len=max_decode_query_len,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Engine compatibility
+# --------------------------------------------------------------------------------------
+
+
+def _unsupported(option: str, value: Any, accepted: str) -> HiSparseConfigError:
+    return HiSparseConfigError(
+        f"{CONNECTOR_NAME} does not support {option}={value}; accepted: {accepted}."
+    )
+
+
+def model_top_k(vllm_config: VllmConfig) -> int:
+    """The model's ``index_topk`` (positions the DSA indexer selects per token)."""
+    model_config = vllm_config.model_config
+    if model_config is None:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME} needs a model config; accepted: a DSA model whose HF "
+            "config has index_topk (DeepSeek-V3.2, GLM-5.x)."
+        )
+    top_k = getattr(model_config.hf_text_config, "index_topk", None)
+    if not _is_int(top_k) or top_k <= 0:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME} does not support model {model_config.model!r}: its HF "
+            f"config has index_topk={top_k!r}; accepted: a DSA (top-k sparse "
+            "attention) model whose HF config sets index_topk > 0."
+        )
+    return top_k
+
+
+def max_decode_query_len(vllm_config: VllmConfig) -> int:
+    """Tokens one request feeds in a decode step: 1 + speculative tokens."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return 1
+    return 1 + (spec.num_speculative_tokens or 0)
+
+
+def check_engine_compatible(vllm_config: VllmConfig) -> None:
+    """Reject engine options this connector cannot run under (names the option)."""
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise _unsupported(
+            "pipeline_parallel_size", parallel.pipeline_parallel_size, "1"
+        )
+    if parallel.decode_context_parallel_size > 1:
+        raise _unsupported(
+            "decode_context_parallel_size", parallel.decode_context_parallel_size, "1"
+        )
+    # FULL graphs also capture mixed prefill batches, whose host-backed context is
+    # staged by work that cannot be captured; FULL_AND_PIECEWISE keeps full graphs
+    # for pure decode batches only.
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode == CUDAGraphMode.FULL:
+        raise _unsupported(
+            "cudagraph_mode",
+            "FULL",
+            "FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE or NONE",
+        )
+    # Residency keeps sparse-MLA and indexer KV in separate KV cache groups, which
+    # needs the hybrid (multi-group) KV cache manager.
+    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        raise _unsupported(
+            "disable_hybrid_kv_cache_manager",
+            True,
+            "the hybrid KV cache manager enabled (remove "
+            "--disable-hybrid-kv-cache-manager)",
+        )
+    model_top_k(vllm_config)
+
+
+def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
+    """Validate the engine and our extra config; the one entry point for callers."""
+    extra = find_connector_extra_config(vllm_config)
+    if extra is None:
+        raise HiSparseConfigError(
+            f"kv_transfer_config does not name {CONNECTOR_NAME}; accepted: "
+            f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
+        )
+    check_engine_compatible(vllm_config)
+    return parse_extra_config(
+        extra,
+        top_k=model_top_k(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        max_decode_query_len=max_decode_query_len(vllm_config),
+    )
+
+
+def check_host_pool_holds_one_request(
+    config: HiSparseResidencyConfig,
+    *,
+    host_block_bytes: int,
+    host_copies: int,
+    max_model_len: int,
+) -> int:
+    """Host blocks the budget buys; raise unless one ``max_model_len`` request fits.
+
+    ``host_block_bytes`` is one page of every sparse-MLA layer; ``host_copies`` is how
+    many ranks of the replica pin their own copy (see ``kv_planning``).
+    """
+    if host_block_bytes <= 0 or host_copies <= 0:
+        raise ValueError("host_block_bytes and host_copies must be positive")
+    host_blocks = config.host_pool_bytes // (host_block_bytes * host_copies)
+    needed_blocks = _cdiv(max_model_len, config.block_size)
+    if host_blocks < needed_blocks:
+        needed_gib = needed_blocks * host_block_bytes * host_copies / _GIB
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: host_pool_gib={config.host_pool_gib:g} buys "
+            f"{host_blocks} host blocks, fewer than one max_model_len={max_model_len} "
+            f"request needs ({needed_blocks} blocks of {host_block_bytes} B x "
+            f"{host_copies} cop{'y' if host_copies == 1 else 'ies'}); accepted: "
+            f"host_pool_gib >= {needed_gib:.3f} or a smaller max_model_len."
+        )
+    return host_blocks
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b

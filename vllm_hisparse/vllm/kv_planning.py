@@ -1,0 +1,581 @@
+"""KV-cache planning when HiSparseResidencyConnector is configured: the group split.
+
+vLLM 0.33's default planner puts a DSA model's sparse-MLA layers and its indexer
+layers into ONE KV cache group, so one block id holds a page of every MLA layer AND
+every indexer layer. Residency releases sparse-MLA pages while the indexer keeps
+scoring every position, so the two must be in different groups: a released MLA block
+must not take indexer KV with it.
+
+The split (``split_kv_cache_groups``):
+
+* **sparse-MLA groups**: the target model's ``MLAAttentionSpec(cache_role=SPARSE)``
+  layers, cut into *index units* (an index leader, ``is_index_group_leader``, plus the
+  IndexShare followers after it, which reuse its top-k). A unit is never split across
+  groups: the hot region and the resolved rows of one index unit live in one group's
+  blocks.
+* **indexer groups**: the ``cache_role=INDEXER`` layers. They stay fully resident.
+* **other groups**: anything else (draft/MTP layers, non-DSA layers) keeps vLLM's own
+  grouping and residency.
+
+vLLM's pool gives every group the same block (``bytes_per_block`` = the largest
+group's summed page bytes, block-outermost layout), so a group whose pages sum to less
+wastes the rest. Each request holds one block per group per page, so device bytes per
+page of tokens = ``num_groups * bytes_per_block``. We pick the split (contiguous
+packing of units and of indexer layers) that minimises that product, with at most
+``MAX_SPLIT_GROUPS`` groups to bound per-group scheduler work. For DeepSeek-V3.2
+(61 x 41,984 B MLA pages, 61 x 8,448 B indexer pages, block 64) that is 5 MLA groups
+(13/13/13/13/9 layers) + 1 indexer group at 545,792 B per block: 3,274,752 B per page
+of tokens against 3,076,352 B of payload (94 % dense). See docs/vllm-integration.md.
+
+Layout: groups with different page sizes can only share a pool in a block-outermost
+layout (``BLHNC``), which is also what the sparse-MLA and indexer backends read; the
+connector requires it and the builder checks it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.compat import (
+    DefaultKVCacheConfigBuilder,
+    HiddenStateCacheSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+    VllmConfig,
+)
+from vllm_hisparse.vllm.config import (
+    CONNECTOR_NAME,
+    HiSparseConfigError,
+    check_host_pool_holds_one_request,
+    is_connector_configured,
+    resolve_config,
+)
+
+#: Most KV cache groups the split may create for the sparse-MLA + indexer layers.
+#: Each group is one more block table and one more manager call per request per step.
+MAX_SPLIT_GROUPS = 8
+
+#: Qualified name the planner hook hands to vLLM.
+BUILDER_QUALNAME = "vllm_hisparse.vllm.kv_planning.HiSparseKVCacheConfigBuilder"
+
+#: Pages at the tail of a running request that are never released (DESIGN.md §5).
+ACTIVE_TAIL_PAGES = 2
+
+_GIB = 1 << 30
+
+
+# --------------------------------------------------------------------------------------
+# Layer classification
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerClasses:
+    """The layers of one model, by the residency treatment they get."""
+
+    sparse: dict[str, MLAAttentionSpec]
+    """Target-model sparse-MLA layers, in layer order: host-backed, releasable."""
+    indexer: dict[str, MLAAttentionSpec]
+    """Indexer K-cache layers, in layer order: always resident."""
+    other: dict[str, KVCacheSpec]
+    """Everything else: vLLM's grouping, always resident."""
+
+
+def _layer_order_key(indexed_name: tuple[int, str]) -> tuple[int, int]:
+    position, name = indexed_name
+    # "model.layers.12.self_attn.attn" -> 12; names without a number keep dict order.
+    match = re.search(r"\.(\d+)(?:\.|$)", name)
+    return (int(match.group(1)) if match else -1, position)
+
+
+def _in_layer_order(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    ordered = sorted(enumerate(specs), key=_layer_order_key)
+    return {name: specs[name] for _, name in ordered}
+
+
+def classify_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> LayerClasses:
+    """Split a model's per-layer specs into sparse-MLA, indexer and other layers."""
+    sparse: dict[str, MLAAttentionSpec] = {}
+    indexer: dict[str, MLAAttentionSpec] = {}
+    other: dict[str, KVCacheSpec] = {}
+    for name, spec in kv_cache_spec.items():
+        is_plain_mla = isinstance(spec, MLAAttentionSpec) and not isinstance(
+            spec, (HiddenStateCacheSpec, SlidingWindowMLASpec)
+        )
+        if not is_plain_mla or spec.is_draft:
+            # Draft (MTP) layers are small and rewritten by every draft pass; they
+            # stay resident under vLLM's own grouping.
+            other[name] = spec
+        elif spec.model_version == "deepseek_v4":
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME} does not support DeepSeek-V4 layers (layer {name}); "
+                "accepted: DeepSeek-V3.2 / GLM-5.x style DSA layers."
+            )
+        elif spec.cache_role is SparseCacheRole.INDEXER:
+            indexer[name] = spec
+        else:
+            sparse[name] = spec
+    if not sparse or not indexer:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME} found {len(sparse)} sparse-MLA and {len(indexer)} "
+            "indexer KV layers; accepted: a DSA model with both (HF config index_topk)."
+        )
+    return LayerClasses(_in_layer_order(sparse), _in_layer_order(indexer), other)
+
+
+def index_units(sparse: dict[str, MLAAttentionSpec]) -> list[list[str]]:
+    """Sparse layers cut into index units: a leader and the followers after it.
+
+    DeepSeek-V3.2 has an indexer on every layer, so every unit is one layer. GLM-5.x
+    IndexShare layers without an indexer (``is_index_group_leader=False``) reuse the
+    top-k of the nearest leader before them.
+    """
+    units: list[list[str]] = []
+    for name, spec in sparse.items():
+        if spec.is_index_group_leader:
+            units.append([name])
+        elif units:
+            units[-1].append(name)
+        else:
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME}: sparse-MLA layer {name} reuses another layer's "
+                "top-k but no index leader precedes it; accepted: IndexShare followers "
+                "after their leader (is_index_group_leader=True)."
+            )
+    return units
+
+
+# --------------------------------------------------------------------------------------
+# Choosing the split
+# --------------------------------------------------------------------------------------
+
+
+def _greedy_parts(sizes: Sequence[int], cap: int) -> list[list[int]] | None:
+    """Contiguous packing of ``sizes`` into parts of sum <= cap; None if one is too big."""
+    parts: list[list[int]] = []
+    total = cap + 1
+    for index, size in enumerate(sizes):
+        if size > cap:
+            return None
+        if total + size > cap:
+            parts.append([])
+            total = 0
+        parts[-1].append(index)
+        total += size
+    return parts
+
+
+def _min_cap_for_parts(sizes: Sequence[int], num_parts: int) -> int:
+    """Smallest cap for which contiguous greedy packing needs <= num_parts parts."""
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        mid = (low + high) // 2
+        parts = _greedy_parts(sizes, mid)
+        if parts is not None and len(parts) <= num_parts:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """Which units / indexer layers go together, and what one block then costs."""
+
+    sparse_parts: list[list[int]]
+    """Indices into the unit list, one list per sparse-MLA group."""
+    indexer_parts: list[list[int]]
+    """Indices into the indexer layer list, one list per indexer group."""
+    bytes_per_block: int
+    """Pool block size the split needs (largest group page sum, aligned)."""
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.sparse_parts) + len(self.indexer_parts)
+
+    @property
+    def bytes_per_token_page(self) -> int:
+        """Device bytes one page of tokens costs a request across these groups."""
+        return self.num_groups * self.bytes_per_block
+
+
+def choose_split(
+    unit_bytes: Sequence[int],
+    indexer_bytes: Sequence[int],
+    *,
+    alignment: int = 1,
+    max_groups: int = MAX_SPLIT_GROUPS,
+) -> SplitChoice:
+    """The contiguous split minimising ``num_groups * bytes_per_block``.
+
+    ``unit_bytes[i]`` is the summed page bytes of index unit i, ``indexer_bytes[j]`` the
+    page bytes of indexer layer j. Candidates: for every group count of one kind, the
+    tightest cap it allows, and the fewest groups of the other kind under that cap.
+    Ties go to fewer groups (less scheduler work per step).
+    """
+    if not unit_bytes or not indexer_bytes:
+        raise ValueError("choose_split needs at least one unit and one indexer layer")
+    if max_groups < 2:
+        raise ValueError("max_groups must be >= 2 (one sparse and one indexer group)")
+    best: SplitChoice | None = None
+    caps = {
+        _min_cap_for_parts(unit_bytes, n) for n in range(1, len(unit_bytes) + 1)
+    } | {_min_cap_for_parts(indexer_bytes, m) for m in range(1, len(indexer_bytes) + 1)}
+    for cap in sorted(caps):
+        sparse_parts = _greedy_parts(unit_bytes, cap)
+        indexer_parts = _greedy_parts(indexer_bytes, cap)
+        if sparse_parts is None or indexer_parts is None:
+            continue
+        if len(sparse_parts) + len(indexer_parts) > max_groups:
+            continue
+        largest = max(
+            max(sum(unit_bytes[i] for i in part) for part in sparse_parts),
+            max(sum(indexer_bytes[i] for i in part) for part in indexer_parts),
+        )
+        choice = SplitChoice(sparse_parts, indexer_parts, -(-largest // alignment) * alignment)
+        if best is None or (choice.bytes_per_token_page, choice.num_groups) < (
+            best.bytes_per_token_page,
+            best.num_groups,
+        ):
+            best = choice
+    if best is None:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: cannot split {len(unit_bytes)} index units and "
+            f"{len(indexer_bytes)} indexer layers into at most {max_groups} KV cache "
+            "groups; accepted: models whose layers fit that many groups."
+        )
+    return best
+
+
+# --------------------------------------------------------------------------------------
+# Building the groups
+# --------------------------------------------------------------------------------------
+
+
+def _uniform_group(names: Sequence[str], specs: dict[str, KVCacheSpec]) -> KVCacheGroupSpec:
+    # UniformTypeKVCacheSpecs keeps one spec per layer, so IndexShare leaders and
+    # followers (specs differing only in is_index_group_leader) share a group.
+    group_spec = UniformTypeKVCacheSpecs.from_specs({name: specs[name] for name in names})
+    if group_spec is None:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: layers {list(names)} cannot share a KV cache group "
+            "(different block sizes or spec types); accepted: one block_size for "
+            "every sparse-MLA and indexer layer."
+        )
+    return KVCacheGroupSpec(list(names), group_spec)
+
+
+@dataclass(frozen=True)
+class SplitGroups:
+    """The planned groups, with which ones are ours."""
+
+    groups: list[KVCacheGroupSpec]
+    sparse_group_ids: tuple[int, ...]
+    indexer_group_ids: tuple[int, ...]
+    choice: SplitChoice
+
+
+def split_kv_cache_groups(
+    vllm_config: VllmConfig,
+    kv_cache_spec: dict[str, KVCacheSpec],
+    *,
+    max_groups: int = MAX_SPLIT_GROUPS,
+) -> SplitGroups:
+    """Plan sparse-MLA, indexer and other groups (sparse first, then indexer, then other)."""
+    classes = classify_layers(kv_cache_spec)
+    block_sizes = {s.block_size for s in (*classes.sparse.values(), *classes.indexer.values())}
+    if len(block_sizes) != 1:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: sparse-MLA and indexer layers use block sizes "
+            f"{sorted(block_sizes)}; accepted: one block_size for all of them."
+        )
+    units = index_units(classes.sparse)
+    indexer_names = list(classes.indexer)
+    alignment = math.lcm(
+        *(s.get_block_stride_alignment() for s in (*classes.sparse.values(), *classes.indexer.values()))
+    )
+    choice = choose_split(
+        [sum(classes.sparse[n].page_size_bytes for n in unit) for unit in units],
+        [classes.indexer[n].page_size_bytes for n in indexer_names],
+        alignment=alignment,
+        max_groups=max_groups,
+    )
+    groups = [
+        _uniform_group([n for u in part for n in units[u]], classes.sparse)
+        for part in choice.sparse_parts
+    ]
+    sparse_ids = tuple(range(len(groups)))
+    groups += [
+        _uniform_group([indexer_names[i] for i in part], classes.indexer)
+        for part in choice.indexer_parts
+    ]
+    indexer_ids = tuple(range(len(sparse_ids), len(groups)))
+    if classes.other:
+        groups += compat.default_kv_cache_groups(vllm_config, dict(classes.other))
+    return SplitGroups(groups, sparse_ids, indexer_ids, choice)
+
+
+def is_sparse_group(group: KVCacheGroupSpec) -> bool:
+    """Whether a planned group holds target-model sparse-MLA layers (releasable)."""
+    specs = _layer_specs(group)
+    return bool(specs) and all(
+        isinstance(s, MLAAttentionSpec)
+        and s.cache_role is SparseCacheRole.SPARSE
+        and not s.is_draft
+        and not isinstance(s, (HiddenStateCacheSpec, SlidingWindowMLASpec))
+        for s in specs
+    )
+
+
+def sparse_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """Ids of the sparse-MLA groups in a planned config, checking the split happened.
+
+    The connector calls this at construction: if a platform bypassed our planner the
+    sparse-MLA layers would share blocks with the indexer, and releasing a page would
+    silently drop indexer KV.
+    """
+    ids = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        names = group.layer_names
+        if is_sparse_group(group):
+            ids.append(group_id)
+        elif isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs) and any(
+            isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.SPARSE and not s.is_draft
+            for s in group.kv_cache_spec.kv_cache_specs.values()
+        ):
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME}: KV cache group {group_id} mixes sparse-MLA layers "
+                f"with other layers ({names[:3]}...): the planner hook did not run; "
+                "accepted: the default platform KV cache config builder, so that "
+                f"{BUILDER_QUALNAME} plans the cache."
+            )
+    if not ids:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: no sparse-MLA KV cache group in the KV cache config; "
+            "accepted: a DSA model planned by the vllm_hisparse planner."
+        )
+    return tuple(ids)
+
+
+class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
+    """vLLM KV-cache config builder that splits sparse-MLA from indexer layers.
+
+    Selected through the planner hook (``compat.install_planner_hook``) only when the
+    engine's kv_transfer_config names HiSparseResidencyConnector. Tensor placement is
+    vLLM's own: block-outermost, one backing, every group aliasing from byte 0.
+    """
+
+    def get_kv_cache_groups(
+        self, vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+    ) -> list[KVCacheGroupSpec]:
+        resolve_config(vllm_config)  # fail with the config error before planning
+        if vllm_config.model_config.supports_kv_cache_grouping:
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME} plans the KV cache groups itself; accepted: a model "
+                "that does not declare its own get_kv_cache_groups."
+            )
+        layout = compat.resolved_kv_cache_layout(vllm_config)
+        if not layout.is_block_outermost:
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME}: KV cache layout {layout.name} cannot pack groups of "
+                "different page sizes into one block; accepted: BLHNC "
+                "(set VLLM_KV_CACHE_LAYOUT=BLHNC)."
+            )
+        split = split_kv_cache_groups(vllm_config, kv_cache_spec)
+        if vllm_config.model_config.original_max_model_len != -1:
+            # With auto-fit (-1) max_model_len is not final yet; the connector checks
+            # again at construction, after auto-fit.
+            check_host_pool_holds_one_request(
+                resolve_config(vllm_config),
+                host_block_bytes=host_block_bytes(split.groups[i] for i in split.sparse_group_ids),
+                host_copies=host_copies_per_replica(vllm_config),
+                max_model_len=vllm_config.model_config.max_model_len,
+            )
+        return split.groups
+
+
+def host_block_bytes(sparse_groups: Iterable[KVCacheGroupSpec]) -> int:
+    """Bytes one host block holds: one page of every sparse-MLA layer."""
+    return sum(group.kv_cache_spec.page_size_bytes for group in sparse_groups)
+
+
+def host_copies_per_replica(vllm_config: VllmConfig) -> int:
+    """How many ranks of a DP replica pin their own copy of the host pool.
+
+    Sparse-MLA KV is not sharded across TP ranks (``max_tp_shards=1``), so every rank
+    holds the same rows. Until the worker shares one pinned pool between the ranks
+    of a node, each rank pins its own copy and ``host_pool_gib`` is divided by TP.
+    """
+    return vllm_config.parallel_config.tensor_parallel_size
+
+
+def select_builder(vllm_config: VllmConfig) -> str | None:
+    """Planner-hook callback: our builder iff the connector is configured."""
+    return BUILDER_QUALNAME if is_connector_configured(vllm_config) else None
+
+
+# --------------------------------------------------------------------------------------
+# Capacity and the startup table
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """Numbers the startup table prints (all per engine, i.e. per DP replica)."""
+
+    device_blocks: int
+    bytes_per_block: int
+    num_sparse_groups: int
+    num_indexer_groups: int
+    host_blocks: int
+    host_block_bytes: int
+    """One page of every sparse-MLA layer: what one host block holds."""
+    host_copies: int
+    """Ranks of the replica that each pin a copy of the host pool."""
+    max_concurrency_without_residency: int
+    max_concurrency_at_admission: int
+    max_concurrency_steady: int
+
+    @property
+    def logical_host_gib(self) -> float:
+        return self.host_blocks * self.host_block_bytes / _GIB
+
+    @property
+    def physical_host_gib(self) -> float:
+        return self.logical_host_gib * self.host_copies
+
+
+def capacity_report(
+    *,
+    device_blocks: int,
+    bytes_per_block: int,
+    num_sparse_groups: int,
+    num_indexer_groups: int,
+    num_other_groups: int = 0,
+    host_blocks: int,
+    host_block_bytes: int,
+    host_copies: int,
+    max_model_len: int,
+    block_size: int,
+    admission_window_tokens: int,
+    hot_blocks_per_request: int,
+) -> CapacityReport:
+    """How many ``max_model_len`` requests fit, by residency state.
+
+    Per request and per page of tokens, every group holds one block. Indexer (and
+    other) groups always hold every page. Sparse-MLA groups hold:
+
+    * without residency: every page;
+    * at admission: the pages of the admission window (the prefill in flight, whose
+      host copies are not complete yet) plus the hot region;
+    * in steady state (Mixed): the hot region plus ``ACTIVE_TAIL_PAGES``.
+
+    Each request also needs its whole length in host blocks. The null block is not
+    usable, hence ``device_blocks - 1``.
+    """
+    pages = -(-max_model_len // block_size)
+    always_resident = (num_indexer_groups + num_other_groups) * pages
+    usable = max(device_blocks - 1, 0)
+
+    def fit(sparse_pages: int) -> int:
+        per_request = always_resident + num_sparse_groups * sparse_pages
+        return usable // per_request if per_request else 0
+
+    host_fit = host_blocks // pages
+    window_pages = min(-(-admission_window_tokens // block_size), pages)
+    return CapacityReport(
+        device_blocks=device_blocks,
+        bytes_per_block=bytes_per_block,
+        num_sparse_groups=num_sparse_groups,
+        num_indexer_groups=num_indexer_groups,
+        host_blocks=host_blocks,
+        host_block_bytes=host_block_bytes,
+        host_copies=host_copies,
+        max_concurrency_without_residency=fit(pages),
+        max_concurrency_at_admission=min(
+            fit(min(window_pages + hot_blocks_per_request, pages)), host_fit
+        ),
+        max_concurrency_steady=min(
+            fit(min(hot_blocks_per_request + ACTIVE_TAIL_PAGES, pages)), host_fit
+        ),
+    )
+
+
+def format_capacity_table(report: CapacityReport) -> str:
+    """The startup table logged once per engine (plain text, one row per quantity)."""
+    rows = [
+        ("device blocks", f"{report.device_blocks:,}"),
+        ("bytes per block", f"{report.bytes_per_block:,} B"),
+        (
+            "KV cache groups",
+            f"{report.num_sparse_groups} sparse-MLA + {report.num_indexer_groups} indexer",
+        ),
+        ("host blocks", f"{report.host_blocks:,} x {report.host_block_bytes:,} B"),
+        ("host pool, logical", f"{report.logical_host_gib:.2f} GiB"),
+        (
+            "host pool, physical",
+            f"{report.physical_host_gib:.2f} GiB ({report.host_copies} pinned "
+            f"cop{'y' if report.host_copies == 1 else 'ies'})",
+        ),
+        ("max concurrency, no residency", f"{report.max_concurrency_without_residency:,}"),
+        ("max concurrency, admission", f"{report.max_concurrency_at_admission:,}"),
+        ("max concurrency, steady state", f"{report.max_concurrency_steady:,}"),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{CONNECTOR_NAME} KV capacity (max_model_len requests):"]
+    lines += [f"  {label:<{width}}  {value}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def engine_capacity_report(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> CapacityReport:
+    """The capacity report for a planned engine (what the connector logs at startup)."""
+    config = resolve_config(vllm_config)
+    groups = kv_cache_config.kv_cache_groups
+    sparse_ids = sparse_group_ids(kv_cache_config)
+    indexer_ids = [
+        i
+        for i, group in enumerate(groups)
+        if i not in sparse_ids
+        and all(
+            isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.INDEXER
+            for s in _layer_specs(group)
+        )
+    ]
+    block_bytes = host_block_bytes(groups[i] for i in sparse_ids)
+    copies = host_copies_per_replica(vllm_config)
+    max_model_len = vllm_config.model_config.max_model_len
+    host_blocks = check_host_pool_holds_one_request(
+        config, host_block_bytes=block_bytes, host_copies=copies, max_model_len=max_model_len
+    )
+    device_tensors = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
+    bytes_per_block = device_tensors[0].size // kv_cache_config.num_blocks if device_tensors else 0
+    return capacity_report(
+        device_blocks=kv_cache_config.num_blocks,
+        bytes_per_block=bytes_per_block,
+        num_sparse_groups=len(sparse_ids),
+        num_indexer_groups=len(indexer_ids),
+        num_other_groups=len(groups) - len(sparse_ids) - len(indexer_ids),
+        host_blocks=host_blocks,
+        host_block_bytes=block_bytes,
+        host_copies=copies,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        admission_window_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        hot_blocks_per_request=config.hot_blocks_per_request,
+    )
+
+
+def _layer_specs(group: KVCacheGroupSpec) -> list[KVCacheSpec]:
+    spec = group.kv_cache_spec
+    return list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
