@@ -1,0 +1,99 @@
+"""Engine-agnostic residency core (standard library + numpy only; no torch, no vllm).
+
+Public API:
+
+* pools: :class:`HostBlockPool`, :class:`DevicePool` (protocol), :class:`InMemoryDevicePool`
+* page tables: :class:`PageTables`, :class:`PageTable`, :data:`ACTIVE_TAIL_PAGES`
+* policy: :class:`ResidencyPolicy`, :class:`PolicyConfig`, :class:`Outcome`,
+  :class:`RequestStatus`, :class:`AddResult`, :class:`PolicyStats`
+* wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
+  :class:`ResidencyChange`, :class:`WorkerAcks`, :class:`TransferKind`, :class:`Residency`
+* capacity: :class:`ModelGeometry`, :func:`bytes_per_token`, :func:`max_concurrency`,
+  :func:`host_memory`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
+* errors: :class:`BackPressure`, :class:`HostPoolExhausted`, :class:`DevicePoolExhausted`,
+  :class:`ProtocolError`
+"""
+
+from vllm_hisparse.core.capacity import (
+    DEEPSEEK_V32_BF16,
+    DEEPSEEK_V32_FP8,
+    INDEXER_ROW_BYTES,
+    ROW_BYTES_BF16,
+    ROW_BYTES_FP8_DS_MLA,
+    BytesPerToken,
+    Concurrency,
+    HostMemory,
+    ModelGeometry,
+    bytes_per_token,
+    default_device_buffer_size_rows,
+    host_memory,
+    max_concurrency,
+)
+from vllm_hisparse.core.commands import (
+    HotLease,
+    Residency,
+    ResidencyChange,
+    StepCommand,
+    TransferKind,
+    TransferSpec,
+    WorkerAcks,
+)
+from vllm_hisparse.core.device_pool import DevicePool, InMemoryDevicePool
+from vllm_hisparse.core.errors import (
+    BackPressure,
+    DevicePoolExhausted,
+    HiSparseCoreError,
+    HostPoolExhausted,
+    ProtocolError,
+)
+from vllm_hisparse.core.host_pool import HostBlockPool, host_block_bytes
+from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, PageTable, PageTables
+from vllm_hisparse.core.policy import (
+    AddResult,
+    Outcome,
+    PolicyConfig,
+    PolicyStats,
+    RequestStatus,
+    ResidencyPolicy,
+)
+
+__all__ = [
+    "ACTIVE_TAIL_PAGES",
+    "AddResult",
+    "BackPressure",
+    "BytesPerToken",
+    "Concurrency",
+    "DEEPSEEK_V32_BF16",
+    "DEEPSEEK_V32_FP8",
+    "DevicePool",
+    "DevicePoolExhausted",
+    "HiSparseCoreError",
+    "HostBlockPool",
+    "HostMemory",
+    "HostPoolExhausted",
+    "HotLease",
+    "INDEXER_ROW_BYTES",
+    "InMemoryDevicePool",
+    "ModelGeometry",
+    "Outcome",
+    "PageTable",
+    "PageTables",
+    "PolicyConfig",
+    "PolicyStats",
+    "ProtocolError",
+    "ROW_BYTES_BF16",
+    "ROW_BYTES_FP8_DS_MLA",
+    "RequestStatus",
+    "Residency",
+    "ResidencyChange",
+    "ResidencyPolicy",
+    "StepCommand",
+    "TransferKind",
+    "TransferSpec",
+    "WorkerAcks",
+    "bytes_per_token",
+    "default_device_buffer_size_rows",
+    "host_block_bytes",
+    "host_memory",
+    "max_concurrency",
+]

@@ -1,0 +1,205 @@
+"""Capacity math for the startup table and ``vllm-hisparse plan``.
+
+Tiers and what each holds per token of context (``L`` sparse layers):
+
+* **device, FULL** request: the MLA row and the indexer row of every layer,
+  ``L * (row_bytes + indexer_row_bytes)``;
+* **device, MIXED/NONE** request: the indexer rows of every position stay on the device
+  (the indexer scores all positions every step), plus a fixed part per request: the hot
+  region and the ``ACTIVE_TAIL_PAGES`` tail pages of MLA rows;
+* **host**: the MLA row of every layer, ``L * row_bytes``; one host block = one page.
+
+Concurrency at a context of ``T`` tokens (``P = cdiv(T, block_size)`` pages):
+
+* FULL only (no hierarchy): ``floor(device_bytes / (P * bs * L * (row + idx)))``;
+* steady state (everyone MIXED): per request
+  ``P * bs * L * idx + (hot_rows + ACTIVE_TAIL_PAGES * bs) * L * row`` device bytes, and
+  ``P`` host blocks; the minimum of the two quotients;
+* at admission (the newcomer is FULL up to its admission window ``W`` pages while everyone
+  else is steady): ``1 + floor((device_bytes - admit_bytes) / steady_bytes)`` with
+  ``admit_bytes = P * bs * L * idx + min(P, W) * bs * L * row``; also capped by the host.
+
+Host memory: ``host_pool_gib`` is *logical* and per data-parallel replica (the KV of the
+requests one replica serves). *Physical* pinned memory per node multiplies it by the
+replicas on the node and, when tensor-parallel ranks keep private pools, by the TP size
+(MLA KV is replicated across TP ranks); a pool shared by the TP ranks of a replica stores it
+once. Block rounding makes the usable size slightly smaller than the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from vllm_hisparse.core.host_pool import host_block_bytes
+from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, cdiv
+
+GIB = 1 << 30
+
+ROW_BYTES_FP8_DS_MLA = 656
+"""One token, one layer, ``fp8_ds_mla``: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope."""
+ROW_BYTES_BF16 = 1152
+"""One token, one layer, bf16 (576 elements)."""
+INDEXER_ROW_BYTES = 132
+"""One token, one layer of indexer keys (128 fp8 + one fp32 scale)."""
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """KV geometry of a top-k sparse-attention model."""
+
+    name: str
+    num_sparse_layers: int
+    block_size: int
+    row_bytes: int
+    indexer_row_bytes: int
+    top_k: int
+
+    @property
+    def device_full_bytes_per_token(self) -> int:
+        """Device bytes per token of a FULL request (MLA + indexer, all layers)."""
+        return self.num_sparse_layers * (self.row_bytes + self.indexer_row_bytes)
+
+    @property
+    def device_indexer_bytes_per_token(self) -> int:
+        """Device bytes per token that stay resident for any request (indexer rows)."""
+        return self.num_sparse_layers * self.indexer_row_bytes
+
+    @property
+    def host_bytes_per_token(self) -> int:
+        """Host bytes per token (MLA rows of all layers)."""
+        return self.num_sparse_layers * self.row_bytes
+
+    @property
+    def mla_page_bytes(self) -> int:
+        """Bytes of one page of MLA rows over all layers (one device or host block)."""
+        return self.block_size * self.num_sparse_layers * self.row_bytes
+
+
+DEEPSEEK_V32_FP8 = ModelGeometry("deepseek-v3.2-fp8_ds_mla", 61, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048)
+DEEPSEEK_V32_BF16 = ModelGeometry("deepseek-v3.2-bf16", 61, 64, ROW_BYTES_BF16, INDEXER_ROW_BYTES, 2048)
+
+
+@dataclass(frozen=True)
+class BytesPerToken:
+    """Bytes one token of context costs in each tier."""
+
+    device_full_bytes: int
+    device_mixed_bytes: int
+    host_bytes: int
+
+
+def bytes_per_token(geometry: ModelGeometry) -> BytesPerToken:
+    """Per-token bytes: device when FULL, device when MIXED (indexer only), host."""
+    return BytesPerToken(
+        device_full_bytes=geometry.device_full_bytes_per_token,
+        device_mixed_bytes=geometry.device_indexer_bytes_per_token,
+        host_bytes=geometry.host_bytes_per_token,
+    )
+
+
+def default_device_buffer_size_rows(geometry: ModelGeometry, max_decode_query_len: int = 1) -> int:
+    """Default hot rows per request: ``(max_decode_query_len + 1) * top_k``, page aligned."""
+    rows = (max_decode_query_len + 1) * geometry.top_k
+    return cdiv(rows, geometry.block_size) * geometry.block_size
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Logical and physical size of the host pool."""
+
+    logical_gib: float
+    usable_logical_gib: float
+    num_host_blocks: int
+    host_block_bytes: int
+    physical_gib_per_node: float
+
+
+def host_memory(
+    host_pool_gib: float,
+    geometry: ModelGeometry,
+    *,
+    tp_size: int = 1,
+    dp_replicas_per_node: int = 1,
+    shared_across_tp: bool = True,
+    block_alignment_bytes: int = 1,
+) -> HostMemory:
+    """Blocks and pinned memory behind ``host_pool_gib`` (logical, per DP replica)."""
+    block_bytes = host_block_bytes(
+        geometry.block_size, geometry.row_bytes, geometry.num_sparse_layers, block_alignment_bytes
+    )
+    num_blocks = int(host_pool_gib * GIB) // block_bytes
+    copies = dp_replicas_per_node * (1 if shared_across_tp else tp_size)
+    usable_gib = num_blocks * block_bytes / GIB
+    return HostMemory(
+        logical_gib=float(host_pool_gib),
+        usable_logical_gib=usable_gib,
+        num_host_blocks=num_blocks,
+        host_block_bytes=block_bytes,
+        physical_gib_per_node=usable_gib * copies,
+    )
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """Maximum concurrent requests at one context length."""
+
+    context_tokens: int
+    full_only: int
+    steady_state_device: int
+    steady_state_host: int
+    steady_state: int
+    at_admission: int
+    device_bytes_full_request: int
+    device_bytes_steady_request: int
+
+    def to_dict(self) -> dict:
+        """JSON-able form."""
+        return asdict(self)
+
+
+def max_concurrency(
+    geometry: ModelGeometry,
+    *,
+    device_kv_bytes: int,
+    num_host_blocks: int,
+    context_tokens: int,
+    device_buffer_size_rows: int,
+    admission_window_tokens: int | None = None,
+) -> Concurrency:
+    """Concurrency with and without the hierarchy (formulas in the module docstring).
+
+    Args:
+        device_kv_bytes: HBM given to KV (MLA + indexer), per replica.
+        num_host_blocks: host pool blocks (one page each), per replica.
+        context_tokens: context length of every request.
+        device_buffer_size_rows: hot rows per request.
+        admission_window_tokens: tokens a newcomer keeps FULL at admission (default: all).
+    """
+    bs = geometry.block_size
+    layers = geometry.num_sparse_layers
+    pages = cdiv(int(context_tokens), bs)
+    padded_tokens = pages * bs
+    full_bytes = padded_tokens * geometry.device_full_bytes_per_token
+    steady_bytes = padded_tokens * geometry.device_indexer_bytes_per_token + (
+        device_buffer_size_rows + ACTIVE_TAIL_PAGES * bs
+    ) * layers * geometry.row_bytes
+    window_pages = pages if admission_window_tokens is None else min(pages, cdiv(admission_window_tokens, bs))
+    admit_bytes = padded_tokens * geometry.device_indexer_bytes_per_token + window_pages * bs * layers * geometry.row_bytes
+    full_only = device_kv_bytes // full_bytes
+    steady_device = device_kv_bytes // steady_bytes
+    steady_host = num_host_blocks // pages
+    steady = min(steady_device, steady_host)
+    if device_kv_bytes >= admit_bytes:
+        admission_device = 1 + (device_kv_bytes - admit_bytes) // steady_bytes
+    else:
+        admission_device = 0
+    return Concurrency(
+        context_tokens=int(context_tokens),
+        full_only=int(full_only),
+        steady_state_device=int(steady_device),
+        steady_state_host=int(steady_host),
+        steady_state=int(steady),
+        at_admission=int(min(admission_device, steady_host)),
+        device_bytes_full_request=int(full_bytes),
+        device_bytes_steady_request=int(steady_bytes),
+    )

@@ -1,0 +1,1412 @@
+"""The residency policy: which pages of which request live where, and the transfers that move them.
+
+State machine per request (``Residency``)::
+
+              free blocks < low watermark (chosen by the selection rule)
+              or pages > admission window
+      FULL  ---------------------------------------------->  MIXED
+        ^   <----------------------------------------------    |
+        |     free blocks >= high watermark after the move,     |
+        |     restores completed, hot lease returned            |
+        |                                                       |
+        +---- (same promotion path) ----  NONE  <--- import / resume / host prefix hit
+
+Request status (``RequestStatus``): ACTIVE (schedulable) · ACTIVATING (tail restores in
+flight) · PARKED (host-backed, no hot region: preempted, or waiting for device blocks after
+an import or host prefix hit) · IMPORTING (host blocks handed to an external writer).
+
+Selection rule for FULL → MIXED (under pressure): among ACTIVE FULL requests that have not
+changed state in the last ``min_steps_between_transitions`` steps, score each by
+``reclaimable / hot_blocks`` where ``reclaimable = num_clean_pinned - ACTIVE_TAIL_PAGES``
+(clean pages that could be released at once; the tail estimate is conservative), keep only
+those with ``reclaimable > hot_blocks`` (a net gain), and take them in descending score until
+the summed net gain reaches ``high_watermark - free``. Never every request: only as many as
+the deficit needs, and never one whose move would cost blocks.
+
+Promotion MIXED/NONE → FULL (hysteresis): when free blocks are at or above the high watermark,
+take non-FULL requests cheapest first (``num_pages - num_pinned`` blocks to re-pin or restore)
+while ``free - cost >= high_watermark``. Released-but-unreused pages are re-pinned without a
+copy; host-only pages are restored; the hot lease is returned once every page is pinned.
+
+All per-step work is proportional to what changed: scheduling, mirroring and their
+acknowledgements are vectorised over the scheduled rows; Python loops only run over pages
+that crossed a boundary (new, sealed, clean, released, reused) and over requests that change
+state. Pressure selection is a numpy pass over rows, done only while under pressure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Hashable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from vllm_hisparse.core.commands import (
+    HotLease,
+    Residency,
+    ResidencyChange,
+    StepCommand,
+    TransferKind,
+    TransferSpec,
+    WorkerAcks,
+)
+from vllm_hisparse.core.device_pool import DevicePool
+from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted, ProtocolError
+from vllm_hisparse.core.host_pool import HostBlockPool
+from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, PageTable, PageTables, cdiv, range_mask, range_masks
+from vllm_hisparse.core.transactions import Transaction, TransactionTable, TransferPhase
+
+
+class RequestStatus(IntEnum):
+    """Scheduling status of a request known to the policy."""
+
+    ACTIVE = 0
+    ACTIVATING = 1
+    PARKED = 2
+    IMPORTING = 3
+
+
+class Outcome(IntEnum):
+    """Result of an event that may meet back-pressure."""
+
+    OK = 0
+    WAIT_DEVICE = 1
+    """Not enough free device blocks; nothing changed. Retry later (or preempt someone)."""
+    WAIT_HOST = 2
+    """Not enough free or evictable host blocks; nothing changed. The request waits."""
+    WAIT_TRANSFER = 3
+    """The request is not schedulable until restores in flight complete."""
+    RECOMPUTE = 4
+    """An import failed; the request starts from zero tokens and must be computed."""
+
+
+@dataclass
+class PolicyConfig:
+    """Knobs of the residency policy.
+
+    Args:
+        block_size: tokens per page (vLLM block size).
+        max_num_rows: number of state rows (max concurrent requests known to the policy).
+        max_pages_per_request: ``cdiv(max_model_len, block_size)``.
+        device_buffer_size_rows: default hot rows per request; a multiple of ``block_size``.
+        low_watermark_blocks: below this many free device blocks, demote (default
+            ``max(2 * hot_blocks, 5 % of the pool)``).
+        high_watermark_blocks: target for demotions and floor for promotions (default
+            ``max(low + hot_blocks, 10 % of the pool)``).
+        admission_window_pages: a FULL request holding more pages than this is demoted
+            (chunked prefill outgrowing what admission reserved); None = no limit.
+        eager_host_mirror: mirror every written row to host after each forward; otherwise
+            spill whole pages once sealed.
+        max_spill_pages_per_step / max_restore_pages_per_step: transfer budget per step.
+        max_promotions_per_step: promotions started per step.
+        min_steps_between_transitions: a request that changed residency waits this many
+            steps before it may change again (second half of the hysteresis).
+    """
+
+    block_size: int
+    max_num_rows: int
+    max_pages_per_request: int
+    device_buffer_size_rows: int
+    low_watermark_blocks: int | None = None
+    high_watermark_blocks: int | None = None
+    admission_window_pages: int | None = None
+    eager_host_mirror: bool = True
+    max_spill_pages_per_step: int = 4096
+    max_restore_pages_per_step: int = 1024
+    max_promotions_per_step: int = 4
+    min_steps_between_transitions: int = 8
+
+    def __post_init__(self) -> None:
+        if self.device_buffer_size_rows <= 0 or self.device_buffer_size_rows % self.block_size:
+            raise ValueError(
+                f"device_buffer_size_rows={self.device_buffer_size_rows} must be a positive "
+                f"multiple of block_size={self.block_size}"
+            )
+
+    @property
+    def hot_blocks_per_request(self) -> int:
+        """Device blocks in a default hot region lease."""
+        return self.device_buffer_size_rows // self.block_size
+
+
+@dataclass
+class AddResult:
+    """What ``add_request`` decided."""
+
+    row: int
+    num_host_hit_tokens: int
+    outcome: Outcome
+
+
+@dataclass
+class PolicyStats:
+    """Monotonic counters (for metrics and tests)."""
+
+    num_demotions: int = 0
+    num_promotions: int = 0
+    num_device_backpressure: int = 0
+    num_host_backpressure: int = 0
+    num_pages_released: int = 0
+    num_pages_reused: int = 0
+    num_pages_repinned: int = 0
+    num_spill_pages: int = 0
+    num_restore_pages: int = 0
+    num_failed_transfers: int = 0
+    num_host_prefix_hit_pages: int = 0
+    num_published_pages: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    row: int
+    serial: int
+    status: RequestStatus
+    residency: Residency
+    hot_blocks: int
+    block_hashes: list = field(default_factory=list)
+    hot_block_ids: list[int] = field(default_factory=list)
+    promoting: bool = False
+    num_restores_inflight: int = 0
+    needs_tail_restore_retry: bool = False
+    last_transition_step: int = -(10**9)
+
+
+class ResidencyPolicy:
+    """Scheduler-side residency coordinator (engine-agnostic).
+
+    Per engine step, the caller:
+
+    1. ``apply_acks(acks)`` with what the worker reported;
+    2. handles events (``add_request``, ``finish``, ``abort``, ``preempt``, ``resume``,
+       ``begin_import`` / ``finish_import``) and calls ``schedule`` (or the batched
+       ``schedule_rows``) for every request that runs this step; a non-OK outcome means the
+       request does not run this step and nothing was changed for it;
+    3. ``build_step()`` → the :class:`StepCommand` for the worker.
+    """
+
+    def __init__(self, config: PolicyConfig, device_pool: DevicePool, host_pool: HostBlockPool):
+        self.config = config
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.block_size = config.block_size
+        self.tables = PageTables(config.max_num_rows, config.max_pages_per_request, config.block_size)
+        hot = config.hot_blocks_per_request
+        num_device_blocks = device_pool.num_blocks
+        self.low_watermark_blocks = (
+            config.low_watermark_blocks
+            if config.low_watermark_blocks is not None
+            else max(2 * hot, cdiv(num_device_blocks, 20))
+        )
+        self.high_watermark_blocks = (
+            config.high_watermark_blocks
+            if config.high_watermark_blocks is not None
+            else max(self.low_watermark_blocks + hot, cdiv(num_device_blocks, 10))
+        )
+        if self.high_watermark_blocks < self.low_watermark_blocks:
+            raise ValueError("high_watermark_blocks must be >= low_watermark_blocks")
+        self.stats = PolicyStats()
+        self._step_id = 0
+        self._next_serial = 1
+        self._requests: dict[str, _Request] = {}
+        self._row_request: list[_Request | None] = [None] * config.max_num_rows
+        self._free_rows: list[int] = list(range(config.max_num_rows - 1, -1, -1))
+        # Per-row vectors used by vectorised selection.
+        n = config.max_num_rows
+        self._row_status = np.full(n, -1, dtype=np.int8)
+        self._row_residency = np.full(n, -1, dtype=np.int8)
+        self._row_hot_blocks = np.zeros(n, dtype=np.int64)
+        self._row_last_transition = np.full(n, -(10**9), dtype=np.int64)
+        self._txns = TransactionTable()
+        # Released device block -> [(row, serial, page)] whose copy it still holds.
+        self._released_owner: dict[int, list[tuple[int, int, int]]] = {}
+        # Pages that need a whole-page spill: (row, serial, page) in insertion order.
+        self._spill_queue: dict[tuple[int, int, int], None] = {}
+        self._window_candidates: set[int] = set()
+        self._non_full_rows: set[int] = set()
+        self._tail_retry_rows: set[int] = set()
+        self._next_promotion_check_step = 0
+        self._unmet_device_blocks = 0
+        self._reset_step_buffers()
+
+    # =====================================================================================
+    # Queries
+    # =====================================================================================
+    @property
+    def step_id(self) -> int:
+        """Id the next ``build_step`` command will carry."""
+        return self._step_id
+
+    @property
+    def num_requests(self) -> int:
+        """Requests known to the policy."""
+        return len(self._requests)
+
+    @property
+    def num_open_transfers(self) -> int:
+        """Transactions planned and not yet completed or failed."""
+        return len(self._txns)
+
+    def has_request(self, request_id: str) -> bool:
+        """True when the policy knows ``request_id``."""
+        return request_id in self._requests
+
+    def row_of(self, request_id: str) -> int:
+        """State row of a request."""
+        return self._req(request_id).row
+
+    def residency(self, request_id: str) -> Residency:
+        """Residency state of a request."""
+        return self._req(request_id).residency
+
+    def status(self, request_id: str) -> RequestStatus:
+        """Scheduling status of a request."""
+        return self._req(request_id).status
+
+    def is_ready(self, request_id: str) -> bool:
+        """True when the request may be scheduled."""
+        return self._req(request_id).status == RequestStatus.ACTIVE
+
+    def hot_block_ids(self, request_id: str) -> list[int]:
+        """Device blocks of the request's hot region lease (empty when it has none)."""
+        return list(self._req(request_id).hot_block_ids)
+
+    def page_table(self, request_id: str) -> PageTable:
+        """Snapshot of a request's page table."""
+        return self.tables.view(self._req(request_id).row)
+
+    def request_ids(self) -> list[str]:
+        """Ids of every known request."""
+        return list(self._requests)
+
+    def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
+        """Pages of ``block_hashes`` published in the host pool (no lease taken)."""
+        return len(self.host_pool.lookup(block_hashes[: self.config.max_pages_per_request]))
+
+    def can_admit(self, num_prompt_tokens: int, num_host_hit_pages: int = 0, hot_rows: int | None = None) -> Outcome:
+        """Whether a new request fits device, host and hot capacity together.
+
+        Device: a request computed from scratch needs its first admission window of pages;
+        one with host hits needs its hot region plus the tail pages. Host: every page not
+        served by a hit. Nothing is reserved; ``schedule`` re-checks when it allocates.
+        """
+        pages = cdiv(int(num_prompt_tokens), self.block_size)
+        hot = self._hot_blocks_for(hot_rows)
+        if num_host_hit_pages > 0:
+            device_needed = hot + min(ACTIVE_TAIL_PAGES, num_host_hit_pages) + max(0, pages - num_host_hit_pages)
+        else:
+            window = self.config.admission_window_pages
+            device_needed = min(pages, window) if window is not None else pages
+        if device_needed > self.device_pool.get_num_free_blocks():
+            return Outcome.WAIT_DEVICE
+        if pages - num_host_hit_pages > self.host_pool.num_allocatable_blocks:
+            return Outcome.WAIT_HOST
+        return Outcome.OK
+
+    # =====================================================================================
+    # Events
+    # =====================================================================================
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        block_hashes: Sequence[Hashable] = (),
+        state_row: int | None = None,
+        hot_rows: int | None = None,
+    ) -> AddResult:
+        """Register a request.
+
+        Args:
+            block_hashes: prefix identities of the prompt's full pages. The longest prefix
+                published in the host pool is taken over (shared host blocks); the request
+                then starts host-backed (NONE) and is activated at once if the device allows
+                (``outcome``), else stays PARKED until ``resume``.
+            state_row: the engine's state row for the request; None = the policy picks one.
+            hot_rows: hot region size for this request (default ``device_buffer_size_rows``).
+        """
+        if request_id in self._requests:
+            raise ProtocolError(f"request {request_id!r} added twice")
+        row = self._take_row(state_row)
+        serial = self._next_serial
+        self._next_serial += 1
+        req = _Request(
+            request_id=request_id,
+            row=row,
+            serial=serial,
+            status=RequestStatus.ACTIVE,
+            residency=Residency.FULL,
+            hot_blocks=self._hot_blocks_for(hot_rows),
+            block_hashes=list(block_hashes),
+        )
+        self._requests[request_id] = req
+        self._row_request[row] = req
+        t = self.tables
+        t.serial[row] = serial
+        self._row_hot_blocks[row] = req.hot_blocks
+        self._set_status(req, RequestStatus.ACTIVE)
+        self._set_residency(req, Residency.FULL, emit=False)
+
+        hits = self.host_pool.lookup(req.block_hashes[: self.config.max_pages_per_request])
+        if not hits:
+            return AddResult(row=row, num_host_hit_tokens=0, outcome=Outcome.OK)
+        self.host_pool.touch(hits)
+        k = len(hits)
+        t.host_block[row, :k] = hits
+        t.host_mask[row, :k] = t.full_mask
+        t.host_valid[row, :k] = True
+        t.num_pages[row] = k
+        t.num_tokens[row] = k * self.block_size
+        for page, host_block in enumerate(hits):
+            self._emit_page(row, page, -1, host_block)
+        self.stats.num_host_prefix_hit_pages += k
+        self._set_status(req, RequestStatus.PARKED)
+        self._set_residency(req, Residency.NONE)
+        outcome = self.resume(request_id)
+        return AddResult(row=row, num_host_hit_tokens=k * self.block_size, outcome=outcome)
+
+    def schedule(self, request_id: str, num_new_tokens: int, device_block_ids: Sequence[int] | None = None) -> Outcome:
+        """Reserve pages for ``num_new_tokens`` positions the next forward writes.
+
+        New pages get a device block (from ``device_block_ids`` when the engine already
+        allocated them, the policy taking over one lease each; else from the device pool)
+        and a host block. All or nothing: on back-pressure nothing changes.
+        """
+        req = self._req(request_id)
+        if req.status != RequestStatus.ACTIVE:
+            if req.status in (RequestStatus.ACTIVATING,):
+                return Outcome.WAIT_TRANSFER
+            raise ProtocolError(f"request {request_id!r} scheduled while {req.status.name}")
+        return self._grow(req, int(num_new_tokens), device_block_ids, record=True)
+
+    def schedule_rows(self, rows: np.ndarray, num_new_tokens: np.ndarray) -> np.ndarray:
+        """Batched ``schedule`` by state row (each row at most once). Returns Outcome codes.
+
+        Rows that stay inside their current last page take a vectorised fast path; only rows
+        that need new pages go through per-request allocation.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        counts = np.asarray(num_new_tokens, dtype=np.int64)
+        t = self.tables
+        outcome = np.zeros(rows.shape[0], dtype=np.int8)
+        status = self._row_status[rows]
+        if np.any(status != RequestStatus.ACTIVE):
+            bad = np.nonzero(status != RequestStatus.ACTIVE)[0]
+            for i in bad:
+                st = int(status[i])
+                if st != RequestStatus.ACTIVATING:
+                    raise ProtocolError(f"row {int(rows[i])} scheduled while not active (status {st})")
+                outcome[i] = Outcome.WAIT_TRANSFER
+        starts = t.num_tokens[rows]
+        ends = starts + counts
+        grows = (cdiv(ends, self.block_size) > t.num_pages[rows]) & (outcome == 0)
+        fast = ~grows & (outcome == 0)
+        if np.any(fast):
+            fr = rows[fast]
+            t.num_tokens[fr] = ends[fast]
+            self._step_rows.append(fr)
+            self._step_starts.append(starts[fast])
+            self._step_ends.append(ends[fast])
+            self._step_serials.append(t.serial[fr])
+        for i in np.nonzero(grows)[0]:
+            req = self._row_request[int(rows[i])]
+            outcome[i] = self._grow(req, int(counts[i]), None, record=True)
+        return outcome
+
+    def finish(self, request_id: str) -> None:
+        """The request finished: publish its clean pages, return every lease."""
+        self._end_request(self._req(request_id), publish=True)
+
+    def abort(self, request_id: str, publish: bool = True) -> None:
+        """The request was cancelled. Its computed KV is still correct, so clean pages are
+        published unless ``publish`` is False."""
+        self._end_request(self._req(request_id), publish=publish)
+
+    def preempt(self, request_id: str) -> None:
+        """Park a running request: release its hot lease, keep its host pages.
+
+        Pages whose written rows are all on the host are released readable (a later resume
+        re-pins them for free if the pool did not reuse them). Pages not yet on the host stay
+        pinned and get spilled; they are released when the spill completes. Nothing is lost,
+        and resuming never recomputes.
+        """
+        req = self._req(request_id)
+        if req.status not in (RequestStatus.ACTIVE, RequestStatus.ACTIVATING):
+            raise ProtocolError(f"request {request_id!r} preempted while {req.status.name}")
+        self._drop_hot_lease(req)
+        req.promoting = False
+        req.needs_tail_restore_retry = False
+        self._set_status(req, RequestStatus.PARKED)
+        self._set_residency(req, Residency.NONE)
+        row = req.row
+        t = self.tables
+        for page in np.nonzero(t.pinned[row, : t.num_pages[row]])[0]:
+            page = int(page)
+            if not self._settle_parked_page(req, page):
+                if t.pending[row, page] < 0 and t.mirror_inflight[row, page] == 0:
+                    self._spill_queue[(row, req.serial, page)] = None
+
+    def resume(self, request_id: str) -> Outcome:
+        """Re-activate a PARKED request (after preemption, import or a host prefix hit).
+
+        The tail pages are made resident (re-pinned if their released block was not reused,
+        else restored from host) and a hot region is leased; state NONE. A request whose
+        every page is still pinned comes back FULL with no hot region.
+        """
+        req = self._req(request_id)
+        if req.status != RequestStatus.PARKED:
+            raise ProtocolError(f"request {request_id!r} resumed while {req.status.name}")
+        row = req.row
+        t = self.tables
+        num_pages = int(t.num_pages[row])
+        if t.num_pinned[row] == num_pages:
+            self._set_status(req, RequestStatus.ACTIVE)
+            self._set_residency(req, Residency.FULL)
+            return Outcome.OK
+        tail = range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages)
+        repin = [p for p in tail if not t.pinned[row, p] and t.device_block[row, p] >= 0]
+        # Tail pages with a restore already in flight (resumed while activating) just wait.
+        restore = [p for p in tail if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
+        needed = req.hot_blocks + len(repin) + len(restore)
+        if needed > self.device_pool.get_num_free_blocks():
+            self.stats.num_device_backpressure += 1
+            self._unmet_device_blocks += needed
+            return Outcome.WAIT_DEVICE
+        for page in repin:
+            self._repin_page(req, page)
+        self._lease_hot(req)
+        self._set_residency(req, Residency.NONE)
+        if restore:
+            self._plan_restore(req, restore)
+        if req.num_restores_inflight:
+            self._set_status(req, RequestStatus.ACTIVATING)
+            return Outcome.WAIT_TRANSFER
+        self._set_status(req, RequestStatus.ACTIVE)
+        return Outcome.OK
+
+    def begin_import(self, request_id: str, num_tokens: int) -> list[int]:
+        """P/D import: hand out host blocks for ``num_tokens`` positions an external
+        transfer writes. Raises :class:`HostPoolExhausted` (back-pressure) if short."""
+        req = self._req(request_id)
+        t = self.tables
+        if req.status != RequestStatus.ACTIVE or t.num_tokens[req.row] != 0:
+            raise ProtocolError(f"request {request_id!r}: import must start on an empty request")
+        num_pages = cdiv(int(num_tokens), self.block_size)
+        if num_pages > self.config.max_pages_per_request:
+            raise ProtocolError(f"import of {num_tokens} tokens exceeds max_pages_per_request")
+        try:
+            host = self.host_pool.allocate(num_pages)
+        except HostPoolExhausted:
+            self.stats.num_host_backpressure += 1
+            raise
+        row = req.row
+        t.host_block[row, :num_pages] = host
+        t.num_pages[row] = num_pages
+        t.num_tokens[row] = int(num_tokens)
+        self._set_status(req, RequestStatus.IMPORTING)
+        return list(host)
+
+    def finish_import(self, request_id: str, success: bool) -> Outcome:
+        """The external transfer into the imported host blocks finished.
+
+        On success the pages are host-valid and the request is activated like a resume
+        (state NONE). On failure the host blocks are returned and the request restarts at
+        zero tokens (``Outcome.RECOMPUTE``).
+        """
+        req = self._req(request_id)
+        if req.status != RequestStatus.IMPORTING:
+            raise ProtocolError(f"request {request_id!r} is not importing")
+        row = req.row
+        t = self.tables
+        num_pages = int(t.num_pages[row])
+        if not success:
+            self.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
+            t.host_block[row, :num_pages] = -1
+            t.num_pages[row] = 0
+            t.num_tokens[row] = 0
+            self._set_status(req, RequestStatus.ACTIVE)
+            return Outcome.RECOMPUTE
+        for page in range(num_pages):
+            written = t.rows_written(row, page)
+            t.host_mask[row, page] = range_mask(0, written, t.num_mask_words)
+            if written == self.block_size:
+                self._mark_clean(req, page)
+            self._emit_page(row, page, -1, int(t.host_block[row, page]))
+        self._set_status(req, RequestStatus.PARKED)
+        self._set_residency(req, Residency.NONE)
+        return self.resume(request_id)
+
+    # =====================================================================================
+    # Worker acknowledgements
+    # =====================================================================================
+    def apply_acks(self, acks: WorkerAcks) -> None:
+        """Apply worker reports: enqueued first, then completed, then failed."""
+        for tid in acks.enqueued:
+            txn = self._txns.mark_enqueued(int(tid))
+            self._release_enqueued_leases(txn)
+        for tid in acks.completed:
+            txn = self._txns.close(int(tid))
+            if txn.phase == TransferPhase.PLANNED:
+                self._release_enqueued_leases(txn)
+            self._on_completed(txn)
+            self._release_done_leases(txn)
+        for tid in acks.failed:
+            txn = self._txns.close(int(tid))
+            if txn.phase == TransferPhase.PLANNED:
+                self._release_enqueued_leases(txn)
+            self.stats.num_failed_transfers += 1
+            self._on_failed(txn)
+            self._release_done_leases(txn)
+
+    # =====================================================================================
+    # The step
+    # =====================================================================================
+    def build_step(self) -> StepCommand:
+        """Plan mirrors, spills, demotions and promotions; return the worker's command."""
+        self._plan_mirror_or_seal()
+        self._retry_tail_restores()
+        self._plan_spills()
+        self._apply_pressure()
+        cmd = StepCommand(
+            step_id=self._step_id,
+            cleared_rows=self._cleared_rows,
+            page_rows=self._upd_rows,
+            page_indices=self._upd_pages,
+            page_device_blocks=self._upd_device,
+            page_host_blocks=self._upd_host,
+            hot_leases=self._hot_leases,
+            residency_changes=self._residency_changes,
+            transfers=self._transfers,
+        )
+        self._step_id += 1
+        self._unmet_device_blocks = 0
+        self._reset_step_buffers()
+        return cmd
+
+    # =====================================================================================
+    # Internals: growth, release, re-pin
+    # =====================================================================================
+    def _grow(self, req: _Request, num_new_tokens: int, device_block_ids, record: bool) -> Outcome:
+        if num_new_tokens < 0:
+            raise ProtocolError("num_new_tokens must be >= 0")
+        t = self.tables
+        row = req.row
+        start = int(t.num_tokens[row])
+        end = start + num_new_tokens
+        old_pages = int(t.num_pages[row])
+        new_pages = -(-end // self.block_size) - old_pages
+        if new_pages > 0:
+            if end > self.config.max_pages_per_request * self.block_size:
+                raise ProtocolError(f"request {req.request_id!r} grows past max_pages_per_request")
+            if device_block_ids is None and new_pages > self.device_pool.get_num_free_blocks():
+                self.stats.num_device_backpressure += 1
+                self._unmet_device_blocks += new_pages
+                return Outcome.WAIT_DEVICE
+            if device_block_ids is not None and len(device_block_ids) != new_pages:
+                raise ProtocolError(f"{len(device_block_ids)} device blocks given for {new_pages} new pages")
+            try:
+                host = self.host_pool.allocate(new_pages)
+            except HostPoolExhausted:
+                self.stats.num_host_backpressure += 1
+                return Outcome.WAIT_HOST
+            if device_block_ids is None:
+                try:
+                    device = self.device_pool.get_new_blocks(new_pages)
+                except DevicePoolExhausted:  # pragma: no cover - checked above
+                    self.host_pool.free(host)
+                    self.stats.num_device_backpressure += 1
+                    return Outcome.WAIT_DEVICE
+            else:
+                device = [int(b) for b in device_block_ids]
+            pages = slice(old_pages, old_pages + new_pages)
+            t.device_block[row, pages] = device
+            t.pinned[row, pages] = True
+            t.host_block[row, pages] = host
+            t.num_pages[row] = old_pages + new_pages
+            t.num_pinned[row] += new_pages
+            for i in range(new_pages):
+                self._emit_page(row, old_pages + i, device[i], host[i])
+            if req.residency == Residency.FULL:
+                # Only the first crossing of the window counts (pages only grow), so a request
+                # promoted back to FULL later is not flipped again by the window rule.
+                window = self.config.admission_window_pages
+                if window is not None and old_pages <= window < old_pages + new_pages:
+                    self._window_candidates.add(row)
+            elif not req.promoting:
+                # Pages that just left the tail may now be released.
+                for page in range(max(0, old_pages - ACTIVE_TAIL_PAGES), old_pages + new_pages - ACTIVE_TAIL_PAGES):
+                    self._try_release(req, page)
+        t.num_tokens[row] = end
+        if record and num_new_tokens > 0:
+            # Plain lists: one numpy conversion per step, not one per request.
+            self._single_ranges.append((row, start, end, req.serial))
+        return Outcome.OK
+
+    def _try_release(self, req: _Request, page: int) -> bool:
+        """Release a page of a MIXED/NONE request if the rules allow it."""
+        t = self.tables
+        row = req.row
+        if (
+            page < 0
+            or page >= t.num_pages[row] - ACTIVE_TAIL_PAGES
+            or not t.pinned[row, page]
+            or not t.host_valid[row, page]
+            or t.pending[row, page] >= 0
+            or t.mirror_inflight[row, page] > 0
+        ):
+            return False
+        self._release_page(req, page)
+        return True
+
+    def _release_page(self, req: _Request, page: int) -> None:
+        t = self.tables
+        row = req.row
+        block = int(t.device_block[row, page])
+        t.pinned[row, page] = False
+        t.num_pinned[row] -= 1
+        if t.host_valid[row, page]:
+            t.num_clean_pinned[row] -= 1
+        self._released_owner.setdefault(block, []).append((row, req.serial, page))
+        self.device_pool.release_readable([block], self._on_block_reused)
+        self.stats.num_pages_released += 1
+
+    def _repin_page(self, req: _Request, page: int) -> None:
+        t = self.tables
+        row = req.row
+        block = int(t.device_block[row, page])
+        owners = self._released_owner.get(block)
+        if owners is not None:
+            owners.remove((row, req.serial, page))
+            if not owners:
+                del self._released_owner[block]
+        self.device_pool.touch([block])
+        t.pinned[row, page] = True
+        t.num_pinned[row] += 1
+        if t.host_valid[row, page]:
+            t.num_clean_pinned[row] += 1
+        self.stats.num_pages_repinned += 1
+
+    def _on_block_reused(self, block: int) -> None:
+        """Device pool callback: a released block was handed out again."""
+        owners = self._released_owner.pop(block, None)
+        if not owners:
+            return
+        t = self.tables
+        for row, serial, page in owners:
+            if t.serial[row] == serial and t.device_block[row, page] == block and not t.pinned[row, page]:
+                t.device_block[row, page] = -1
+                self._emit_page(row, page, -1, int(t.host_block[row, page]))
+                self.stats.num_pages_reused += 1
+
+    def _mark_clean(self, req: _Request, page: int) -> None:
+        """Every row of the page is on the host: it is clean from now on."""
+        t = self.tables
+        row = req.row
+        t.host_valid[row, page] = True
+        t.mirror_failed[row, page] = False
+        if t.pinned[row, page]:
+            t.num_clean_pinned[row] += 1
+        if page < len(req.block_hashes):
+            if self.host_pool.publish(int(t.host_block[row, page]), req.block_hashes[page]):
+                self.stats.num_published_pages += 1
+        if req.status == RequestStatus.PARKED:
+            self._settle_parked_page(req, page)
+        elif req.residency != Residency.FULL and not req.promoting:
+            self._try_release(req, page)
+
+    def _settle_parked_page(self, req: _Request, page: int) -> bool:
+        """Release a parked request's pinned page once its written rows are on the host."""
+        t = self.tables
+        row = req.row
+        if not t.pinned[row, page]:
+            return True
+        if t.pending[row, page] >= 0 or t.mirror_inflight[row, page] > 0:
+            return False
+        if not t.host_covers_written(row, page):
+            return False
+        self._release_page(req, page)
+        return True
+
+    # =====================================================================================
+    # Internals: transfers
+    # =====================================================================================
+    def _plan_mirror_or_seal(self) -> None:
+        """Turn this step's written ranges into a MIRROR (eager) or queue sealed pages."""
+        if self._single_ranges:
+            singles = np.array(self._single_ranges, dtype=np.int64)
+            self._step_rows.append(singles[:, 0])
+            self._step_starts.append(singles[:, 1])
+            self._step_ends.append(singles[:, 2])
+            self._step_serials.append(singles[:, 3])
+        if not self._step_rows:
+            return
+        t = self.tables
+        bs = self.block_size
+        rows = np.concatenate(self._step_rows)
+        starts = np.concatenate(self._step_starts)
+        ends = np.concatenate(self._step_ends)
+        serials = np.concatenate(self._step_serials)
+        keep = (t.serial[rows] == serials) & (ends > starts)
+        if not np.all(keep):
+            rows, starts, ends, serials = rows[keep], starts[keep], ends[keep], serials[keep]
+        if rows.shape[0] == 0:
+            return
+        first = starts // bs
+        last = (ends - 1) // bs
+        span = last - first + 1
+        if np.all(span == 1):
+            pr, pp, ps = rows, first, serials
+            lo = starts - first * bs
+            hi = ends - first * bs
+        else:
+            total = int(span.sum())
+            pr = np.repeat(rows, span)
+            ps = np.repeat(serials, span)
+            offsets = np.arange(total) - np.repeat(np.cumsum(span) - span, span)
+            pp = np.repeat(first, span) + offsets
+            lo = np.maximum(np.repeat(starts, span), pp * bs) - pp * bs
+            hi = np.minimum(np.repeat(ends, span), (pp + 1) * bs) - pp * bs
+        if self.config.eager_host_mirror:
+            txn = self._txns.open(
+                TransferKind.MIRROR, self._step_id, rows=pr, serials=ps, pages=pp, starts=lo, ends=hi
+            )
+            np.add.at(t.mirror_inflight, (pr, pp), 1)
+            self._transfers.append(
+                TransferSpec(
+                    transfer_id=txn.transfer_id,
+                    kind=int(TransferKind.MIRROR),
+                    after_forward=True,
+                    mirror_rows=rows.tolist(),
+                    mirror_starts=starts.tolist(),
+                    mirror_ends=ends.tolist(),
+                )
+            )
+        else:
+            sealed = np.nonzero(hi == bs)[0]
+            for i in sealed:
+                self._spill_queue[(int(pr[i]), int(ps[i]), int(pp[i]))] = None
+
+    def _plan_spills(self) -> None:
+        """Plan one SPILL transaction for queued pages that are ready, within the budget."""
+        if not self._spill_queue:
+            return
+        t = self.tables
+        budget = self.config.max_spill_pages_per_step
+        rows, serials, pages, device, host, copied = [], [], [], [], [], []
+        for key in list(self._spill_queue):
+            if len(pages) >= budget:
+                break
+            row, serial, page = key
+            if t.serial[row] != serial or page >= t.num_pages[row]:
+                del self._spill_queue[key]
+                continue
+            if t.host_valid[row, page] or not t.pinned[row, page]:
+                del self._spill_queue[key]
+                continue
+            if t.pending[row, page] >= 0 or t.mirror_inflight[row, page] > 0:
+                continue  # wait for the transfer in flight
+            req = self._row_request[row]
+            written = t.rows_written(row, page)
+            if written < self.block_size and req.status != RequestStatus.PARKED:
+                continue  # not sealed yet: the forward is still filling it
+            del self._spill_queue[key]
+            if t.host_covers_written(row, page):
+                self._settle_parked_page(req, page)
+                continue
+            rows.append(row)
+            serials.append(serial)
+            pages.append(page)
+            device.append(int(t.device_block[row, page]))
+            host.append(int(t.host_block[row, page]))
+            copied.append(written)
+        if not pages:
+            return
+        txn = self._txns.open(
+            TransferKind.SPILL,
+            self._step_id,
+            rows=np.array(rows, dtype=np.int64),
+            serials=np.array(serials, dtype=np.int64),
+            pages=np.array(pages, dtype=np.int64),
+            device_blocks=np.array(device, dtype=np.int64),
+            host_blocks=np.array(host, dtype=np.int64),
+            num_rows_copied=np.array(copied, dtype=np.int64),
+        )
+        # Source and destination pinned for the life of the transfer.
+        self.device_pool.touch(device)
+        self.host_pool.touch(host)
+        txn.held_device_until_enqueued = list(device)
+        txn.held_host_until_done = list(host)
+        t.pending[txn.rows, txn.pages] = txn.transfer_id
+        self.stats.num_spill_pages += len(pages)
+        self._transfers.append(
+            TransferSpec(
+                transfer_id=txn.transfer_id,
+                kind=int(TransferKind.SPILL),
+                after_forward=True,
+                device_blocks=device,
+                host_blocks=host,
+            )
+        )
+
+    def _plan_restore(self, req: _Request, pages: list[int]) -> None:
+        """Allocate device blocks for host-only pages and plan their H2D restore."""
+        t = self.tables
+        row = req.row
+        device = self.device_pool.get_new_blocks(len(pages))
+        host = [int(t.host_block[row, p]) for p in pages]
+        self.host_pool.touch(host)
+        txn = self._txns.open(
+            TransferKind.RESTORE,
+            self._step_id,
+            rows=np.full(len(pages), row, dtype=np.int64),
+            serials=np.full(len(pages), req.serial, dtype=np.int64),
+            pages=np.array(pages, dtype=np.int64),
+            device_blocks=np.array(device, dtype=np.int64),
+            host_blocks=np.array(host, dtype=np.int64),
+        )
+        # The new device blocks belong to the transfer until it completes.
+        txn.held_device_until_done = list(device)
+        txn.held_host_until_done = list(host)
+        t.pending[row, pages] = txn.transfer_id
+        req.num_restores_inflight += len(pages)
+        self.stats.num_restore_pages += len(pages)
+        self._transfers.append(
+            TransferSpec(
+                transfer_id=txn.transfer_id,
+                kind=int(TransferKind.RESTORE),
+                after_forward=False,
+                device_blocks=list(device),
+                host_blocks=host,
+            )
+        )
+
+    def _retry_tail_restores(self) -> None:
+        for row in list(self._tail_retry_rows):
+            req = self._row_request[row]
+            if req is None or not req.needs_tail_restore_retry or req.status != RequestStatus.ACTIVATING:
+                self._tail_retry_rows.discard(row)
+                continue
+            t = self.tables
+            n = int(t.num_pages[row])
+            missing = [p for p in range(max(0, n - ACTIVE_TAIL_PAGES), n) if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
+            if len(missing) > self.device_pool.get_num_free_blocks():
+                continue
+            req.needs_tail_restore_retry = False
+            self._tail_retry_rows.discard(row)
+            if missing:
+                self._plan_restore(req, missing)
+            elif req.num_restores_inflight == 0:
+                self._set_status(req, RequestStatus.ACTIVE)
+
+    def _release_enqueued_leases(self, txn: Transaction) -> None:
+        if txn.held_device_until_enqueued:
+            self.device_pool.free_blocks(txn.held_device_until_enqueued)
+            txn.held_device_until_enqueued = []
+
+    def _release_done_leases(self, txn: Transaction) -> None:
+        if txn.held_device_until_done:
+            self.device_pool.free_blocks(txn.held_device_until_done)
+            txn.held_device_until_done = []
+        if txn.held_host_until_done:
+            self.host_pool.free(txn.held_host_until_done)
+            txn.held_host_until_done = []
+
+    def _live(self, txn: Transaction) -> np.ndarray:
+        """Mask of the transaction's entries whose request incarnation still owns the row."""
+        return self.tables.serial[txn.rows] == txn.serials
+
+    def _on_completed(self, txn: Transaction) -> None:
+        t = self.tables
+        live = self._live(txn)
+        if txn.kind == TransferKind.MIRROR:
+            r, p = txn.rows[live], txn.pages[live]
+            if r.shape[0] == 0:
+                return
+            np.subtract.at(t.mirror_inflight, (r, p), 1)
+            masks = range_masks(txn.starts[live], txn.ends[live], t.num_mask_words)
+            np.bitwise_or.at(t.host_mask, (r, p), masks)
+            full = np.all(t.host_mask[r, p] == t.full_mask, axis=1) & ~t.host_valid[r, p]
+            for i in np.nonzero(full)[0]:
+                self._mark_clean(self._row_request[int(r[i])], int(p[i]))
+            # Pages of parked requests may now be released, and pages that were waiting for
+            # this mirror to end may now be released or spilled.
+            parked = self._row_status[r] == RequestStatus.PARKED
+            for i in np.nonzero(parked & ~full)[0]:
+                self._settle_parked_page(self._row_request[int(r[i])], int(p[i]))
+            # Clean pages of MIXED/NONE requests that only waited for this mirror to end.
+            waiting = (
+                ~full
+                & ~parked
+                & t.host_valid[r, p]
+                & (t.mirror_inflight[r, p] == 0)
+                & (self._row_residency[r] != Residency.FULL)
+            )
+            for i in np.nonzero(waiting)[0]:
+                req = self._row_request[int(r[i])]
+                if req.status == RequestStatus.ACTIVE and not req.promoting:
+                    self._try_release(req, int(p[i]))
+            return
+        for i in np.nonzero(live)[0]:
+            row, page = int(txn.rows[i]), int(txn.pages[i])
+            if t.pending[row, page] != txn.transfer_id:
+                continue
+            t.pending[row, page] = -1
+            req = self._row_request[row]
+            if txn.kind == TransferKind.SPILL:
+                t.host_mask[row, page] |= range_mask(0, int(txn.num_rows_copied[i]), t.num_mask_words)
+                if not t.host_valid[row, page] and np.all(t.host_mask[row, page] == t.full_mask):
+                    self._mark_clean(req, page)
+                elif req.status == RequestStatus.PARKED:
+                    self._settle_parked_page(req, page)
+                elif t.host_valid[row, page] and req.residency != Residency.FULL and not req.promoting:
+                    self._try_release(req, page)
+            else:  # RESTORE: the transfer's device lease becomes the page's.
+                block = int(txn.device_blocks[i])
+                txn.held_device_until_done.remove(block)
+                t.device_block[row, page] = block
+                t.pinned[row, page] = True
+                t.num_pinned[row] += 1
+                if t.host_valid[row, page]:
+                    t.num_clean_pinned[row] += 1
+                self._emit_page(row, page, block, int(t.host_block[row, page]))
+                req.num_restores_inflight -= 1
+                if req.status == RequestStatus.PARKED:
+                    self._settle_parked_page(req, page)
+                elif req.residency != Residency.FULL and not req.promoting:
+                    self._try_release(req, page)
+                self._after_restores(req)
+        if txn.kind == TransferKind.SPILL and txn.publish_on_completion:
+            # Pages of ended requests: the copy is durable now, so the prefix may be shared,
+            # but only if the spill copied a whole page (a preempted request spills partial
+            # pages, and the request may have sealed the page after the spill was planned).
+            for i, host_block in enumerate(txn.host_blocks.tolist()):
+                block_hash = txn.publish_on_completion.get(host_block)
+                if block_hash is None or txn.num_rows_copied[i] != self.block_size:
+                    continue
+                if self.host_pool.publish(host_block, block_hash):
+                    self.stats.num_published_pages += 1
+
+    def _on_failed(self, txn: Transaction) -> None:
+        t = self.tables
+        live = self._live(txn)
+        if txn.kind == TransferKind.MIRROR:
+            r, p, s = txn.rows[live], txn.pages[live], txn.serials[live]
+            np.subtract.at(t.mirror_inflight, (r, p), 1)
+            t.mirror_failed[r, p] = True
+            for i in range(r.shape[0]):
+                if not t.host_valid[r[i], p[i]]:
+                    self._spill_queue[(int(r[i]), int(s[i]), int(p[i]))] = None
+            return
+        for i in np.nonzero(live)[0]:
+            row, page = int(txn.rows[i]), int(txn.pages[i])
+            if t.pending[row, page] != txn.transfer_id:
+                continue
+            t.pending[row, page] = -1
+            req = self._row_request[row]
+            if txn.kind == TransferKind.SPILL:
+                # A failed copy may have scribbled over the host page: trust none of its rows.
+                # The page keeps its resident copy; try again later.
+                if not t.host_valid[row, page]:
+                    t.host_mask[row, page] = 0
+                self._spill_queue[(row, req.serial, page)] = None
+            else:
+                req.num_restores_inflight -= 1
+                if req.promoting:
+                    # Give up this promotion (it may be chosen again later) and hand back the
+                    # pages it had re-pinned.
+                    req.promoting = False
+                    if req.status == RequestStatus.ACTIVE:
+                        self._release_all_releasable(req)
+                if req.status == RequestStatus.ACTIVATING:
+                    req.needs_tail_restore_retry = True
+                    self._tail_retry_rows.add(row)
+
+    def _after_restores(self, req: _Request) -> None:
+        if req.num_restores_inflight:
+            return
+        if req.status == RequestStatus.ACTIVATING and not req.needs_tail_restore_retry:
+            self._set_status(req, RequestStatus.ACTIVE)
+        if req.promoting:
+            self._maybe_finish_promotion(req)
+
+    # =====================================================================================
+    # Internals: pressure, demotion, promotion
+    # =====================================================================================
+    def _apply_pressure(self) -> None:
+        demoted = False
+        for row in list(self._window_candidates):
+            req = self._row_request[row]
+            if req is not None and req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE:
+                demoted |= self._demote(req)
+        self._window_candidates.clear()
+        free = self.device_pool.get_num_free_blocks()
+        if free < self.low_watermark_blocks or self._unmet_device_blocks:
+            self._demote_for_pressure(free)
+        elif (
+            not demoted
+            and free >= self.high_watermark_blocks
+            and self._non_full_rows
+            and self._step_id >= self._next_promotion_check_step
+        ):
+            # Re-evaluated at most every min_steps_between_transitions steps, so a step with
+            # no pressure costs O(1) even when many requests stay MIXED.
+            self._next_promotion_check_step = self._step_id + max(1, self.config.min_steps_between_transitions)
+            self._promote_some(free)
+
+    def _demote_for_pressure(self, free: int) -> None:
+        need = self.high_watermark_blocks + self._unmet_device_blocks - free
+        if need <= 0:
+            return
+        t = self.tables
+        cooled = self._step_id - self._row_last_transition > self.config.min_steps_between_transitions
+        candidates = np.nonzero(
+            (self._row_status == RequestStatus.ACTIVE) & (self._row_residency == Residency.FULL) & cooled
+        )[0]
+        if candidates.shape[0] == 0:
+            return
+        reclaimable = np.maximum(t.num_clean_pinned[candidates] - ACTIVE_TAIL_PAGES, 0)
+        hot = self._row_hot_blocks[candidates]
+        net = reclaimable - hot
+        ok = net > 0
+        if not np.any(ok):
+            return
+        candidates, reclaimable, hot, net = candidates[ok], reclaimable[ok], hot[ok], net[ok]
+        order = np.argsort(-(reclaimable / hot), kind="stable")
+        gained = 0
+        for i in order:
+            if gained >= need:
+                break
+            if self._demote(self._row_request[int(candidates[i])]):
+                gained += int(net[i])
+
+    def _demote(self, req: _Request) -> bool:
+        """FULL → MIXED: lease a hot region and release every releasable page."""
+        if req.hot_blocks > self.device_pool.get_num_free_blocks():
+            self.stats.num_device_backpressure += 1
+            return False
+        self._lease_hot(req)
+        self._set_residency(req, Residency.MIXED)
+        self.stats.num_demotions += 1
+        self._release_all_releasable(req)
+        return True
+
+    def _release_all_releasable(self, req: _Request) -> None:
+        """Release every clean, idle, non-tail pinned page of a MIXED/NONE request."""
+        t = self.tables
+        row = req.row
+        limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
+        if limit <= 0:
+            return
+        releasable = (
+            t.pinned[row, :limit]
+            & t.host_valid[row, :limit]
+            & (t.pending[row, :limit] < 0)
+            & (t.mirror_inflight[row, :limit] == 0)
+        )
+        for page in np.nonzero(releasable)[0]:
+            self._release_page(req, int(page))
+
+    def _promote_some(self, free: int) -> None:
+        t = self.tables
+        rows = np.fromiter(self._non_full_rows, dtype=np.int64, count=len(self._non_full_rows))
+        cooled = self._step_id - self._row_last_transition[rows] > self.config.min_steps_between_transitions
+        rows = rows[(self._row_status[rows] == RequestStatus.ACTIVE) & cooled]
+        if rows.shape[0] == 0:
+            return
+        cost = t.num_pages[rows] - t.num_pinned[rows]
+        order = np.argsort(cost, kind="stable")
+        started = 0
+        restore_budget = self.config.max_restore_pages_per_step
+        for i in order:
+            if started >= self.config.max_promotions_per_step:
+                break
+            req = self._row_request[int(rows[i])]
+            if req.promoting:
+                continue
+            c = int(cost[i])
+            if free - c < self.high_watermark_blocks:
+                break
+            host_only = int(np.count_nonzero(t.device_block[req.row, : t.num_pages[req.row]] < 0))
+            if host_only > restore_budget:
+                continue
+            self._promote(req)
+            restore_budget -= host_only
+            free -= c
+            started += 1
+
+    def _promote(self, req: _Request) -> None:
+        """Start MIXED/NONE → FULL: re-pin released pages, restore host-only ones."""
+        t = self.tables
+        row = req.row
+        n = int(t.num_pages[row])
+        req.promoting = True
+        req.last_transition_step = self._step_id
+        self._row_last_transition[row] = self._step_id
+        self.stats.num_promotions += 1
+        for page in np.nonzero(~t.pinned[row, :n] & (t.device_block[row, :n] >= 0))[0]:
+            self._repin_page(req, int(page))
+        host_only = [int(p) for p in np.nonzero((t.device_block[row, :n] < 0) & (t.pending[row, :n] < 0))[0]]
+        if host_only:
+            self._plan_restore(req, host_only)
+        self._maybe_finish_promotion(req)
+
+    def _maybe_finish_promotion(self, req: _Request) -> None:
+        t = self.tables
+        if req.num_restores_inflight or t.num_pinned[req.row] != t.num_pages[req.row]:
+            return
+        req.promoting = False
+        self._drop_hot_lease(req)
+        self._set_residency(req, Residency.FULL)
+
+    # =====================================================================================
+    # Internals: leases, rows, emission
+    # =====================================================================================
+    def _lease_hot(self, req: _Request) -> None:
+        req.hot_block_ids = self.device_pool.get_new_blocks(req.hot_blocks)
+        self._hot_leases.append(HotLease(row=req.row, block_ids=list(req.hot_block_ids)))
+        self._non_full_rows.add(req.row)
+
+    def _drop_hot_lease(self, req: _Request) -> None:
+        if req.hot_block_ids:
+            self.device_pool.free_blocks(req.hot_block_ids)
+            req.hot_block_ids = []
+            self._hot_leases.append(HotLease(row=req.row, block_ids=[]))
+
+    def _end_request(self, req: _Request, publish: bool) -> None:
+        t = self.tables
+        row, serial = req.row, req.serial
+        n = int(t.num_pages[row])
+        # 1. Mirrors in flight over this row: they take over leases on what they touch.
+        for txn in self._txns.values():
+            if txn.kind != TransferKind.MIRROR:
+                continue
+            hits = np.nonzero((txn.rows == row) & (txn.serials == serial))[0]
+            for i in hits:
+                page = int(txn.pages[i])
+                if txn.phase == TransferPhase.PLANNED and t.pinned[row, page]:
+                    block = int(t.device_block[row, page])
+                    self.device_pool.touch([block])
+                    txn.held_device_until_enqueued.append(block)
+                host_block = int(t.host_block[row, page])
+                self.host_pool.touch([host_block])
+                txn.held_host_until_done.append(host_block)
+        # 2. Publish durable pages; pages whose spill is in flight publish on completion.
+        if publish and req.block_hashes:
+            for page in range(min(n, len(req.block_hashes))):
+                host_block = int(t.host_block[row, page])
+                if host_block < 0:
+                    continue
+                if t.host_valid[row, page]:
+                    if self.host_pool.publish(host_block, req.block_hashes[page]):
+                        self.stats.num_published_pages += 1
+                elif t.pending[row, page] >= 0 and t.pending[row, page] in self._txns:
+                    txn = self._txns.get(int(t.pending[row, page]))
+                    if txn.kind == TransferKind.SPILL:
+                        txn.publish_on_completion[host_block] = req.block_hashes[page]
+        # 3. Device leases of pages; forget released copies.
+        pinned_blocks = [int(b) for b in t.device_block[row, :n][t.pinned[row, :n]]]
+        if pinned_blocks:
+            self.device_pool.free_blocks(pinned_blocks)
+        for page in np.nonzero(~t.pinned[row, :n] & (t.device_block[row, :n] >= 0))[0]:
+            block = int(t.device_block[row, page])
+            owners = self._released_owner.get(block)
+            if owners is not None:
+                owners.remove((row, serial, int(page)))
+                if not owners:
+                    del self._released_owner[block]
+        # 4. Host leases of pages.
+        host_blocks = [int(b) for b in t.host_block[row, :n] if b >= 0]
+        if host_blocks:
+            self.host_pool.free(host_blocks)
+        # 5. Hot lease.
+        self._drop_hot_lease(req)
+        # 6. The row.
+        self._drop_pending_updates(row)
+        self._cleared_rows.append(row)
+        t.reset_row(row)
+        self._row_status[row] = -1
+        self._row_residency[row] = -1
+        self._row_hot_blocks[row] = 0
+        self._row_last_transition[row] = -(10**9)
+        self._non_full_rows.discard(row)
+        self._window_candidates.discard(row)
+        self._tail_retry_rows.discard(row)
+        self._row_request[row] = None
+        self._free_rows.append(row)
+        del self._requests[req.request_id]
+
+    def _take_row(self, state_row: int | None) -> int:
+        if state_row is None:
+            if not self._free_rows:
+                raise ProtocolError("no free state row")
+            return self._free_rows.pop()
+        if not 0 <= state_row < self.config.max_num_rows or self._row_request[state_row] is not None:
+            raise ProtocolError(f"state row {state_row} is out of range or in use")
+        self._free_rows.remove(state_row)
+        return state_row
+
+    def _hot_blocks_for(self, hot_rows: int | None) -> int:
+        if hot_rows is None:
+            return self.config.hot_blocks_per_request
+        if hot_rows <= 0 or hot_rows % self.block_size:
+            raise ValueError(f"hot_rows={hot_rows} must be a positive multiple of block_size")
+        return hot_rows // self.block_size
+
+    def _set_status(self, req: _Request, status: RequestStatus) -> None:
+        req.status = status
+        self._row_status[req.row] = status
+
+    def _set_residency(self, req: _Request, residency: Residency, emit: bool = True) -> None:
+        if req.residency != residency:
+            req.last_transition_step = self._step_id
+            self._row_last_transition[req.row] = self._step_id
+        req.residency = residency
+        self._row_residency[req.row] = residency
+        if residency == Residency.FULL:
+            self._non_full_rows.discard(req.row)
+        else:
+            self._non_full_rows.add(req.row)
+        if emit:
+            self._residency_changes.append(
+                ResidencyChange(request_id=req.request_id, row=req.row, residency=int(residency))
+            )
+
+    def _emit_page(self, row: int, page: int, device_block: int, host_block: int) -> None:
+        self._upd_rows.append(int(row))
+        self._upd_pages.append(int(page))
+        self._upd_device.append(int(device_block))
+        self._upd_host.append(int(host_block))
+
+    def _drop_pending_updates(self, row: int) -> None:
+        if row in self._upd_rows:
+            keep = [i for i, r in enumerate(self._upd_rows) if r != row]
+            self._upd_rows = [self._upd_rows[i] for i in keep]
+            self._upd_pages = [self._upd_pages[i] for i in keep]
+            self._upd_device = [self._upd_device[i] for i in keep]
+            self._upd_host = [self._upd_host[i] for i in keep]
+        self._hot_leases = [h for h in self._hot_leases if h.row != row]
+
+    def _reset_step_buffers(self) -> None:
+        self._step_rows: list[np.ndarray] = []
+        self._step_starts: list[np.ndarray] = []
+        self._step_ends: list[np.ndarray] = []
+        self._step_serials: list[np.ndarray] = []
+        self._single_ranges: list[tuple[int, int, int, int]] = []
+        self._upd_rows: list[int] = []
+        self._upd_pages: list[int] = []
+        self._upd_device: list[int] = []
+        self._upd_host: list[int] = []
+        self._hot_leases: list[HotLease] = []
+        self._residency_changes: list[ResidencyChange] = []
+        self._cleared_rows: list[int] = []
+        self._transfers: list[TransferSpec] = []
+
+    def _req(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ProtocolError(f"unknown request {request_id!r}")
+        return req
+
+    # =====================================================================================
+    # Invariants (tests and debugging; O(everything))
+    # =====================================================================================
+    def check_invariants(self, extra_device_leases: Iterable[int] = (), extra_host_leases: Iterable[int] = ()) -> None:
+        """Raise AssertionError if any residency invariant is broken.
+
+        * every written page of every request has a valid copy: pinned on the device,
+          released but not reused, or on the host (host rows cover the written rows);
+        * the running tail pages of an ACTIVE request are pinned;
+        * device and host reference counts equal the leases the policy and its open
+          transactions hold (so never negative, and no block is both free and owned);
+        * hot leases belong to live MIXED/NONE requests only.
+
+        ``extra_*_leases`` are blocks held by someone other than the policy (a test hog).
+        """
+        t = self.tables
+        dev_leases: dict[int, int] = {}
+        host_leases: dict[int, int] = {}
+
+        def add(d, k):
+            d[k] = d.get(k, 0) + 1
+
+        for req in self._requests.values():
+            row = req.row
+            assert self._row_request[row] is req
+            assert t.serial[row] == req.serial
+            n = int(t.num_pages[row])
+            assert n == cdiv(int(t.num_tokens[row]), self.block_size)
+            assert t.num_pinned[row] == int(np.count_nonzero(t.pinned[row, :n])), req.request_id
+            assert t.num_clean_pinned[row] == int(np.count_nonzero(t.pinned[row, :n] & t.host_valid[row, :n]))
+            assert not np.any(t.pinned[row, n:]) and not np.any(t.device_block[row, n:] >= 0)
+            for page in range(n):
+                block = int(t.device_block[row, page])
+                host_block = int(t.host_block[row, page])
+                if req.status != RequestStatus.IMPORTING:
+                    assert host_block >= 0, (req.request_id, page, "page without host block")
+                if host_block >= 0:
+                    add(host_leases, host_block)
+                if t.pinned[row, page]:
+                    assert block >= 0
+                    add(dev_leases, block)
+                    continue
+                if block >= 0:
+                    owners = self._released_owner.get(block, [])
+                    assert (row, req.serial, page) in owners, (req.request_id, page, "released page not tracked")
+                    if hasattr(self.device_pool, "is_free"):
+                        assert self.device_pool.is_free(block), (req.request_id, page, "released block re-owned")
+                if t.host_valid[row, page]:
+                    assert np.all(t.host_mask[row, page] == t.full_mask)
+                if req.status == RequestStatus.IMPORTING:
+                    continue
+                assert t.host_covers_written(row, page), (req.request_id, page, "page has no valid copy")
+            if req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:
+                for page in range(max(0, n - ACTIVE_TAIL_PAGES), n):
+                    assert t.pinned[row, page], (req.request_id, page, "tail page not pinned")
+            if req.residency == Residency.FULL and req.status in (RequestStatus.ACTIVE,):
+                assert t.num_pinned[row] == n, (req.request_id, "FULL request with unpinned pages")
+            if req.hot_block_ids:
+                assert req.residency != Residency.FULL and req.status in (
+                    RequestStatus.ACTIVE,
+                    RequestStatus.ACTIVATING,
+                ), (req.request_id, "hot lease held outside MIXED/NONE running")
+                assert len(req.hot_block_ids) == req.hot_blocks
+                for block in req.hot_block_ids:
+                    add(dev_leases, block)
+            elif req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:
+                raise AssertionError((req.request_id, "MIXED/NONE request without hot lease"))
+        for block in extra_device_leases:
+            add(dev_leases, int(block))
+        for block in extra_host_leases:
+            add(host_leases, int(block))
+        for txn in self._txns.values():
+            for block in txn.held_device_until_enqueued + txn.held_device_until_done:
+                add(dev_leases, block)
+            for block in txn.held_host_until_done:
+                add(host_leases, block)
+        for row in range(t.num_rows):
+            if self._row_request[row] is None:
+                assert t.serial[row] == 0 and t.num_pages[row] == 0
+        ref = getattr(self.device_pool, "ref_counts", None)
+        if ref is not None:
+            assert np.all(ref >= 0)
+            expected = np.zeros_like(ref)
+            for block, count in dev_leases.items():
+                expected[block] = count
+            bad = np.nonzero(expected != ref)[0]
+            assert bad.shape[0] == 0, f"device leases differ at blocks {bad[:8].tolist()}: " \
+                f"expected {expected[bad[:8]].tolist()} got {ref[bad[:8]].tolist()}"
+            assert self.device_pool.get_num_free_blocks() == int(np.count_nonzero(ref == 0))
+        ref = self.host_pool.ref_counts
+        assert np.all(ref >= 0)
+        expected = np.zeros_like(ref)
+        for block, count in host_leases.items():
+            expected[block] = count
+        bad = np.nonzero(expected != ref)[0]
+        assert bad.shape[0] == 0, f"host leases differ at blocks {bad[:8].tolist()}"
+        for block in host_leases:
+            assert not self.host_pool.is_free(block)
+        assert self.host_pool.num_free_blocks + self.host_pool.num_cached_blocks == int(np.count_nonzero(ref == 0))
+
+    def is_idle(self) -> bool:
+        """True when no request and no transfer is open (pools should be at rest)."""
+        return not self._requests and len(self._txns) == 0

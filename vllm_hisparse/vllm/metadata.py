@@ -1,0 +1,46 @@
+"""What crosses the scheduler ↔ worker boundary each step, in vLLM's connector types.
+
+* scheduler → worker: :class:`HiSparseConnectorMetadata` wraps the core policy's
+  :class:`~vllm_hisparse.core.StepCommand` for the step (ids only);
+* worker → scheduler: :class:`HiSparseWorkerMetadata` wraps the
+  :class:`~vllm_hisparse.core.WorkerAcks` observed since the previous step. With several
+  workers (tensor parallel) vLLM aggregates them; a transfer counts as completed only when
+  every worker completed it, and as failed when any worker failed it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hisparse.core.commands import StepCommand, WorkerAcks
+from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass
+class HiSparseConnectorMetadata(KVConnectorMetadata):
+    """The step's command for every worker."""
+
+    command: StepCommand
+
+
+@dataclass
+class HiSparseWorkerMetadata(KVConnectorWorkerMetadata):
+    """Transfer acks of one worker (or, after :meth:`aggregate`, of all of them)."""
+
+    acks: WorkerAcks = field(default_factory=WorkerAcks)
+    num_workers: int = 1
+
+    def aggregate(self, other: "HiSparseWorkerMetadata") -> "HiSparseWorkerMetadata":
+        """Combine two workers' reports.
+
+        An id is failed if either failed it. Completion must be unanimous: an id is
+        completed only after every worker reported it, so partial completions are kept as
+        ``pending`` counts by the scheduler side (see ``connector_scheduler.py``); here the
+        reports are simply concatenated and the worker count summed, and the scheduler
+        counts completions per id against ``num_workers``.
+        """
+        return HiSparseWorkerMetadata(
+            acks=WorkerAcks(enqueued=self.acks.enqueued + other.acks.enqueued,
+                            completed=self.acks.completed + other.acks.completed,
+                            failed=self.acks.failed + other.acks.failed),
+            num_workers=self.num_workers + other.num_workers)
