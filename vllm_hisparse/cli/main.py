@@ -11,9 +11,9 @@ import argparse
 import sys
 
 from vllm_hisparse import __version__
-from vllm_hisparse.cli import replay
+from vllm_hisparse.cli import plan, replay
 
-SUBCOMMANDS = {"replay": replay}
+SUBCOMMANDS = {"plan": plan, "replay": replay}
 
 
 class CliError(Exception):

@@ -2,8 +2,9 @@
 
 Tiers and what each holds per token of context (``L`` sparse layers):
 
-* **device, FULL** request: the MLA row and the indexer row of every layer,
-  ``L * (row_bytes + indexer_row_bytes)``;
+* **device, FULL** request: the MLA row of every layer and the indexer row of every
+  indexer layer (``I`` of them; ``I = L`` without IndexShare),
+  ``L * row_bytes + I * indexer_row_bytes``;
 * **device, MIXED/NONE** request: the indexer rows of every position stay on the device
   (the indexer scores all positions every step), plus a fixed part per request: the hot
   region and the ``ACTIVE_TAIL_PAGES`` tail pages of MLA rows;
@@ -11,13 +12,13 @@ Tiers and what each holds per token of context (``L`` sparse layers):
 
 Concurrency at a context of ``T`` tokens (``P = cdiv(T, block_size)`` pages):
 
-* FULL only (no hierarchy): ``floor(device_bytes / (P * bs * L * (row + idx)))``;
+* FULL only (no hierarchy): ``floor(device_bytes / (P * bs * (L * row + I * idx)))``;
 * steady state (everyone MIXED): per request
-  ``P * bs * L * idx + (hot_rows + ACTIVE_TAIL_PAGES * bs) * L * row`` device bytes, and
+  ``P * bs * I * idx + (hot_rows + ACTIVE_TAIL_PAGES * bs) * L * row`` device bytes, and
   ``P`` host blocks; the minimum of the two quotients;
 * at admission (the newcomer is FULL up to its admission window ``W`` pages while everyone
   else is steady): ``1 + floor((device_bytes - admit_bytes) / steady_bytes)`` with
-  ``admit_bytes = P * bs * L * idx + min(P, W) * bs * L * row``; also capped by the host.
+  ``admit_bytes = P * bs * I * idx + min(P, W) * bs * L * row``; also capped by the host.
 
 Host memory: ``host_pool_gib`` is *logical* and per data-parallel replica (the KV of the
 requests one replica serves). *Physical* pinned memory per node multiplies it by the
@@ -45,7 +46,12 @@ INDEXER_ROW_BYTES = 132
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """KV geometry of a top-k sparse-attention model."""
+    """KV geometry of a top-k sparse-attention model.
+
+    ``num_indexer_layers`` counts the layers that keep indexer keys: every sparse layer in
+    DeepSeek-V3.2 and GLM-5.1, fewer with IndexShare (GLM-5.2: 21 of 78), where followers
+    reuse their leader's top-k. ``None`` means one per sparse layer.
+    """
 
     name: str
     num_sparse_layers: int
@@ -53,16 +59,22 @@ class ModelGeometry:
     row_bytes: int
     indexer_row_bytes: int
     top_k: int
+    num_indexer_layers: int | None = None
+
+    @property
+    def indexer_layers(self) -> int:
+        """Layers holding indexer keys."""
+        return self.num_sparse_layers if self.num_indexer_layers is None else self.num_indexer_layers
 
     @property
     def device_full_bytes_per_token(self) -> int:
         """Device bytes per token of a FULL request (MLA + indexer, all layers)."""
-        return self.num_sparse_layers * (self.row_bytes + self.indexer_row_bytes)
+        return self.num_sparse_layers * self.row_bytes + self.device_indexer_bytes_per_token
 
     @property
     def device_indexer_bytes_per_token(self) -> int:
         """Device bytes per token that stay resident for any request (indexer rows)."""
-        return self.num_sparse_layers * self.indexer_row_bytes
+        return self.indexer_layers * self.indexer_row_bytes
 
     @property
     def host_bytes_per_token(self) -> int:
@@ -77,6 +89,23 @@ class ModelGeometry:
 
 DEEPSEEK_V32_FP8 = ModelGeometry("deepseek-v3.2-fp8_ds_mla", 61, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048)
 DEEPSEEK_V32_BF16 = ModelGeometry("deepseek-v3.2-bf16", 61, 64, ROW_BYTES_BF16, INDEXER_ROW_BYTES, 2048)
+# GLM-5.x: 78 decoder layers, all sparse MLA (kv_lora_rank 512, qk_rope 64), index_topk 2048.
+GLM_51_FP8 = ModelGeometry("glm-5.1-fp8_ds_mla", 78, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048)
+# GLM-5.2: IndexShare, 21 anchor layers run the indexer, 57 reuse an anchor's top-k.
+GLM_52_FP8 = ModelGeometry("glm-5.2-fp8_ds_mla", 78, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048,
+                           num_indexer_layers=21)
+# GLM-5.3: IndexShare with one indexer per 4 sparse layers (20 of 78).
+GLM_53_FP8 = ModelGeometry("glm-5.3-fp8_ds_mla", 78, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048,
+                           num_indexer_layers=20)
+
+PRESETS = {
+    "deepseek-v3.2": DEEPSEEK_V32_FP8,
+    "deepseek-v3.2-bf16": DEEPSEEK_V32_BF16,
+    "glm-5.1": GLM_51_FP8,
+    "glm-5.2": GLM_52_FP8,
+    "glm-5.3": GLM_53_FP8,
+}
+"""Model geometries by name (``vllm-hisparse plan --model``); fp8_ds_mla KV unless named."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""``vllm-hisparse plan``: figures, the pasted config, presets, bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_hisparse.cli.main import main
+from vllm_hisparse.core.capacity import DEEPSEEK_V32_FP8, GIB, host_memory, max_concurrency
+
+
+def test_plan_matches_the_capacity_math_and_prints_a_pasteable_config(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--contexts", "32768", "--kv-gib", "60", "--host-gib", "384",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    c = max_concurrency(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB,
+                        num_host_blocks=host_memory(384, DEEPSEEK_V32_FP8).num_host_blocks,
+                        context_tokens=32768, device_buffer_size_rows=4096)
+    row = plan["contexts"][0]
+    assert (row["full_only"], row["hybrid_steady"]) == (c.full_only, c.steady_state)
+    assert row["hybrid_steady"] >= 3 * row["full_only"]  # the point of the package
+    line = next(l for l in text.splitlines() if l.startswith("--kv-transfer-config"))
+    config = json.loads(line.split("'")[1])
+    assert config["kv_connector"] == "HiSparseResidencyConnector"
+    assert config["kv_connector_extra_config"]["host_pool_gib"] == plan["recommended_host_pool_gib"]
+    # The recommended pool holds the device-limited steady state of the largest context.
+    assert plan["recommended_host_pool_gib"] >= row["host_gib_for_device_limit"]
+
+
+def test_index_share_presets_keep_fewer_indexer_keys_on_device(capsys):
+    plans = {}
+    for model in ("glm-5.1", "glm-5.2"):
+        assert main(["plan", "--model", model, "--contexts", "131072"]) == 0
+        plans[model] = capsys.readouterr().out
+    assert "(78 with an indexer)" in plans["glm-5.1"]
+    assert "(21 with an indexer)" in plans["glm-5.2"]
+
+
+def test_small_host_pool_limits_the_steady_state(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--host-gib", "20", "--contexts", "131072", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["contexts"][0]
+    assert row["steady_limited_by"] == "host"
+
+
+def test_custom_geometry_and_spec_tokens(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["plan", "--model", "custom", "--layers", "4", "--row-bytes", "1152",
+                 "--spec-tokens", "1", "--contexts", "65536", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["device_buffer_size"] == 3 * 2048
+    assert plan["kv_transfer_config"]["kv_connector_extra_config"]["device_buffer_size"] == 6144
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["plan", "--model", "custom", "--layers", "4"], "--model custom needs --row-bytes"),
+    (["plan", "--layers", "4"], "--layers is only for --model custom"),
+    (["plan", "--model", "custom", "--layers", "4", "--row-bytes", "100"], "multiple of 16"),
+    (["plan", "--kv-gib", "0"], "--kv-gib must be positive"),
+    (["plan", "--miss-rate", "2"], "--miss-rate must be in [0, 1]"),
+    (["plan", "--device-buffer-size", "100"], "multiple of the block size"),
+    (["plan", "--device-buffer-size", "1024"], "cannot hold one step's selections"),
+    (["plan", "--spec-tokens", "20"], "at most 32768"),
+    (["plan", "--model", "llama"], "invalid choice: 'llama'"),
+])
+def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert text in capsys.readouterr().err

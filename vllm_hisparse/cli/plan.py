@@ -1,0 +1,195 @@
+"""``vllm-hisparse plan``: size a deployment before starting it.
+
+For a model geometry (a preset or custom numbers), the HBM given to KV, the host RAM given to
+the pool and the contexts to serve, it prints the decode concurrency with full residency and
+with hybrid residency (steady state and at admission), the host memory that concurrency needs,
+the host→GPU traffic per decoded token at a given miss rate against the link, the recommended
+``device_buffer_size`` and ``host_pool_gib``, and the ``--kv-transfer-config`` to paste.
+
+All figures are per data-parallel replica (one attention replica: the KV it holds and the
+requests it serves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from vllm_hisparse.core.capacity import (
+    GIB,
+    INDEXER_ROW_BYTES,
+    PRESETS,
+    ModelGeometry,
+    default_device_buffer_size_rows,
+    host_memory,
+    max_concurrency,
+)
+
+MB = 1e6
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="size a deployment: concurrency, host GiB, I/O, config",
+                       description=__doc__)
+    p.add_argument("--model", default="deepseek-v3.2", choices=sorted(PRESETS) + ["custom"],
+                   help="geometry preset, or 'custom' with --layers etc. (default: %(default)s)")
+    p.add_argument("--layers", type=int, help="custom: sparse-MLA layers")
+    p.add_argument("--indexer-layers", type=int, help="custom: layers holding indexer keys "
+                   "(default: all; fewer with IndexShare)")
+    p.add_argument("--row-bytes", type=int, help="custom: bytes of one token's KV in one layer "
+                   "(656 fp8_ds_mla, 1152 bf16)")
+    p.add_argument("--indexer-row-bytes", type=int, default=INDEXER_ROW_BYTES)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--kv-gib", type=float, default=60.0,
+                   help="HBM given to KV per replica; read it from vLLM's startup log "
+                        "(default: %(default)s)")
+    p.add_argument("--host-gib", type=float, default=384.0,
+                   help="host RAM the pool may pin per replica (default: %(default)s)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072],
+                   metavar="TOKENS", help="context lengths to plan for (default: %(default)s)")
+    p.add_argument("--spec-tokens", type=int, default=0,
+                   help="speculative tokens per step (MTP); sizes the hot region")
+    p.add_argument("--device-buffer-size", type=int,
+                   help="hot rows per request (default: (spec tokens + 2) * top_k, page aligned)")
+    p.add_argument("--miss-rate", type=float, default=0.05,
+                   help="fraction of selections read from host (see `replay`; default 0.05)")
+    p.add_argument("--link-gbs", type=float, default=40.0,
+                   help="host→GPU bandwidth for scattered rows, GB/s (default: %(default)s, "
+                        "measured zero-copy gather of 656 B rows on H200 PCIe Gen5)")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+
+
+def _geometry(args) -> ModelGeometry:
+    if args.model != "custom":
+        for name in ("layers", "indexer_layers", "row_bytes"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name.replace('_', '-')} is only for --model custom; "
+                                 f"--model {args.model} fixes it")
+        base = PRESETS[args.model]
+        if args.block_size != base.block_size or args.top_k != base.top_k:
+            base = dataclasses.replace(base, block_size=args.block_size, top_k=args.top_k)
+        return base
+    missing = [f"--{n.replace('_', '-')}" for n in ("layers", "row_bytes")
+               if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"--model custom needs {' and '.join(missing)}")
+    return ModelGeometry("custom", args.layers, args.block_size, args.row_bytes,
+                         args.indexer_row_bytes, args.top_k, num_indexer_layers=args.indexer_layers)
+
+
+def _check(args) -> None:
+    positive = ["block_size", "top_k", "kv_gib", "host_gib", "link_gbs", "indexer_row_bytes"]
+    positive += [n for n in ("layers", "row_bytes", "device_buffer_size")
+                 if getattr(args, n) is not None]
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, name)}")
+    if args.indexer_layers is not None and args.indexer_layers < 0:
+        raise ValueError("--indexer-layers must be >= 0")
+    if args.spec_tokens < 0:
+        raise ValueError("--spec-tokens must be >= 0")
+    if not 0 <= args.miss_rate <= 1:
+        raise ValueError(f"--miss-rate must be in [0, 1], got {args.miss_rate}")
+    if any(c <= 0 for c in args.contexts):
+        raise ValueError(f"--contexts must be positive, got {args.contexts}")
+    if args.row_bytes is not None and args.row_bytes % 16:
+        raise ValueError(f"--row-bytes must be a multiple of 16 (the copy kernels move 16 B "
+                         f"words), got {args.row_bytes}")
+
+
+def make_plan(args) -> dict:
+    _check(args)
+    geo = _geometry(args)
+    if args.device_buffer_size is not None:
+        hot_rows = args.device_buffer_size
+        if hot_rows % geo.block_size:
+            raise ValueError(f"--device-buffer-size must be a multiple of the block size "
+                             f"{geo.block_size}, got {hot_rows}")
+        if hot_rows < (args.spec_tokens + 1) * geo.top_k:
+            raise ValueError(f"--device-buffer-size {hot_rows} cannot hold one step's "
+                             f"selections ({args.spec_tokens + 1} tokens x top_k {geo.top_k})")
+    else:
+        hot_rows = default_device_buffer_size_rows(geo, args.spec_tokens + 1)
+    if hot_rows > 32768:
+        raise ValueError(f"the hot region would be {hot_rows} rows; at most 32768 are supported "
+                         f"(int16 LRU)")
+    host = host_memory(args.host_gib, geo)
+    kv_bytes = int(args.kv_gib * GIB)
+    bytes_per_decoded_token = (args.spec_tokens + 1) * geo.top_k * args.miss_rate * \
+        geo.num_sparse_layers * geo.row_bytes
+    rows = []
+    for context in args.contexts:
+        c = max_concurrency(geo, device_kv_bytes=kv_bytes, num_host_blocks=host.num_host_blocks,
+                            context_tokens=context, device_buffer_size_rows=hot_rows)
+        pages = math.ceil(context / geo.block_size)
+        host_needed_gib = c.steady_state_device * pages * geo.mla_page_bytes / GIB
+        io_ms = c.steady_state * bytes_per_decoded_token / (args.link_gbs * 1e9) * 1e3
+        rows.append(dict(
+            context_tokens=context, full_only=c.full_only, hybrid_steady=c.steady_state,
+            hybrid_at_admission=c.at_admission, steady_limited_by=(
+                "host" if c.steady_state_host < c.steady_state_device else "device"),
+            gain=(c.steady_state / c.full_only) if c.full_only else None,
+            host_gib_for_device_limit=host_needed_gib,
+            io_ms_per_step_at_steady=io_ms,
+        ))
+    largest = max(args.contexts)
+    worst = next(r for r in rows if r["context_tokens"] == largest)
+    recommended_host_gib = math.ceil(min(args.host_gib, max(
+        worst["host_gib_for_device_limit"], largest * geo.host_bytes_per_token / GIB)))
+    extra = {"host_pool_gib": recommended_host_gib}
+    if args.device_buffer_size is not None or args.spec_tokens:
+        extra["device_buffer_size"] = hot_rows
+    kv_transfer_config = {"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": extra}
+    return dict(
+        model=geo.name, layers=geo.num_sparse_layers, indexer_layers=geo.indexer_layers,
+        row_bytes=geo.row_bytes, block_size=geo.block_size, top_k=geo.top_k,
+        kv_gib=args.kv_gib, host_gib=args.host_gib, host_blocks=host.num_host_blocks,
+        device_buffer_size=hot_rows,
+        device_bytes_per_token_full=geo.device_full_bytes_per_token,
+        device_bytes_per_token_hybrid=geo.device_indexer_bytes_per_token,
+        host_bytes_per_token=geo.host_bytes_per_token,
+        io_bytes_per_decoded_token=bytes_per_decoded_token,
+        link_tokens_per_s=(args.link_gbs * 1e9 / bytes_per_decoded_token
+                           if bytes_per_decoded_token else None),
+        miss_rate=args.miss_rate, link_gbs=args.link_gbs, contexts=rows,
+        recommended_host_pool_gib=recommended_host_gib, kv_transfer_config=kv_transfer_config,
+    )
+
+
+def run(args) -> int:
+    plan = make_plan(args)
+    print(f"{plan['model']}: {plan['layers']} sparse layers ({plan['indexer_layers']} with an "
+          f"indexer), {plan['row_bytes']} B rows, block {plan['block_size']}, top-k "
+          f"{plan['top_k']}; KV {plan['kv_gib']:g} GiB HBM, host {plan['host_gib']:g} GiB "
+          f"({plan['host_blocks']} blocks); hot region {plan['device_buffer_size']} rows")
+    print(f"per token: device {plan['device_bytes_per_token_full']} B full, "
+          f"{plan['device_bytes_per_token_hybrid']} B hybrid (indexer keys); host "
+          f"{plan['host_bytes_per_token']} B")
+    print()
+    print("| context | full residency | hybrid, steady | hybrid, at admission | limited by "
+          "| gain | host GiB for device limit | I/O ms/step at steady |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in plan["contexts"]:
+        print(f"| {r['context_tokens']} | {r['full_only']} | {r['hybrid_steady']} "
+              f"| {r['hybrid_at_admission']} | {r['steady_limited_by']} | {_gain(r['gain'])} "
+              f"| {r['host_gib_for_device_limit']:.0f} | {r['io_ms_per_step_at_steady']:.2f} |")
+    print()
+    print(f"I/O per decoded token at {100 * plan['miss_rate']:g} % misses: "
+          f"{plan['io_bytes_per_decoded_token'] / MB:.2f} MB; a {plan['link_gbs']:g} GB/s link "
+          f"sustains {plan['link_tokens_per_s'] or float('inf'):.0f} tokens/s of misses")
+    print(f"recommended: host_pool_gib = {plan['recommended_host_pool_gib']}, "
+          f"device_buffer_size = {plan['device_buffer_size']}")
+    print()
+    print("--kv-transfer-config '" + json.dumps(plan["kv_transfer_config"]) + "'")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan, f, indent=2)
+    return 0
+
+
+def _gain(gain: float | None) -> str:
+    return "n/a (no full request fits)" if gain is None else f"{gain:.1f}x"
