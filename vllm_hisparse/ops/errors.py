@@ -26,6 +26,10 @@ class ResolveErrorCode(enum.IntEnum):
     HOT_BLOCK_MISSING = 5  # a hot slot is needed but its hot block is -1 [slot, position]
     DUPLICATE_SLOT = 6  # one host-backed position is held by two hot slots [position, slot]
     STATE_ROW_OUT_OF_RANGE = 7  # token_rows value outside [-1, R) [state_row, R]
+    # Raised by the CUDA kernel only (limits and state checks the reference cannot hit):
+    UNION_CAPACITY = 8  # a request's selections overflow the kernel's shared-memory hash
+    #                     [selections of the request, hash capacity]; see ops/cuda.py
+    CORRUPT_LRU = 9  # lru holds a value outside [0, D) [value, D]
 
 
 _TEMPLATES = {
@@ -48,6 +52,12 @@ _TEMPLATES = {
         "is one): hot state is corrupt",
     ResolveErrorCode.STATE_ROW_OUT_OF_RANGE:
         "token_rows holds state row {a}, outside [-1, {b})",
+    ResolveErrorCode.UNION_CAPACITY:
+        "state row {row} has {a} selections whose distinct positions overflow the CUDA "
+        "kernel's hash of {b} entries; raise vllm_hisparse.ops.cuda.set_max_tokens_per_request "
+        "to the largest number of query tokens per request",
+    ResolveErrorCode.CORRUPT_LRU:
+        "lru of state row {row} holds {a}, outside [0, {b}): hot state is corrupt",
 }
 
 

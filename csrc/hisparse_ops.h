@@ -1,0 +1,131 @@
+// Host-side interface of the data-plane kernels (DESIGN.md §4). No torch headers: every
+// tensor crosses as a raw pointer, every launch goes on the stream it is given, nothing
+// allocates and nothing synchronizes, so each launch can be captured in a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace hisparse {
+
+// ---------------------------------------------------------------------------------------
+// resolve (DESIGN.md §4.1)
+// ---------------------------------------------------------------------------------------
+
+// Error codes written into the 4-word device error record (code, state_row, a, b).
+// 1..7 match vllm_hisparse.ops.errors.ResolveErrorCode; 8..9 are limits of the kernel.
+enum ResolveErrorCode : int32_t {
+  kErrOk = 0,
+  kErrPositionOutOfRange = 1,  // [position, P * bs]
+  kErrNoHostBlock = 2,         // [position, page]
+  kErrHotOverflow = 3,         // [num_host_backed, D]
+  kErrNotContiguous = 4,       // [token, first token of the earlier run]
+  kErrHotBlockMissing = 5,     // [slot, position]
+  kErrDuplicateSlot = 6,       // [position, lowest slot holding it]
+  kErrStateRowOutOfRange = 7,  // [state_row, R]
+  kErrUnionCapacity = 8,       // [distinct positions seen, hash capacity]
+  kErrCorruptLru = 9,          // [lru value, D]
+};
+
+struct ResolveParams {
+  const int32_t* topk;         // [T, K]
+  const int32_t* token_rows;   // [T]
+  const int32_t* residency;    // [R, P]
+  const int32_t* host_blocks;  // [R, P]
+  const int32_t* hot_blocks;   // [R, D / bs]
+  int32_t* slot_pos;           // [R, D]   IN/OUT
+  int16_t* lru;                // [R, D]   IN/OUT
+  int32_t* out_rows;           // [T, K]
+  int32_t* miss_src;           // [T, K]
+  int32_t* miss_dst;           // [T, K]
+  int32_t* miss_count;         // [T]
+  long long* stats;            // [3] or nullptr
+  int32_t* error;              // [4] device error record, sticky until cleared
+  int32_t* error_host;         // [4] pinned host mirror written by the kernel (or nullptr)
+  unsigned long long* debug_times;  // [9] phase timestamps of CTA 0 (benchmarks) or nullptr
+  int num_tokens;              // T
+  int k;                       // K
+  int num_rows;                // R
+  int num_pages;               // P
+  int num_slots;               // D
+  int block_size;              // bs
+  int hash_capacity;           // entries of the shared-memory hash (kernel limit)
+  int victim_capacity;         // entries of the shared-memory victim list
+  int hot_blocks_in_smem;      // D / bs when the hot_blocks row is staged in shared memory
+};
+
+struct ResolveLaunchInfo {
+  int threads;           // threads per CTA
+  int slots_per_thread;  // D handled per thread in the LRU pass
+  size_t smem_bytes;     // dynamic shared memory per CTA
+  int hash_capacity;
+  int victim_capacity;
+  int hot_blocks_in_smem;
+};
+
+// Shared-memory plan for a launch. `max_tokens_per_request` bounds the union that one CTA's
+// hash must hold (the kernel reports kErrUnionCapacity if a request exceeds it).
+// threads: 0 = default (1024), 512 = 512 threads per CTA when D <= 8192.
+ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int block_size,
+                                      int max_tokens_per_request, int threads = 0);
+
+// Launches one CTA per token (non-leading tokens of a request exit at once). Returns a CUDA
+// error code (cudaSuccess on success); never synchronizes.
+cudaError_t launch_resolve(const ResolveParams& p, int max_tokens_per_request, int threads,
+                           cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// row copies (DESIGN.md §4.2): gather (miss plan), mirror (row pairs), page copies (blocks)
+// ---------------------------------------------------------------------------------------
+
+constexpr int kMaxCopyLayers = 64;  // per launch; the wrapper splits longer lists
+
+enum CopyMode : int32_t {
+  kCopyPlan = 0,    // a = miss_src [T,K], b = miss_dst [T,K], count = miss_count [T]
+  kCopyPairs = 1,   // a = src_rows [N],   b = dst_rows [N]      (-1 in either: skip)
+  kCopyBlocks = 2,  // a = src_blocks [N], b = dst_blocks [N], n_inner = block_size
+};
+
+struct CopyParams {
+  uint64_t src[kMaxCopyLayers];  // base address of each source layer (UVA)
+  uint64_t dst[kMaxCopyLayers];  // base address of each destination layer
+  int num_layers;
+  int row_bytes;                 // a multiple of 16
+  int mode;                      // CopyMode
+  const int32_t* a;
+  const int32_t* b;
+  const int32_t* count;
+  int n_outer;                   // plan: T; pairs/blocks: N
+  int n_inner;                   // plan: K; pairs: 1; blocks: block_size
+  long long src_rows;            // rows of each source layer (ids outside are skipped)
+  long long dst_rows;            // rows of each destination layer
+};
+
+struct CopyTuning {
+  int rows_per_warp = 0;  // 1, 2, 4 or 8 rows in flight per warp; 0 = default for the size
+  int threads = 256;      // threads per CTA
+  int ctas_per_sm = 0;    // grid cap = SMs * ctas_per_sm; 0 = default
+};
+
+cudaError_t launch_copy_rows(const CopyParams& p, const CopyTuning& tuning,
+                             cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
+// host memory helper (huge-page experiment of the benchmarks and the worker's host pool)
+// ---------------------------------------------------------------------------------------
+
+struct HostAllocation {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  int mode = 0;           // requested: 0 = 4 KiB pages, 1 = THP (madvise), 2 = MAP_HUGETLB
+  bool huge_requested_ok = false;  // madvise / mmap flag accepted
+  int cuda_error = 0;     // cudaHostRegister result
+  char message[256] = {0};
+};
+
+HostAllocation host_alloc_registered(size_t bytes, int mode);
+int host_free_registered(void* ptr, size_t bytes);
+
+}  // namespace hisparse

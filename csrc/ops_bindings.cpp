@@ -1,0 +1,173 @@
+// pybind11 bindings of the data-plane kernels: register_ops(m). Tensors arrive as integer
+// addresses (tensor.data_ptr()) and the stream as an integer handle; every function returns
+// after enqueueing its work (no synchronization) and releases the GIL while it launches.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "hisparse_ops.h"
+
+namespace py = pybind11;
+
+namespace hisparse {
+namespace {
+
+template <typename T>
+T* as_ptr(uint64_t addr) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(addr));
+}
+
+cudaStream_t as_stream(uint64_t handle) {
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle));
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("vllm_hisparse._C.") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
+
+void resolve_py(uint64_t topk, uint64_t token_rows, uint64_t residency, uint64_t host_blocks,
+                uint64_t hot_blocks, uint64_t slot_pos, uint64_t lru, uint64_t out_rows,
+                uint64_t miss_src, uint64_t miss_dst, uint64_t miss_count, uint64_t stats,
+                uint64_t error, uint64_t error_host, int num_tokens, int k, int num_rows, int num_pages,
+                int num_slots, int block_size, int max_tokens_per_request, uint64_t stream,
+                uint64_t debug_times, int threads) {
+  ResolveParams p{};
+  p.topk = as_ptr<const int32_t>(topk);
+  p.token_rows = as_ptr<const int32_t>(token_rows);
+  p.residency = as_ptr<const int32_t>(residency);
+  p.host_blocks = as_ptr<const int32_t>(host_blocks);
+  p.hot_blocks = as_ptr<const int32_t>(hot_blocks);
+  p.slot_pos = as_ptr<int32_t>(slot_pos);
+  p.lru = as_ptr<int16_t>(lru);
+  p.out_rows = as_ptr<int32_t>(out_rows);
+  p.miss_src = as_ptr<int32_t>(miss_src);
+  p.miss_dst = as_ptr<int32_t>(miss_dst);
+  p.miss_count = as_ptr<int32_t>(miss_count);
+  p.stats = as_ptr<long long>(stats);
+  p.error = as_ptr<int32_t>(error);
+  p.error_host = as_ptr<int32_t>(error_host);
+  p.debug_times = as_ptr<unsigned long long>(debug_times);
+  p.num_tokens = num_tokens;
+  p.k = k;
+  p.num_rows = num_rows;
+  p.num_pages = num_pages;
+  p.num_slots = num_slots;
+  p.block_size = block_size;
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = launch_resolve(p, max_tokens_per_request, threads, as_stream(stream));
+  }
+  check(err, "resolve");
+}
+
+py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
+                         int max_tokens_per_request, int threads) {
+  const ResolveLaunchInfo info = resolve_launch_info(num_tokens, k, num_slots, block_size,
+                                                     max_tokens_per_request, threads);
+  py::dict d;
+  d["threads"] = info.threads;
+  d["slots_per_thread"] = info.slots_per_thread;
+  d["smem_bytes"] = info.smem_bytes;
+  d["hash_capacity"] = info.hash_capacity;
+  d["victim_capacity"] = info.victim_capacity;
+  d["hot_blocks_in_smem"] = info.hot_blocks_in_smem;
+  return d;
+}
+
+void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<uint64_t>& dst,
+                  int row_bytes, long long src_rows, long long dst_rows, uint64_t a, uint64_t b,
+                  uint64_t count, int n_outer, int n_inner, int rows_per_warp, int ctas_per_sm,
+                  uint64_t stream) {
+  if (src.size() != dst.size()) throw std::invalid_argument("copy_rows: layer lists differ");
+  if (row_bytes <= 0 || row_bytes % 16 != 0)
+    throw std::invalid_argument("copy_rows: row_bytes must be a positive multiple of 16");
+  CopyTuning tuning;
+  tuning.rows_per_warp = rows_per_warp;
+  tuning.ctas_per_sm = ctas_per_sm;
+  cudaError_t err = cudaSuccess;
+  {
+    py::gil_scoped_release release;
+    for (size_t l0 = 0; l0 < src.size() && err == cudaSuccess; l0 += kMaxCopyLayers) {
+      CopyParams p{};
+      const size_t n = std::min(src.size() - l0, static_cast<size_t>(kMaxCopyLayers));
+      for (size_t i = 0; i < n; ++i) {
+        p.src[i] = src[l0 + i];
+        p.dst[i] = dst[l0 + i];
+      }
+      p.num_layers = static_cast<int>(n);
+      p.row_bytes = row_bytes;
+      p.mode = mode;
+      p.a = as_ptr<const int32_t>(a);
+      p.b = as_ptr<const int32_t>(b);
+      p.count = as_ptr<const int32_t>(count);
+      p.n_outer = n_outer;
+      p.n_inner = n_inner;
+      p.src_rows = src_rows;
+      p.dst_rows = dst_rows;
+      err = launch_copy_rows(p, tuning, as_stream(stream));
+    }
+  }
+  check(err, "copy_rows");
+}
+
+py::dict host_alloc_py(size_t bytes, int mode) {
+  HostAllocation a;
+  {
+    py::gil_scoped_release release;
+    a = host_alloc_registered(bytes, mode);
+  }
+  py::dict d;
+  d["ptr"] = reinterpret_cast<uintptr_t>(a.ptr);
+  d["bytes"] = a.bytes;
+  d["mode"] = a.mode;
+  d["huge_requested_ok"] = a.huge_requested_ok;
+  d["cuda_error"] = a.cuda_error;
+  d["message"] = std::string(a.message);
+  return d;
+}
+
+int host_free_py(uint64_t ptr, size_t bytes) {
+  py::gil_scoped_release release;
+  return host_free_registered(as_ptr<void>(ptr), bytes);
+}
+
+}  // namespace
+}  // namespace hisparse
+
+void register_ops(py::module_& m) {
+  using namespace hisparse;
+  m.attr("has_data_plane") = true;
+  m.attr("COPY_PLAN") = static_cast<int>(kCopyPlan);
+  m.attr("COPY_PAIRS") = static_cast<int>(kCopyPairs);
+  m.attr("COPY_BLOCKS") = static_cast<int>(kCopyBlocks);
+  m.attr("MAX_COPY_LAYERS") = kMaxCopyLayers;
+  m.def("resolve", &resolve_py, "Launch resolve (DESIGN.md §4.1); addresses as ints.",
+        py::arg("topk"), py::arg("token_rows"), py::arg("residency"), py::arg("host_blocks"),
+        py::arg("hot_blocks"), py::arg("slot_pos"), py::arg("lru"), py::arg("out_rows"),
+        py::arg("miss_src"), py::arg("miss_dst"), py::arg("miss_count"), py::arg("stats"),
+        py::arg("error"), py::arg("error_host"), py::arg("num_tokens"), py::arg("k"), py::arg("num_rows"),
+        py::arg("num_pages"), py::arg("num_slots"), py::arg("block_size"),
+        py::arg("max_tokens_per_request"), py::arg("stream"), py::arg("debug_times") = 0, py::arg("threads") = 0);
+  m.def("resolve_launch_info", &resolve_info_py, py::arg("num_tokens"), py::arg("k"),
+        py::arg("num_slots"), py::arg("block_size"), py::arg("max_tokens_per_request"),
+        py::arg("threads") = 0);
+  m.def("copy_rows", &copy_rows_py, "Launch a multi-layer row copy (plan, pairs or blocks).",
+        py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("row_bytes"),
+        py::arg("src_rows"), py::arg("dst_rows"), py::arg("a"), py::arg("b"), py::arg("count"),
+        py::arg("n_outer"), py::arg("n_inner"), py::arg("rows_per_warp") = 0,
+        py::arg("ctas_per_sm") = 0, py::arg("stream") = 0);
+  m.def("host_alloc_registered", &host_alloc_py,
+        "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
+        py::arg("mode"));
+  m.def("host_free_registered", &host_free_py, py::arg("ptr"), py::arg("bytes"));
+}

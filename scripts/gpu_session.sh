@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The one script the GPU machine runs (issue [4]): build the extension there, run the GPU
+# tests, compute-sanitizer (memcheck + racecheck) on a representative case, the kernel
+# benchmarks. Logs under $OUT (default ./out); a short table is printed last.
+#   bash scripts/gpu_session.sh            # everything
+#   STEPS="build bench" bash scripts/gpu_session.sh
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+STEPS="${STEPS:-build test bench sanitize}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+t0=$(date +%s)
+note() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*" | tee -a "$SUMMARY"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1); $($PY -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__,"cuda",torch.version.cuda)' 2>&1); $(nvcc --version | tail -1)"
+
+if has build; then
+  BUILD="${BUILD_DIR:-/tmp/hisparse_build}"
+  (
+    set -e
+    cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DHISPARSE_REQUIRE_CUDA=ON -DPython_EXECUTABLE="$(command -v $PY)" \
+      -Dpybind11_DIR="$($PY -m pybind11 --cmakedir)"
+    ninja -C "$BUILD"
+    cp "$BUILD"/_C*.so "$ROOT/vllm_hisparse/"
+  ) > "$OUT/build.log" 2>&1
+  rc=$?
+  grep -E "registers|spill" "$OUT/build.log" | tail -n 40 > /dev/null
+  note "build rc=$rc ($(grep -c 'warning' "$OUT/build.log") warnings)"
+  if [[ $rc -ne 0 ]]; then tail -n 40 "$OUT/build.log"; exit 1; fi
+  $PY -c 'from vllm_hisparse.ops import cuda; assert cuda.available(); print("kernels available")' 2>&1 | tee -a "$SUMMARY"
+fi
+
+if has test; then
+  timeout 240 $PY -m pytest -m gpu tests/ops -q -p no:cacheprovider -rfE \
+    --durations=8 > "$OUT/pytest.log" 2>&1
+  rc=$?
+  note "pytest -m gpu tests/ops rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 20 | tee -a "$SUMMARY"
+  # the resolve tests again with 512-thread CTAs (the non-default configuration)
+  HISPARSE_RESOLVE_THREADS=512 timeout 120 $PY -m pytest -m gpu tests/ops/test_cuda_ops.py \
+    -k "resolve or error or graph" -q -p no:cacheprovider -rfE >> "$OUT/pytest.log" 2>&1
+  rc=$?
+  note "pytest (resolve, 512-thread CTAs) rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
+fi
+
+if has bench; then
+  timeout 270 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+    > "$OUT/bench.log" 2>&1
+  note "bench rc=$?"
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool "$tool" --target-processes all --print-limit 30 \
+      $PY tests/ops/sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_case' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+  done
+fi
+
+echo "================ summary ================"
+cat "$SUMMARY"
+if has bench; then
+  echo "---------------- bench ----------------"
+  cat "$OUT/bench.log"
+fi

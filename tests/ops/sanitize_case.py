@@ -1,0 +1,110 @@
+"""A representative run of every CUDA op, small enough for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  python tests/ops/sanitize_case.py
+    compute-sanitizer --tool racecheck python tests/ops/sanitize_case.py
+
+Resolves a batch with spec-decode requests, hits, misses, duplicates, padding, a fully
+resident request and stats, then runs gather_rows (pinned host -> device), copy_blocks (both
+directions) and mirror_rows, and checks every result against the reference twins. Also
+exercises the error path (one failing request). Exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_cuda_ops import DEV, assert_same, big_case, cap_distinct, layers, random_plan  # noqa: E402
+from vllm_hisparse.ops import cuda as cuda_ops  # noqa: E402
+from vllm_hisparse.ops import reference  # noqa: E402
+from vllm_hisparse.ops.errors import ResolveError  # noqa: E402
+
+
+def main() -> int:
+    rng = random.Random(5)
+    case = big_case(rng, num_requests=5, tokens_per_request=2, k=256, num_slots=1024,
+                    block_size=64, num_pages=64, resident_fraction=0.3, hit_fraction=0.5,
+                    dup=0.1, padding=0.05)
+    case = cap_distinct(case)
+    # request 0 fully resident
+    r0 = int(case.token_rows[0])
+    case.residency[r0] = torch.arange(case.residency.shape[1], dtype=torch.int32) + 10_000
+    for step in range(2):
+        ref = case.clone()
+        gpu = case.clone(DEV)
+        reference.resolve(*ref.args())
+        cuda_ops.resolve(*gpu.args())
+        cuda_ops.check_errors(DEV)
+        assert_same(ref.state(), gpu.state(), f"resolve step {step}")
+        case = ref
+
+    # gather the last plan into device rows
+    L, row_bytes = 2, 656
+    R, P, bs = case.residency.shape[0], case.residency.shape[1], case.block_size
+    host = layers(L, R * P * bs, row_bytes, "cpu", pinned=True, seed=1)
+    dev_rows = (R * P + case.hot_blocks.numel()) * bs + 20_000 * bs
+    dev = layers(L, dev_rows, row_bytes, DEV, seed=2)
+    expect = [d.cpu() for d in dev]
+    reference.gather_rows(host, expect, gpu.miss_src.cpu(), gpu.miss_dst.cpu(),
+                          gpu.miss_count.cpu())
+    cuda_ops.gather_rows(host, dev, gpu.miss_src, gpu.miss_dst, gpu.miss_count)
+    torch.cuda.synchronize()
+    for l in range(L):
+        assert torch.equal(dev[l].cpu(), expect[l]), "gather"
+
+    ms, md, mc = random_plan(5, 64, 3000, 900, seed=3)
+    for rpw in (1, 8):
+        src = layers(3, 3000, 1152, "cpu", pinned=True, seed=4)
+        dst = layers(3, 900, 1152, DEV, seed=5)
+        exp = [d.cpu() for d in dst]
+        reference.gather_rows(src, exp, ms, md, mc)
+        cuda_ops.gather_rows_tuned(src, dst, ms.to(DEV), md.to(DEV), mc.to(DEV),
+                                   rows_per_warp=rpw, ctas_per_sm=2)
+        torch.cuda.synchronize()
+        for l in range(3):
+            assert torch.equal(dst[l].cpu(), exp[l]), f"gather 1152 rpw {rpw}"
+
+    # page copies both ways and mirrors
+    dev_pool = layers(2, 16 * 64, 656, DEV, seed=6)
+    host_pool = layers(2, 24 * 64, 656, "cpu", pinned=True, seed=7)
+    sb = torch.tensor([3, -1, 5, 0], dtype=torch.int32)
+    db = torch.tensor([20, 4, -1, 7], dtype=torch.int32)
+    exp = [h.clone() for h in host_pool]
+    reference.copy_blocks([d.cpu() for d in dev_pool], exp, sb, db, 64)
+    cuda_ops.copy_blocks(dev_pool, host_pool, sb.to(DEV), db.to(DEV), 64)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(host_pool, exp)), "spill"
+    exp = [d.cpu() for d in dev_pool]
+    reference.copy_blocks(host_pool, exp, db, sb, 64)
+    cuda_ops.copy_blocks(host_pool, dev_pool, db.to(DEV), sb.to(DEV), 64)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(dev_pool, exp)), "restore"
+    sr = torch.tensor([1, 2, -1, 900], dtype=torch.int32)
+    dr = torch.tensor([5, -1, 6, 1000], dtype=torch.int32)
+    exp = [h.clone() for h in host_pool]
+    reference.mirror_rows([d.cpu() for d in dev_pool], exp, sr, dr)
+    cuda_ops.mirror_rows(dev_pool, host_pool, sr.to(DEV), dr.to(DEV))
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(host_pool, exp)), "mirror"
+
+    # error path: one failing request among good ones
+    bad = case.clone(DEV)
+    bad.topk[2, 3] = 10 ** 7
+    cuda_ops.resolve(*bad.args())
+    try:
+        cuda_ops.check_errors(DEV)
+    except ResolveError as e:
+        print("expected error:", e)
+    else:
+        raise AssertionError("no error recorded")
+    print("sanitize_case: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
