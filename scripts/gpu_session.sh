@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test bench sanitize}"
+STEPS="${STEPS:-build test worker bench capacity sanitize}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,6 +51,19 @@ if has test; then
   note "pytest (resolve, 512-thread CTAs) rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
 fi
 
+if has worker; then
+  timeout 180 $PY -m pytest -m gpu tests/worker -q -p no:cacheprovider -rfE > "$OUT/pytest_worker.log" 2>&1
+  rc=$?
+  note "pytest -m gpu tests/worker rc=$rc: $(tail -n 1 "$OUT/pytest_worker.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_worker.log" | head -n 20 | tee -a "$SUMMARY"
+fi
+
+if has capacity; then
+  timeout 240 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
+    ${CAPACITY_ARGS:-} > "$OUT/capacity.log" 2>&1
+  note "bench_decode_capacity rc=$?"
+fi
+
 if has bench; then
   timeout 270 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     > "$OUT/bench.log" 2>&1
@@ -71,4 +84,8 @@ cat "$SUMMARY"
 if has bench; then
   echo "---------------- bench ----------------"
   cat "$OUT/bench.log"
+fi
+if has capacity; then
+  echo "---------------- decode capacity ----------------"
+  tail -n 12 "$OUT/capacity.log"
 fi
