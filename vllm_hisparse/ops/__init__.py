@@ -69,38 +69,33 @@ def _resolve(backend: str, topk, token_rows, residency, host_blocks, hot_blocks,
          out_rows, miss_src, miss_dst, miss_count, stats)
 
 
-def _gather_rows(backend: str, src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
-    _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
-    kernels = _kernels(miss_src.device, backend)
+def _copy(name: str, check, backend: str, src_layers, dst_layers, ids: torch.Tensor,
+          *rest) -> None:
+    """Shared dispatch of the copy ops: checks, then kernel or reference twin ``name``."""
+    check(src_layers, dst_layers, ids, *rest)
+    kernels = _kernels(ids.device, backend)
     if kernels is None:
-        reference.gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+        getattr(reference, name)(src_layers, dst_layers, ids, *rest)
         return
-    _check_zero_copy_sources(src_layers, miss_src.device, "src_layers")
-    _check_zero_copy_sources(dst_layers, miss_src.device, "dst_layers")
-    kernels.gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count)
+    _check_zero_copy_sources(src_layers, ids.device, "src_layers")
+    _check_zero_copy_sources(dst_layers, ids.device, "dst_layers")
+    getattr(kernels, name)(src_layers, dst_layers, ids, *rest)
+
+
+def _gather_rows(backend: str, src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
+    _copy("gather_rows", _checks.check_gather_args, backend, src_layers, dst_layers, miss_src,
+          miss_dst, miss_count)
 
 
 def _copy_blocks(backend: str, src_layers, dst_layers, src_blocks, dst_blocks,
                  block_size) -> None:
-    _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
-    kernels = _kernels(src_blocks.device, backend)
-    if kernels is None:
-        reference.copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
-        return
-    _check_zero_copy_sources(src_layers, src_blocks.device, "src_layers")
-    _check_zero_copy_sources(dst_layers, src_blocks.device, "dst_layers")
-    kernels.copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
+    _copy("copy_blocks", _checks.check_block_copy_args, backend, src_layers, dst_layers,
+          src_blocks, dst_blocks, block_size)
 
 
 def _mirror_rows(backend: str, src_layers, dst_layers, src_rows, dst_rows) -> None:
-    _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
-    kernels = _kernels(src_rows.device, backend)
-    if kernels is None:
-        reference.mirror_rows(src_layers, dst_layers, src_rows, dst_rows)
-        return
-    _check_zero_copy_sources(src_layers, src_rows.device, "src_layers")
-    _check_zero_copy_sources(dst_layers, src_rows.device, "dst_layers")
-    kernels.mirror_rows(src_layers, dst_layers, src_rows, dst_rows)
+    _copy("mirror_rows", _checks.check_row_copy_args, backend, src_layers, dst_layers, src_rows,
+          dst_rows)
 
 
 @dataclasses.dataclass(frozen=True)

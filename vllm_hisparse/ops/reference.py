@@ -350,11 +350,8 @@ def copy_blocks(
         block_size: rows per block.
     """
     _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
-    keep = (src_blocks >= 0) & (dst_blocks >= 0)
-    src_b = src_blocks[keep].to(torch.int64)
-    dst_b = dst_blocks[keep].to(torch.int64)
-    _checks.check_row_ids("src_blocks", src_b, src_layers[0].shape[0] // block_size)
-    _checks.check_row_ids("dst_blocks", dst_b, dst_layers[0].shape[0] // block_size)
+    src_b, dst_b = _paired_ids("src_blocks", src_blocks, src_layers[0].shape[0] // block_size,
+                               "dst_blocks", dst_blocks, dst_layers[0].shape[0] // block_size)
     offsets = torch.arange(block_size, device=src_b.device)
     src_rows = (src_b[:, None] * block_size + offsets).reshape(-1)
     dst_rows = (dst_b[:, None] * block_size + offsets).reshape(-1)
@@ -377,9 +374,17 @@ def mirror_rows(
         src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip.
     """
     _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
-    keep = (src_rows >= 0) & (dst_rows >= 0)
-    s = src_rows[keep].to(torch.int64)
-    d = dst_rows[keep].to(torch.int64)
-    _checks.check_row_ids("src_rows", s, src_layers[0].shape[0])
-    _checks.check_row_ids("dst_rows", d, dst_layers[0].shape[0])
+    s, d = _paired_ids("src_rows", src_rows, src_layers[0].shape[0],
+                       "dst_rows", dst_rows, dst_layers[0].shape[0])
     _copy_rows_all_layers(src_layers, dst_layers, s, d)
+
+
+def _paired_ids(src_name: str, src_ids: torch.Tensor, src_limit: int, dst_name: str,
+                dst_ids: torch.Tensor, dst_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (src, dst) id pairs without ``-1`` on either side, as int64, range-checked."""
+    keep = (src_ids >= 0) & (dst_ids >= 0)
+    src = src_ids[keep].to(torch.int64)
+    dst = dst_ids[keep].to(torch.int64)
+    _checks.check_row_ids(src_name, src, src_limit)
+    _checks.check_row_ids(dst_name, dst, dst_limit)
+    return src, dst
