@@ -26,3 +26,9 @@ def dsa_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A DeepSeek-V3-style MLA model without a DSA indexer (no index_topk)."""
     return write_model_dir(tmp_path_factory.mktemp("dsv3_tiny"), with_index_topk=False)
+
+
+@pytest.fixture(scope="session")
+def small_topk_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DSA model with index_topk=128: hot regions of 2 pages (block 64)."""
+    return write_model_dir(tmp_path_factory.mktemp("dsv32_tiny_k128"), index_topk=128)

@@ -37,6 +37,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.vllm.dsa_specs import dsa_layer_specs
+from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.vllm_configs import make_vllm_config
 from vllm_hisparse.vllm.compat import scheduler_classes
 
@@ -75,7 +76,9 @@ class RunStats:
 class SchedulerHarness:
     """A real scheduler with a fake forward; counts running, preemptions, finishes."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, worker: FakeWorker | None = None
+    ) -> None:
         scheduler_cls, async_scheduler_cls = scheduler_classes()
         async_scheduling = vllm_config.scheduler_config.async_scheduling
         cls = async_scheduler_cls if async_scheduling else scheduler_cls
@@ -98,6 +101,12 @@ class SchedulerHarness:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.stats = RunStats()
+        # Fake worker acks for our connector (None: no connector, or nobody acks).
+        self.worker = worker
+        if worker is None and self.residency is not None:
+            self.worker = FakeWorker()
+        if self.worker is not None and self.worker.multi_index is None and self._multi_index() is not None:
+            self.worker.multi_index = self._multi_index()
 
     @classmethod
     def build(
@@ -108,6 +117,7 @@ class SchedulerHarness:
         num_layers: int = 4,
         kv_transfer: KVTransferConfig | None = None,
         construct_connector: bool = True,
+        worker: FakeWorker | None = None,
         **config_kwargs,
     ) -> SchedulerHarness:
         """A harness over a ``num_layers`` DSA model with a ``num_blocks`` device pool.
@@ -121,7 +131,7 @@ class SchedulerHarness:
         kv_cache_config = planned_kv_cache_config(vllm_config, specs, num_blocks)
         if not construct_connector:
             vllm_config.kv_transfer_config = None
-        return cls(vllm_config, kv_cache_config)
+        return cls(vllm_config, kv_cache_config, worker=worker)
 
     # ------------------------------------------------------------------ workload
 
@@ -162,6 +172,7 @@ class SchedulerHarness:
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=self.worker.on_forward(scheduler_output) if self.worker else None,
         )
 
     def _apply(self, scheduler_output: SchedulerOutput) -> None:
@@ -204,6 +215,36 @@ class SchedulerHarness:
         self.drain()
         return self.stats
 
+    # ------------------------------------------------------------------ connector
+
+    def _multi_index(self) -> int | None:
+        """Our connector's position among MultiConnector children, if composed."""
+        connector = self.scheduler.connector
+        children = getattr(connector, "_connectors", None)
+        if children is None:
+            return None
+        from vllm_hisparse.vllm.connector import HiSparseResidencyConnector
+
+        for i, child in enumerate(children):
+            if isinstance(child, HiSparseResidencyConnector):
+                return i
+        return None
+
+    @property
+    def connector(self):
+        """Our connector (alone or inside MultiConnector); None without it."""
+        connector = self.scheduler.connector
+        if connector is None:
+            return None
+        index = self._multi_index()
+        return connector._connectors[index] if index is not None else connector
+
+    @property
+    def residency(self):
+        """Our connector's scheduler role; None without the connector."""
+        connector = self.connector
+        return getattr(connector, "scheduler_role", None)
+
     # ------------------------------------------------------------------ checks
 
     def num_free_blocks(self) -> int:
@@ -216,3 +257,12 @@ class SchedulerHarness:
         pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.kv_cache_config.num_blocks - 1
         assert all(block.ref_cnt == 0 for block in pool.blocks if not block.is_null)
+        residency = self.residency
+        if residency is not None:
+            # Host pool back to its initial state, no transfer or lease left open.
+            assert residency.is_idle(), (residency.policy.num_requests, residency.policy.num_open_transfers)
+            host = residency.host_pool
+            assert (host.ref_counts == 0).all()
+            assert host.num_free_blocks + host.num_cached_blocks == host.num_blocks
+            assert residency._host_outstanding == 0
+            assert not residency._hot_rows and not residency._non_full and not residency._freeing

@@ -118,3 +118,82 @@ def test_scheduler_classes():
 @pytest.mark.parametrize("name", compat.__all__)
 def test_every_exported_name_resolves(name):
     assert getattr(compat, name) is not None
+
+
+# ------------------------------------------------------------------ scheduler side
+def test_block_pool_reuse_watchers():
+    """``unpin_blocks`` drops one reference and registers one watcher per block;
+    ``get_new_blocks`` fires it when it hands the block out again."""
+    pool = compat.BlockPool(num_gpu_blocks=4, enable_caching=False, hash_block_size=16)
+    assert params(pool.unpin_blocks) == ["blocks", "on_reuse"]
+    assert params(pool.get_new_blocks) == ["num_blocks"]
+    assert params(pool.touch) == ["blocks"]
+    assert params(pool.free_blocks) == ["ordered_blocks"]
+    assert isinstance(pool._reuse_watchers, dict)
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    blocks = pool.get_new_blocks(3)
+    fired = []
+    pool.unpin_blocks(blocks[:1], fired.append)
+    assert blocks[0].ref_cnt == 0 and pool.get_num_free_blocks() == 1
+    pool.get_new_blocks(1)
+    assert fired == [blocks[0]]
+
+
+def test_full_attention_manager_internals():
+    manager_cls = compat.FullAttentionManager
+    assert params(manager_cls.pop_blocks_for_free) == ["self", "request_id"]
+    init = params(manager_cls.__init__)
+    for name in ("kv_cache_spec", "block_pool", "enable_caching", "kv_cache_group_id"):
+        assert name in init
+    source = inspect.getsource(compat.FullAttentionManager.__mro__[1].__init__)
+    for attr in ("self.req_to_blocks", "self.num_cached_block", "self._partial_hit_reqs", "self._null_block"):
+        assert attr in source, attr
+
+
+def test_manager_registry_by_role():
+    registry = compat.KVCacheSpecRegistry
+    assert params(registry.register_role_manager) == ["role", "manager_class"]
+    assert params(registry.get_manager_class) == ["kvcache_spec", "role"]
+    assert callable(registry._ensure_registered)
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+    assert "role" in {f.name for f in dataclasses.fields(KVCacheGroupSpec)}
+    from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+
+    assert "role" in params(get_manager_for_kv_cache_spec)
+    # The coordinator passes the group's role to the manager factory.
+    from vllm.v1.core import kv_cache_coordinator
+
+    assert "role=kv_cache_group.role" in inspect.getsource(kv_cache_coordinator)
+
+
+def test_scheduler_builds_connector_before_kv_cache_manager():
+    """Our connector assigns the sparse groups' role in its constructor; that only
+    works because the scheduler builds the connector first, with the same config."""
+    scheduler_cls, _ = compat.scheduler_classes()
+    source = inspect.getsource(scheduler_cls.__init__)
+    connector_at = source.index("KVConnectorFactory.create_connector(")
+    manager_at = source.index("self.kv_cache_manager = KVCacheManager(")
+    bind_at = source.index("self.connector.bind_kv_cache_manager(self.kv_cache_manager)")
+    assert connector_at < manager_at < bind_at
+    assert "kv_cache_config=self.kv_cache_config" in source[connector_at:manager_at]
+    assert "kv_cache_config=kv_cache_config" in source[manager_at:bind_at]
+    assert "has_pending_block_frees()" in inspect.getsource(scheduler_cls.schedule)
+
+
+def test_kv_cache_manager_exposes_coordinator_managers():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    source = inspect.getsource(KVCacheManager.__init__)
+    assert "self.coordinator = " in source and "self.block_pool" in inspect.getsource(KVCacheManager)
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    assert "self.single_type_managers = tuple(" in inspect.getsource(KVCacheCoordinator.__init__)
+
+
+def test_multi_connector_types_and_connector_output():
+    multi, multi_meta, multi_worker_meta = compat.multi_connector_types()
+    assert {f.name for f in dataclasses.fields(multi_meta)} >= {"metadata"}
+    assert {f.name for f in dataclasses.fields(multi_worker_meta)} == {"metadata"}
+    assert "kv_connector_worker_meta" in {f.name for f in dataclasses.fields(compat.KVConnectorOutput)}
+    assert params(multi.build_kv_connector_stats) == ["data"]

@@ -87,13 +87,13 @@ def test_planner_hook_refuses_to_replace_a_vendor_builder(dsa_model_dir, monkeyp
 
 
 def test_connector_construction_is_honest(dsa_model_dir):
-    """Config errors first; then a clear 'not implemented' instead of a silent no-op."""
+    """Config errors first; a missing KV cache config is a clear error, in both roles."""
     from vllm_hisparse.connector import HiSparseResidencyConnector
 
     bad = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 0}))
     with pytest.raises(HiSparseConfigError, match="host_pool_gib=0"):
         HiSparseResidencyConnector(bad, KVConnectorRole.SCHEDULER, None)
     good = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
-    for role, side in ((KVConnectorRole.SCHEDULER, "scheduler"), (KVConnectorRole.WORKER, "worker")):
-        with pytest.raises(NotImplementedError, match=f"the {side} role is not implemented yet"):
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="needs the engine's KV cache config"):
             HiSparseResidencyConnector(good, role, None)

@@ -53,10 +53,17 @@ def test_split_plan_runs_on_the_real_scheduler(dsa_model_dir):
 
 
 def test_connector_is_constructed_by_the_real_scheduler(dsa_model_dir):
-    """The real Scheduler builds our connector through the factory; until the roles
-    exist that is a clear NotImplementedError, never a silent no-op."""
-    with pytest.raises(NotImplementedError, match="scheduler role is not implemented yet"):
-        SchedulerHarness.build(
-            dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
-            num_blocks=NUM_BLOCKS * 4, max_model_len=2048,
-        )
+    """The real Scheduler builds our connector through the factory, before its
+    KVCacheManager, so the sparse-MLA groups get the residency-aware manager."""
+    from vllm_hisparse.vllm.managers import ResidencyAwareManager
+
+    harness = SchedulerHarness.build(
+        dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+        num_blocks=NUM_BLOCKS * 5, max_model_len=2048,
+    )
+    managers = harness.scheduler.kv_cache_manager.coordinator.single_type_managers
+    sparse = harness.residency.sparse_group_ids
+    assert sparse == (0, 1, 2, 3)
+    assert all(isinstance(managers[i], ResidencyAwareManager) for i in sparse)
+    assert all(managers[i].residency_bound for i in sparse)
+    assert not isinstance(managers[4], ResidencyAwareManager)  # the indexer group

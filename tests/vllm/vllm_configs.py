@@ -60,9 +60,14 @@ DSV32_TINY = {
 }
 
 
-def write_model_dir(root: Path, *, with_index_topk: bool = True) -> Path:
-    """A directory with a tiny DSA (or, without index_topk, plain MLA) config.json."""
+def write_model_dir(root: Path, *, with_index_topk: bool = True, index_topk: int | None = None) -> Path:
+    """A directory with a tiny DSA (or, without index_topk, plain MLA) config.json.
+
+    ``index_topk`` overrides the indexer's k (the default hot region is k rows, so a
+    small k keeps scheduler tests on small device pools)."""
     config = dict(DSV32_TINY)
+    if index_topk is not None:
+        config["index_topk"] = index_topk
     if not with_index_topk:
         config = {k: v for k, v in config.items() if not k.startswith("index_")}
         config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
@@ -88,7 +93,7 @@ def kv_transfer_config(
                 {"kv_connector": CONNECTOR, "kv_role": "kv_both",
                  "kv_connector_extra_config": extra},
                 {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                 "kv_connector_extra_config": {}},
+                 "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 28}},
             ]
         },
     )

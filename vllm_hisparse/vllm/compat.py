@@ -54,11 +54,29 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+# Internal: the scheduler-side KV cache manager, its block pool and manager registry.
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+from vllm.v1.outputs import KVConnectorOutput
+
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
 __all__ = [
     "AttentionSpec",
+    "BlockPool",
+    "FullAttentionManager",
+    "KVCacheBlock",
+    "KVCacheSpecRegistry",
+    "KVConnectorOutput",
+    "RESIDENCY_GROUP_ROLE",
+    "assign_group_role",
+    "group_managers",
+    "multi_connector_types",
+    "register_residency_manager",
+    "residency_manager_registered",
     "CUDAGraphMode",
     "DEFAULT_BUILDER_QUALNAME",
     "DefaultKVCacheConfigBuilder",
@@ -229,3 +247,170 @@ def scheduler_classes() -> tuple[type[Scheduler], type[Scheduler]]:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Scheduler, AsyncScheduler
+
+
+# --------------------------------------------------------------------------------------
+# Residency-aware managers for the sparse-MLA groups
+# --------------------------------------------------------------------------------------
+
+#: Group role that selects our manager for a sparse-MLA group. vLLM resolves a group's
+#: manager as ``KVCacheSpecRegistry.get_manager_class(spec, group.role)`` and a
+#: role-registered manager wins (``kv_cache_spec_registry.py``); the role is looked up
+#: as a plain ``dict`` key, so a string outside vLLM's ``KVCacheGroupRole`` enum works
+#: and cannot collide with an in-tree role.
+RESIDENCY_GROUP_ROLE = "vllm_hisparse_residency"
+
+
+def residency_manager_registered() -> bool:
+    """Whether ``RESIDENCY_GROUP_ROLE`` is mapped to a manager class."""
+    from vllm.v1.kv_cache_spec_registry import _REGISTRY_ROLE_MANAGERS
+
+    return RESIDENCY_GROUP_ROLE in _REGISTRY_ROLE_MANAGERS
+
+
+def register_residency_manager(manager_cls: type) -> None:
+    """Map ``RESIDENCY_GROUP_ROLE`` to ``manager_cls`` (idempotent).
+
+    Inert on its own: only a group whose ``role`` is ``RESIDENCY_GROUP_ROLE`` uses it,
+    and only :func:`assign_group_role` (called by our connector) sets that role.
+    vLLM's built-in registrations run lazily on first lookup; we trigger them first so
+    that ours never counts as "the registry is already populated".
+    """
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register_role_manager(RESIDENCY_GROUP_ROLE, manager_cls)
+
+
+def assign_group_role(kv_cache_config: KVCacheConfig, group_ids: tuple[int, ...]) -> None:
+    """Mark the sparse-MLA groups of the scheduler's KV cache config for our manager.
+
+    Must run before ``KVCacheManager`` is built. The scheduler-role connector is
+    constructed inside ``Scheduler.__init__`` with the very ``kv_cache_config`` object
+    that the scheduler passes to ``KVCacheManager`` right after (``scheduler.py``), so
+    the connector's constructor is the place. The role field is a public dataclass field
+    (``KVCacheGroupSpec.role``); nothing else in the scheduler reads it.
+    """
+    for group_id in group_ids:
+        kv_cache_config.kv_cache_groups[group_id].role = RESIDENCY_GROUP_ROLE  # type: ignore[assignment]
+
+
+def group_managers(kv_cache_manager: Any, group_ids: tuple[int, ...]) -> list[Any]:
+    """The single-type managers of ``group_ids`` inside a ``KVCacheManager``."""
+    managers = kv_cache_manager.coordinator.single_type_managers
+    return [managers[i] for i in group_ids]
+
+
+def multi_connector_types() -> tuple[type, type, type]:
+    """``(MultiConnector, MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata)``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+        MultiKVConnectorMetadata,
+        MultiKVConnectorWorkerMetadata,
+    )
+
+    return MultiConnector, MultiKVConnectorMetadata, MultiKVConnectorWorkerMetadata
+
+
+# ======================================================================================
+# Worker side: KV allocation, forward context and the sparse-MLA top-k conversion hook
+# (section owned by the worker role: worker_side.py, attention_hook.py;
+#  existence checks in tests/vllm/test_compat_worker.py)
+# ======================================================================================
+
+#: Attribute set on our wrapper of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``
+#: so a second install is a no-op.
+_TOPK_HOOK_MARKER = "__vllm_hisparse_topk_hook__"
+
+
+def sparse_mla_index_group_class() -> type:
+    """``vllm.v1.attention.backends.mla.index_group.SparseMLAIndexGroup``: the object every
+    sparse-MLA layer of one indexer shares (``index_group.py:36``); its
+    ``convert_logical_to_physical_topk`` (``:95``) is where decode batches turn logical
+    top-k into physical KV rows. ``HiSparseMLAIndexGroup`` (vLLM's in-tree HiSparse)
+    overrides the method, so our wrapper never runs for it."""
+    from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
+
+    return SparseMLAIndexGroup
+
+
+def in_tree_hisparse_index_group_class() -> type:
+    """vLLM's in-tree ``HiSparseMLAIndexGroup`` (we refuse to bind to one)."""
+    from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
+
+    return HiSparseMLAIndexGroup
+
+
+def topk_conversion_hook_installed() -> bool:
+    """Whether ``install_topk_conversion_hook`` wrapped the group method."""
+    method = sparse_mla_index_group_class().__dict__["convert_logical_to_physical_topk"]
+    return getattr(method, _TOPK_HOOK_MARKER, False)
+
+
+def install_topk_conversion_hook(body: Callable[..., Any]) -> bool:
+    """Route ``SparseMLAIndexGroup.convert_logical_to_physical_topk`` through ``body``.
+
+    ``body(group, original, layer_index, logical_topk, attn_metadata, *,
+    block_stride_rows, return_valid_counts)`` receives vLLM's method bound to ``group`` as
+    ``original`` and must call it for groups it does not own (the wrapper is on the class,
+    so it sees every sparse-MLA model in the process). Idempotent; returns False if already
+    installed. Applied by the worker role when it binds KV caches, never at import.
+    """
+    cls = sparse_mla_index_group_class()
+    original = cls.__dict__["convert_logical_to_physical_topk"]
+    if getattr(original, _TOPK_HOOK_MARKER, False):
+        return False
+
+    @functools.wraps(original)
+    def convert_logical_to_physical_topk(self, layer_index, logical_topk_indices, attn_metadata,
+                                         *, block_stride_rows, return_valid_counts):
+        return body(self, original.__get__(self), layer_index, logical_topk_indices,
+                    attn_metadata, block_stride_rows=block_stride_rows,
+                    return_valid_counts=return_valid_counts)
+
+    setattr(convert_logical_to_physical_topk, _TOPK_HOOK_MARKER, True)
+    convert_logical_to_physical_topk.__vllm_hisparse_original__ = original  # type: ignore[attr-defined]
+    cls.convert_logical_to_physical_topk = convert_logical_to_physical_topk
+    return True
+
+
+def remove_topk_conversion_hook() -> bool:
+    """Undo ``install_topk_conversion_hook`` (tests only); False if not installed."""
+    cls = sparse_mla_index_group_class()
+    wrapper = cls.__dict__["convert_logical_to_physical_topk"]
+    if not getattr(wrapper, _TOPK_HOOK_MARKER, False):
+        return False
+    cls.convert_logical_to_physical_topk = wrapper.__vllm_hisparse_original__
+    return True
+
+
+def static_forward_context(vllm_config: VllmConfig) -> dict[str, Any]:
+    """Layer name → attention module of the constructed model (``config/compilation.py:757``);
+    empty before the model is built (CPU tests)."""
+    return vllm_config.compilation_config.static_forward_context
+
+
+def layer_index_group(layer: Any) -> tuple[Any, int] | None:
+    """``(index_group, index_in_group)`` of a sparse-MLA attention module, or None.
+
+    ``MLAAttention.impl`` (``mla_attention.py:598``) is a ``SparseMLACommonImpl`` whose
+    ``index_group`` / ``index_group_index`` are set at construction
+    (``sparse_mla_attention.py:682-694``)."""
+    impl = getattr(layer, "impl", None)
+    group = getattr(impl, "index_group", None)
+    if group is None:
+        return None
+    return group, int(getattr(impl, "index_group_index"))
+
+
+def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: Any, layout: KVCacheLayout,
+                      kernel_block_sizes: list[int] | None = None) -> dict[str, Any]:
+    """vLLM's own worker KV allocation (``v1/worker/utils.py:564``): one backing, one
+    ``[B, H, N, C]`` view per layer at ``offset + l * layer_stride + b * block_stride``.
+    The worker role reads these views; tests use this to build them on CPU."""
+    from vllm.v1.worker.utils import allocate_kv_cache as _allocate
+
+    return _allocate(kv_cache_config, device, layout, kernel_block_sizes)
+
+
+def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
+    """``SchedulerOutput.num_scheduled_tokens`` (request id → tokens this step)."""
+    return dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})

@@ -1,19 +1,20 @@
-"""``HiSparseResidencyConnector``: the vLLM KV connector of this package.
+"""``HiSparseResidencyConnector``: the vLLM KV connector of this package (a façade).
 
 The class is what vLLM's factory resolves for ``"kv_connector":
 "HiSparseResidencyConnector"`` and what ``VllmConfig`` inspects while it validates
-(``SupportsHMA``, the required KV layout). Those class-level answers are final.
+(``SupportsHMA``, the required KV layout). Construction validates the configuration
+in both roles, then builds the role's implementation:
 
-The scheduler and worker roles (binding the core residency policy to vLLM's
-``KVCacheManager``/``BlockPool``, the per-step command, worker acks, host mirroring)
-are not implemented yet. Rather than run as a connector that silently keeps every
-page resident, construction validates the configuration (so config errors surface
-first) and then raises ``NotImplementedError`` naming what is missing.
+* scheduler role → :class:`~vllm_hisparse.vllm.connector_scheduler.HiSparseConnectorScheduler`;
+* worker role → ``vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`` (imported lazily,
+  so the scheduler process never imports the worker stack).
+
+Every connector method is a two-line delegation to the role that owns it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hisparse.vllm.compat import (
     KVCacheConfig,
@@ -24,6 +25,10 @@ from vllm_hisparse.vllm.compat import (
 )
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, resolve_config
 from vllm_hisparse.vllm.kv_planning import sparse_group_ids
+from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetrics
+
+if TYPE_CHECKING:
+    from vllm_hisparse.vllm.connector_scheduler import HiSparseConnectorScheduler
 
 #: Physical KV layout the split needs: groups of different page sizes share one
 #: pool only when the block is the outermost dimension.
@@ -37,6 +42,14 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUIRED_KV_CACHE_LAYOUT
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> HiSparseConnectorStats:
+        return HiSparseConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return HiSparsePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -45,26 +58,83 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         # Config errors first, in both roles: they are the user's to fix.
         self.hisparse_config = resolve_config(vllm_config)
-        if kv_cache_config is not None:
-            sparse_group_ids(kv_cache_config)  # the planner split must have run
-        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        raise NotImplementedError(
-            f"{CONNECTOR_NAME}: the {side} role is not implemented yet (residency-aware "
-            "managers, the per-step command and the worker data plane are pending); "
-            "configuration and KV planning are validated, nothing else runs."
-        )
+        if kv_cache_config is None:
+            raise ValueError(
+                f"{CONNECTOR_NAME} needs the engine's KV cache config (vLLM passes it to "
+                "connectors that accept kv_cache_config); got None"
+            )
+        sparse_group_ids(kv_cache_config)  # the planner split must have run
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._scheduler: HiSparseConnectorScheduler | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            from vllm_hisparse.vllm.connector_scheduler import HiSparseConnectorScheduler
 
-    # The abstract methods of KVConnectorBase_V1 and SupportsHMA. They must exist so
-    # that construction reaches __init__ (and its clear error) instead of failing in
-    # ABC with "Can't instantiate abstract class"; they are unreachable until then.
-    def _not_implemented(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"{CONNECTOR_NAME}: connector roles not implemented")
+            self._scheduler = HiSparseConnectorScheduler(vllm_config, self.hisparse_config, kv_cache_config)
+        else:
+            from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
 
-    start_load_kv = _not_implemented
-    wait_for_layer_load = _not_implemented
-    save_kv_layer = _not_implemented
-    wait_for_save = _not_implemented
-    get_num_new_matched_tokens = _not_implemented
-    update_state_after_alloc = _not_implemented
-    build_connector_meta = _not_implemented
-    request_finished_all_groups = _not_implemented
+            self._worker = HiSparseWorkerRole(vllm_config, self.hisparse_config, kv_cache_config)
+
+    # ------------------------------------------------------------------ scheduler role
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self._scheduler.request_finished_all_groups(request, block_ids)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        # Only reached with the hybrid KV cache manager off, which config rejects.
+        raise RuntimeError(f"{CONNECTOR_NAME} requires the hybrid KV cache manager (request_finished_all_groups)")
+
+    def has_pending_block_frees(self) -> bool:
+        return self._scheduler.has_pending_block_frees()
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._scheduler is not None:
+            return self._scheduler.get_kv_connector_stats()
+        return self._worker.get_stats()
+
+    @property
+    def scheduler_role(self) -> HiSparseConnectorScheduler:
+        """The scheduler-role implementation (tests and tools)."""
+        return self._scheduler
+
+    # ------------------------------------------------------------------ worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # host rows are gathered inside the attention op, not per layer here
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # rows are mirrored per step (wait_for_save), not per layer
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

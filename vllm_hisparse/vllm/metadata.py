@@ -18,9 +18,19 @@ from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMeta
 
 @dataclass
 class HiSparseConnectorMetadata(KVConnectorMetadata):
-    """The step's command for every worker."""
+    """The step's command for every worker.
+
+    ``command`` names a page's device block by its *lead* block: the block of the first
+    sparse-MLA KV cache group. With several sparse groups (``kv_planning`` splits a
+    DSA model's sparse layers into up to 8), ``bundles`` gives, for every lead block the
+    command mentions, the block of each sparse group in group order (empty with one
+    sparse group: the lead block is the only one). ``new_rows`` maps the requests the
+    policy started tracking this step to their state rows.
+    """
 
     command: StepCommand
+    new_rows: dict[str, int] = field(default_factory=dict)
+    bundles: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

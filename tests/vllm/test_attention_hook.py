@@ -1,0 +1,93 @@
+"""The top-k conversion under residency on CPU tensors with hand-made inputs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_hisparse.vllm.attention_hook import (
+    IndexGroupResidency,
+    StepView,
+    compact_valid_to_front,
+    convert_with_residency,
+    vllm_reference_conversion,
+)
+from vllm_hisparse.worker.device_rows import DeviceRowLayout
+from vllm_hisparse.worker.hot_state import HotState
+from vllm_hisparse.worker.synthetic import kv_rows
+
+BS, K, S, ROW = 4, 4, 8, 16  # block size, top-k, block stride rows (2 layers per block), bytes
+
+
+def setup():
+    """Two requests: batch row 0 = state row 3 (FULL), batch row 1 = state row 1 (MIXED)."""
+    state = HotState(4, 4, 2 * BS, BS, ops_backend="reference")
+    layout = DeviceRowLayout(BS, S)
+    dev = [torch.zeros((10 * S, ROW), dtype=torch.uint8) for _ in range(2)]
+    host = [torch.zeros((8 * BS, ROW), dtype=torch.uint8) for _ in range(2)]
+    # MIXED request (state row 1): page 0 host-only (host block 2), page 1 resident in device
+    # block 5; hot region = device blocks 7, 8 (row-block ids scaled by S / BS = 2).
+    state.set_pages([1, 1], [0, 1], [-1, 5 * 2])
+    state.set_host_blocks([1, 1], [0, 1], [2, 6])
+    state.lease_hot_region(1, [7 * 2, 8 * 2])
+    for l in range(2):
+        host[l][2 * BS:3 * BS] = kv_rows(1, torch.arange(0, 4), l, ROW)
+        dev[l][5 * S:5 * S + BS] = kv_rows(1, torch.arange(4, 8), l, ROW)
+    step = StepView(4, "cpu")
+    binding = IndexGroupResidency(state, host, dev, layout, step)
+    return state, binding, step, dev
+
+
+def test_all_full_conversion_is_vllms():
+    table = torch.tensor([[2, 6], [3, 1]], dtype=torch.int32)
+    topk = torch.tensor([[5, 0, -1, 7], [1, 6, 4, -1]], dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    rows = vllm_reference_conversion(req, table, topk, BS, S)
+    assert rows.tolist() == [[6 * S + 1, 2 * S + 0, -1, 6 * S + 3], [3 * S + 1, 1 * S + 2, 1 * S + 0, -1]]
+    compacted, counts = compact_valid_to_front(rows)
+    assert counts.tolist() == [3, 3] and compacted[0].tolist() == [6 * S + 1, 2 * S, 6 * S + 3, -1]
+
+
+def test_mixed_batch_rows_equal_ground_truth_after_gather():
+    state, binding, step, dev = setup()
+    step.begin(0, [-1, 1])  # batch row 0 FULL, batch row 1 -> state row 1
+    topk = torch.tensor([[1, 2, 3, 0], [6, 1, 2, -1]], dtype=torch.int32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    full_table = torch.tensor([[9, 9], [0, 0]], dtype=torch.int32)  # request 0: block 9
+    vllm_rows = vllm_reference_conversion(req, full_table, topk, BS, S)
+    rows, counts = convert_with_residency(binding, 0, topk, req, 2, vllm_rows,
+                                          block_stride_rows=S, return_valid_counts=True)
+    assert rows[0].tolist() == vllm_rows[0].tolist()  # FULL token: vLLM's rows unchanged
+    assert counts.tolist() == [4, 3]
+    # Mixed token: resident position 6 -> block 5; host positions 1, 2 -> hot slots 0, 1
+    # (hot block 7 = flat rows 56.. ).
+    assert rows[1, :3].tolist() == [5 * S + 2, 7 * S + 0, 7 * S + 1]
+    for l in range(2):
+        got = dev[l][rows[1, :3].long()]
+        assert torch.equal(got, kv_rows(1, torch.tensor([6, 1, 2]), l, ROW))
+    # A follower layer reuses the leader's rows; dense row space for page-tensor kernels.
+    dense = convert_with_residency(binding, 1, topk, req, 2, vllm_rows, block_stride_rows=None,
+                                   return_valid_counts=False)
+    assert dense[1].tolist() == [5 * BS + 2, 7 * BS + 0, 7 * BS + 1, -1]
+    # Next step: position 2 is a hot hit, 3 a miss; no copy of 2 again.
+    step.begin(1, [1])
+    topk2 = torch.tensor([[2, 3, -1, -1]], dtype=torch.int32)
+    before = state.counters()
+    rows2 = convert_with_residency(binding, 0, topk2, torch.tensor([0], dtype=torch.int32), 1,
+                                   torch.full_like(topk2, -1), block_stride_rows=S,
+                                   return_valid_counts=False)
+    resident, hits, misses = (a - b for a, b in zip(state.counters(), before))
+    assert (hits, misses) == (1, 1)
+    assert torch.equal(dev[0][rows2[0, :2].long()], kv_rows(1, torch.tensor([2, 3]), 0, ROW))
+
+
+def test_padding_tokens_keep_vllm_rows():
+    state, binding, step, dev = setup()
+    step.begin(0, [1])
+    topk = torch.tensor([[6, -1, -1, -1], [1, 2, -1, -1]], dtype=torch.int32)
+    req = torch.tensor([0, 0], dtype=torch.int32)
+    vllm_rows = torch.full_like(topk, -1)
+    rows = convert_with_residency(binding, 0, topk, req, 1, vllm_rows, block_stride_rows=S,
+                                  return_valid_counts=False)
+    assert rows[0, 0].item() == 5 * S + 2 and rows[1].tolist() == [-1, -1, -1, -1]

@@ -1,0 +1,282 @@
+"""The connector's scheduler role on vLLM's real Scheduler / AsyncScheduler (CPU).
+
+Only the model forward and the worker's acks are fake (``FakeWorker``). Every test ends
+with ``assert_no_leaks``: no request left, every device block free, host pool at rest,
+no open transfer, no hot lease.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm.fake_worker import FakeWorker
+from tests.vllm.scheduler_harness import SchedulerHarness
+from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.core.commands import Residency, TransferKind
+
+# 4 DSA layers -> 4 sparse-MLA groups + 1 indexer group; index_topk=128 -> hot region of
+# 2 pages. 8 requests of 1024 + 512 tokens need 24 pages x 5 groups = 120 blocks each
+# (960 in all) on a 400-block pool: without residency at most ~3 fit at full length.
+POOL = dict(num_blocks=400, max_model_len=2048, max_num_batched_tokens=512)
+WORKLOAD = dict(count=8, prompt_len=1024, max_tokens=512)
+
+
+def build(model_dir, *, connector=True, extra=None, worker=None, under_multi=False, **kwargs):
+    config = dict(POOL)
+    config.update(kwargs)
+    return SchedulerHarness.build(
+        model_dir,
+        kv_transfer=kv_transfer_config(extra or {"host_pool_gib": 1}, under_multi=under_multi),
+        construct_connector=connector,
+        worker=worker,
+        **config,
+    )
+
+
+def run(harness, workload=WORKLOAD):
+    requests = harness.add_requests(**workload)
+    stats = harness.run_to_completion()
+    assert sorted(stats.finished) == sorted(r.request_id for r in requests)
+    assert all(len(r.output_token_ids) == workload["max_tokens"] for r in requests)
+    harness.assert_no_leaks()
+    return stats
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_more_concurrency_and_fewer_preemptions(small_topk_model_dir, async_scheduling):
+    without = run(build(small_topk_model_dir, connector=False, async_scheduling=async_scheduling))
+    harness = build(small_topk_model_dir, async_scheduling=async_scheduling)
+    with_ = run(harness)
+    assert with_.peak_running > without.peak_running
+    assert with_.preemptions < without.preemptions
+    assert with_.steps < without.steps
+    stats = harness.residency.policy.stats
+    assert stats.num_demotions > 0 and stats.num_pages_released > 0 and stats.num_pages_reused > 0
+
+
+def test_released_pages_become_null_entries(small_topk_model_dir):
+    """A page whose released block was reused reads from host: its entry in every sparse
+    group's block table is vLLM's null block (checked as each step's command is built),
+    and the free path never frees it."""
+    harness = build(small_topk_model_dir)
+    harness.add_requests(**WORKLOAD)
+    residency = harness.residency
+    connector = harness.connector
+    real = connector.build_connector_meta
+    nulls = []
+
+    def checked(scheduler_output):
+        meta = real(scheduler_output)
+        t = residency.policy.tables
+        for manager in residency._managers:
+            for rid, blocks in manager.req_to_blocks.items():
+                row = residency._row_of.get(rid)
+                if row is None:
+                    continue
+                for page, block in enumerate(blocks[: int(t.num_pages[row])]):
+                    lost = bool(t.device_block[row, page] < 0)
+                    assert block.is_null == lost, (rid, page)
+                    nulls.append(lost)
+        return meta
+
+    connector.build_connector_meta = checked
+    harness.run_to_completion()
+    assert any(nulls)
+    harness.assert_no_leaks()
+
+
+def test_preemption_storm(small_topk_model_dir):
+    """A pool too small even with residency: vLLM preempts over and over; every
+    preemption ends the request in the policy (hot lease and page leases returned)."""
+    harness = build(small_topk_model_dir, num_blocks=260, max_num_seqs=16)
+    stats = run(harness, dict(count=16, prompt_len=1024, max_tokens=256))
+    assert stats.preemptions > 0
+    assert harness.residency.num_preemptions == stats.preemptions
+
+
+@pytest.mark.parametrize("eager_mirror", [True, False], ids=["mirror", "spill"])
+def test_abort_in_the_middle_of_a_transfer(small_topk_model_dir, eager_mirror):
+    from vllm.v1.request import RequestStatus
+
+    worker = FakeWorker(delay_steps=3)
+    harness = build(
+        small_topk_model_dir, worker=worker,
+        extra={"host_pool_gib": 1, "eager_host_mirror": eager_mirror},
+    )
+    requests = harness.add_requests(**WORKLOAD)
+    residency = harness.residency
+    kinds = set()
+    victim = None
+    for _ in range(200):
+        harness.step()
+        t = residency.policy.tables
+        for request in requests:
+            row = residency._row_of.get(request.request_id)
+            if row is None:
+                continue
+            n = int(t.num_pages[row])
+            busy = (t.mirror_inflight[row, :n] > 0).any() or (t.pending[row, :n] >= 0).any()
+            if busy and residency.policy.residency(request.request_id) != Residency.FULL:
+                victim = request
+                break
+        if victim is not None:
+            break
+    assert victim is not None, "no request with a transfer in flight"
+    for meta in worker.commands:
+        kinds.update(spec.kind for spec in meta.command.transfers)
+    assert (TransferKind.MIRROR in kinds) == eager_mirror
+    harness.scheduler.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
+    assert not residency.policy.has_request(victim.request_id)
+    assert residency.policy.num_open_transfers > 0  # the aborted request's copies still run
+    harness.run_to_completion()
+    assert victim.request_id not in harness.stats.finished or victim.is_finished()
+    harness.assert_no_leaks()
+
+
+def test_prefix_cache_hit_on_released_pages(small_topk_model_dir):
+    """A second request with the same prompt hits vLLM's device prefix cache, including
+    pages the first request released (readable until reused) and the policy adopts the
+    shared blocks without double counting their leases."""
+    harness = build(small_topk_model_dir)
+    prompt = [(i * 7) % 900 + 10 for i in range(1024)]
+    first = harness.add_request(1024, 64, prompt_token_ids=prompt)
+    fillers = harness.add_requests(2, prompt_len=1024, max_tokens=64)
+    harness.run_to_completion()
+    stats = harness.residency.policy.stats
+    assert stats.num_pages_released > 0 and stats.num_pages_reused == 0  # released, still readable
+    second = harness.add_request(1024, 64, prompt_token_ids=prompt)
+    output = harness.step()
+    # The first chunk would be 512 tokens without a hit; with it, only the tail.
+    assert output.num_scheduled_tokens[second.request_id] < 512
+    harness.run_to_completion()
+    assert first.is_finished() and second.is_finished() and all(f.is_finished() for f in fillers)
+    harness.assert_no_leaks()
+
+
+def test_chunked_prefill_longer_than_the_admission_window(small_topk_model_dir):
+    """max_num_batched_tokens=128 -> an admission window of 2 pages; a 1536-token prompt
+    is demoted while its prefill is still running, and finishes."""
+    harness = build(small_topk_model_dir, max_num_batched_tokens=128)
+    (request,) = harness.add_requests(1, prompt_len=1536, max_tokens=8)
+    demoted_during_prefill = False
+    while harness.scheduler.has_requests():
+        harness.step()
+        rid = request.request_id
+        if harness.residency.policy.has_request(rid) and request.num_computed_tokens < request.num_prompt_tokens:
+            demoted_during_prefill |= harness.residency.policy.residency(rid) != Residency.FULL
+    harness.drain()
+    assert demoted_during_prefill
+    assert request.is_finished()
+    harness.assert_no_leaks()
+
+
+@pytest.mark.parametrize(
+    "worker",
+    [
+        FakeWorker(order="reverse", delay_steps=1),
+        FakeWorker(order="random", jitter_steps=4, seed=1),
+        FakeWorker(order="random", jitter_steps=2, report_enqueued=True, seed=2),
+    ],
+    ids=["reverse", "jitter", "enqueued"],
+)
+def test_acks_in_and_out_of_order(small_topk_model_dir, worker):
+    harness = build(small_topk_model_dir, worker=worker)
+    stats = run(harness)
+    assert stats.peak_running == WORKLOAD["count"]
+
+
+def test_completion_needs_every_worker(small_topk_model_dir):
+    """Two workers, the second acking two steps later: a transfer completes only once
+    both completed it; a failure on either worker fails it."""
+    from vllm_hisparse.core.commands import WorkerAcks
+
+    harness = build(small_topk_model_dir)
+    residency = harness.residency
+    residency.num_workers = 2  # what a TP=2 engine's world size gives
+    first = residency._count_acks(WorkerAcks(enqueued=[5], completed=[5, 6], failed=[7]))
+    assert (first.enqueued, first.completed, first.failed) == ([], [], [7])
+    second = residency._count_acks(WorkerAcks(enqueued=[5], completed=[5, 7], failed=[6]))
+    assert (second.enqueued, second.completed, second.failed) == ([5], [5], [6])
+    third = residency._count_acks(WorkerAcks(completed=[6, 7]))  # late, already failed
+    assert (third.completed, third.failed) == ([], [])
+    # And end to end with staggered reports.
+    worker = FakeWorker(num_workers=2, stagger_steps=2)
+    harness = build(small_topk_model_dir, worker=worker)
+    harness.residency.num_workers = 2
+    harness.add_requests(2, prompt_len=256, max_tokens=16)
+    harness.step()
+    harness.step()
+    assert harness.residency.policy.num_open_transfers >= 2  # worker 1 has not acked yet
+    harness.run_to_completion()
+    harness.assert_no_leaks()
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_failed_transfers_are_retried(small_topk_model_dir, num_workers):
+    failures = {"left": 6}
+
+    def fail(spec, worker_index):
+        if worker_index == num_workers - 1 and failures["left"] > 0:
+            failures["left"] -= 1
+            return True
+        return False
+
+    worker = FakeWorker(num_workers=num_workers, fail=fail)
+    harness = build(small_topk_model_dir, worker=worker)
+    harness.residency.num_workers = num_workers
+    run(harness)
+    assert worker.num_failed == 6
+    assert harness.residency.policy.stats.num_failed_transfers == 6
+
+
+def test_as_a_multiconnector_child_next_to_offloading(small_topk_model_dir):
+    """Composed with OffloadingConnector. Its stores are never acknowledged here (its
+    worker is not faked), so only our side is required to come to rest."""
+    harness = build(small_topk_model_dir, under_multi=True)
+    assert type(harness.scheduler.connector).__name__ == "MultiConnector"
+    residency = harness.residency
+    assert residency is not None
+    requests = harness.add_requests(**WORKLOAD)
+    while harness.scheduler.running or harness.scheduler.waiting:
+        harness.step()
+        assert harness.stats.steps < 5000
+    harness.drain()
+    assert all(r.is_finished() for r in requests)
+    assert harness.stats.peak_running > 3  # the stock managers fit at most 3 at full length
+    for _ in range(3):  # let our last transfers be acknowledged
+        harness.step()
+    harness.drain()
+    assert residency.is_idle() and residency._host_outstanding == 0
+    assert (residency.host_pool.ref_counts == 0).all()
+
+
+def test_host_back_pressure_keeps_requests_waiting(small_topk_model_dir):
+    """A host pool that backs only a few whole requests: the rest wait, none crash."""
+    harness = build(small_topk_model_dir, extra={"host_pool_gib": 0.02})
+    host_blocks = harness.residency.host_pool.num_blocks
+    per_request = (1024 + 512) // 64
+    assert host_blocks < WORKLOAD["count"] * per_request
+    stats = run(harness)
+    assert stats.peak_running <= host_blocks // per_request
+
+
+def test_metadata_is_built_without_touching_scheduler_output(small_topk_model_dir):
+    harness = build(small_topk_model_dir)
+    connector = harness.connector
+    real = connector.build_connector_meta
+    seen = []
+
+    def checked(scheduler_output):
+        before = (dict(scheduler_output.num_scheduled_tokens), scheduler_output.has_sync_kv_loads,
+                  scheduler_output.total_num_scheduled_tokens, scheduler_output.kv_connector_metadata)
+        meta = real(scheduler_output)
+        after = (dict(scheduler_output.num_scheduled_tokens), scheduler_output.has_sync_kv_loads,
+                 scheduler_output.total_num_scheduled_tokens, scheduler_output.kv_connector_metadata)
+        assert before == after
+        seen.append(meta)
+        return meta
+
+    connector.build_connector_meta = checked
+    run(harness, dict(count=2, prompt_len=256, max_tokens=4))
+    assert seen and all(type(m).__name__ == "HiSparseConnectorMetadata" for m in seen)
+    assert any(m.new_rows for m in seen) and any(m.bundles for m in seen)

@@ -1,0 +1,442 @@
+"""The connector's worker role on CPU: vLLM's own KV allocation for a planned DSA config,
+the reference ops, and step commands from the core ``ResidencyPolicy`` (driven directly: the
+scheduler-side connector is not available yet).
+
+A fake forward writes ``synthetic.kv_rows`` into the device rows the worker's tables name;
+attention reads go through the installed hook on real ``SparseMLAIndexGroup`` objects and
+every row they name must hold the ground-truth KV of the selected position, for every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.vllm.dsa_specs import dsa_layer_specs
+from tests.vllm.vllm_configs import DSV32_TINY, kv_transfer_config, make_vllm_config
+from vllm_hisparse.core import (
+    HostBlockPool,
+    InMemoryDevicePool,
+    Outcome,
+    PolicyConfig,
+    Residency,
+    ResidencyPolicy,
+)
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.attention_hook import (
+    BINDING_ATTR,
+    compact_valid_to_front,
+    hooked_conversion,
+    vllm_reference_conversion,
+)
+from vllm_hisparse.vllm.config import resolve_config
+from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
+from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
+
+BS = 64
+TOP_K = 64
+NUM_LAYERS = 6
+LEADERS = {0, 3}  # two index units of three layers (IndexShare followers 1, 2, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("dsa_small_topk")
+    config = dict(DSV32_TINY, index_topk=TOP_K, num_hidden_layers=NUM_LAYERS)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def planned(model_dir: Path, num_blocks: int, *, max_model_len: int = 1024, extra=None):
+    """A VllmConfig and vLLM's FULL (per-layer) KV cache config planned by our builder."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    extra = {"host_pool_gib": 0.02, **(extra or {})}
+    vllm_config = make_vllm_config(model_dir, kv_transfer=kv_transfer_config(extra),
+                                   max_model_len=max_model_len)
+    specs = dsa_layer_specs(NUM_LAYERS, leaders=LEADERS, block_size=BS)
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    try:
+        (kv_cache_config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
+    finally:
+        vllm_config.cache_config.num_gpu_blocks_override = None
+    return vllm_config, kv_cache_config
+
+
+def allocate(vllm_config, kv_cache_config):
+    """The per-layer tensors vLLM's worker allocates for this plan (CPU)."""
+    layout = compat.resolved_kv_cache_layout(vllm_config)
+    return compat.allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+
+
+@pytest.fixture(autouse=True)
+def _unhook():
+    yield
+    compat.remove_topk_conversion_hook()
+
+
+def make_group(num_tokens_max: int = 64):
+    """A real vLLM SparseMLAIndexGroup on CPU whose Triton conversion is replaced by its
+    pure-torch twin (the Triton kernel and CUDA streams do not run on CPU)."""
+    cls = compat.sparse_mla_index_group_class()
+    topk = torch.zeros((num_tokens_max, TOP_K), dtype=torch.int32)
+    group = cls(logical_topk_indices=topk, physical_topk_indices=torch.zeros_like(topk),
+                valid_topk_counts=torch.zeros(num_tokens_max, dtype=torch.int32),
+                side_stream=None, logical_topk_ready=None, physical_topk_ready=None,
+                has_indexer=True)
+
+    def convert_once(layer_index, logical, req_id, block_table, block_size, *,
+                     block_stride_rows, return_valid_counts, idx_mapping=None):
+        rows = vllm_reference_conversion(req_id, block_table, logical, block_size,
+                                         block_stride_rows)
+        return compact_valid_to_front(rows) if return_valid_counts else rows
+
+    group._convert_once = convert_once
+    return group
+
+
+class Rig:
+    """Policy + worker role + fake forward over vLLM-allocated CPU KV tensors."""
+
+    def __init__(self, model_dir, *, num_blocks=200, policy_blocks=None, fail=None, seed=0,
+                 extra=None):
+        self.vllm_config, self.kv_cache_config = planned(model_dir, num_blocks, extra=extra)
+        self.hs_config = resolve_config(self.vllm_config)
+        self.kv = allocate(self.vllm_config, self.kv_cache_config)
+        self.role = HiSparseWorkerRole(self.vllm_config, self.hs_config, self.kv_cache_config,
+                                       fail_transfer=fail, huge_pages="never")
+        self.role.register_kv_caches(self.kv)
+        self.num_groups = len(self.role.lanes)
+        # Policy blocks are page bundles: lead b -> b + g * M in sparse group g (block 0 of
+        # vLLM's pool is its null block, so leads start at 1).
+        self.M = policy_blocks or (num_blocks - 1) // self.num_groups
+        cfg = PolicyConfig(block_size=BS, max_num_rows=self.role.num_state_rows,
+                           max_pages_per_request=self.role.max_pages,
+                           device_buffer_size_rows=self.hs_config.device_buffer_size,
+                           min_steps_between_transitions=0)
+        self.policy = ResidencyPolicy(cfg, InMemoryDevicePool(self.M),
+                                      HostBlockPool(self.role.host_num_blocks))
+        self.bundles = {b + 1: [b + 1 + g * self.M for g in range(self.num_groups)]
+                        for b in range(self.M)}
+        self.groups = []  # (vLLM index group object, lane, binding)
+        for lane in self.role.lanes:
+            for binding in lane.bindings:
+                group = make_group()
+                self.role.bind_index_group(group, binding)
+                self.groups.append((group, lane, binding))
+        self.serial: dict[str, int] = {}
+        self.gen: dict[str, TopkGenerator] = {}
+        self.layer_ids = {}
+        first = 0
+        for lane in self.role.lanes:
+            for i, name in enumerate(lane.layer_names):
+                self.layer_ids[(lane.group_id, i)] = int(name.split(".")[2])
+            first += len(lane.layer_names)
+        self.held_acks = []
+        self.rng = random.Random(seed)
+        self.reads_checked = 0
+        self.residency_seen = set()
+
+    # policy block ids are 0-based; shift by one so vLLM's null block 0 is never used
+    def lead(self, b: int) -> int:
+        return b + 1 if b >= 0 else b
+
+    def add(self, rid: str):
+        self.serial[rid] = len(self.serial) + 1
+        self.gen[rid] = TopkGenerator(TOP_K, seed=self.serial[rid], recent=8, drift_tokens=4)
+        return self.policy.add_request(rid)
+
+    def step(self, scheduled: dict[str, int], *, attend=True, block_stride_mode="flat"):
+        rows, ranges = {}, []
+        for rid, n in scheduled.items():
+            row = self.policy.row_of(rid)
+            start = int(self.policy.tables.num_tokens[row])
+            if self.policy.schedule(rid, n) == Outcome.OK:
+                ranges.append((rid, row, start, start + n))
+        cmd = self.policy.build_step()
+        cmd = shift_blocks(cmd, self.lead)
+        meta = HiSparseConnectorMetadata(command=cmd, bundles=self.bundles)
+        batch = [r[0] for r in ranges]
+        self.role.start_load_kv(meta, request_ids=batch)
+        for rid, row, start, end in ranges:
+            self.write_kv(rid, row, start, end)
+        if attend:
+            decode = [(i, r) for i, r in enumerate(ranges) if r[3] - r[2] == 1]
+            if decode:
+                self.attend(ranges, decode, block_stride_mode)
+        self.role.wait_for_save()
+        for rid in scheduled:
+            self.residency_seen.add(int(self.policy.residency(rid)))
+        self.deliver_acks()
+        self.policy.check_invariants()
+
+    def write_kv(self, rid, row, start, end):
+        pos = torch.arange(start, end)
+        for lane in self.role.lanes:
+            res = lane.executor.residency[row, (pos // BS).numpy()]
+            assert (res >= 0).all(), "the forward writes into resident tail pages only"
+            dev_rows = torch.as_tensor(res) * BS + pos % BS
+            for i, view in enumerate(lane.device_layers):
+                view[dev_rows] = kv_rows(self.serial[rid], pos, self.layer_ids[(lane.group_id, i)],
+                                         view.shape[1])
+
+    def attend(self, ranges, decode, block_stride_mode):
+        """Decode tokens only (one per request), batch rows = positions in ``ranges``."""
+        req_id = torch.tensor([i for i, _ in decode], dtype=torch.int32)
+        topk = torch.stack([self.gen[r[0]].select(r[3]) for _, r in decode]).to(torch.int32)
+        for group, lane, binding in self.groups:
+            # vLLM's block table for this group: batch row -> this group's block per page
+            # (valid for FULL requests; host-only pages hold whatever vLLM keeps there).
+            table = torch.zeros((len(ranges), self.role.max_pages), dtype=torch.int32)
+            for b, (rid, row, start, end) in enumerate(ranges):
+                res = lane.executor.residency[row] // lane.layout.block_scale
+                table[b] = torch.as_tensor(np.where(res >= 0, res, 0))
+            md = SimpleNamespace(req_id_per_token=req_id, block_table=table, block_size=BS,
+                                 num_actual_tokens=len(decode))
+            stride = lane.layout.block_stride_rows if block_stride_mode == "flat" else None
+            for layer_index, i in enumerate(lane.units[lane.bindings.index(binding)]):
+                rows, counts = group.convert_logical_to_physical_topk(
+                    layer_index, topk, md, block_stride_rows=stride, return_valid_counts=True)
+                self.check_rows(lane, i, rows, counts, topk, decode, stride)
+
+    def check_rows(self, lane, i, rows, counts, topk, decode, stride):
+        view = lane.device_layers[i]
+        for t, (_, (rid, *_)) in enumerate(decode):
+            want_pos = topk[t][topk[t] >= 0]
+            n = int(counts[t])
+            assert n == want_pos.numel()
+            got_rows = rows[t, :n].to(torch.int64)
+            if stride is None:  # dense page rows -> flat rows of this layout
+                got_rows = (got_rows // BS) * lane.layout.block_stride_rows + got_rows % BS
+            got = view[got_rows]
+            want = kv_rows(self.serial[rid], want_pos, self.layer_ids[(lane.group_id, i)],
+                           view.shape[1])
+            bad = (got != want).any(dim=1).nonzero().flatten()
+            assert bad.numel() == 0, (
+                f"{rid} layer {self.layer_ids[(lane.group_id, i)]}: position "
+                f"{int(want_pos[bad[0]])} read {describe_row(got[bad[0]])}")
+            self.reads_checked += n
+
+    def deliver_acks(self):
+        meta = self.role.build_worker_meta()
+        if meta is not None:
+            self.held_acks.append(meta.acks)
+        # Out of order: deliver a random subset of the held reports, each list shuffled.
+        keep = []
+        for acks in self.held_acks:
+            if self.rng.random() < 0.5:
+                keep.append(acks)
+                continue
+            for lst in (acks.enqueued, acks.completed, acks.failed):
+                self.rng.shuffle(lst)
+            self.policy.apply_acks(acks)
+        self.held_acks = keep
+
+    def drain(self):
+        while self.held_acks or not self.policy.is_idle():
+            for acks in self.held_acks:
+                self.policy.apply_acks(acks)
+            self.held_acks = []
+            self.step({}, attend=False)
+            if self.policy.is_idle() and not self.held_acks:
+                break
+
+
+def shift_blocks(cmd, lead):
+    import dataclasses
+
+    from vllm_hisparse.core.commands import HotLease, TransferKind
+
+    return dataclasses.replace(
+        cmd,
+        page_device_blocks=[lead(b) for b in cmd.page_device_blocks],
+        hot_leases=[HotLease(l.row, [lead(b) for b in l.block_ids]) for l in cmd.hot_leases],
+        transfers=[t if TransferKind(t.kind) is TransferKind.MIRROR
+                   else dataclasses.replace(t, device_blocks=[lead(b) for b in t.device_blocks])
+                   for t in cmd.transfers])
+
+
+# ------------------------------------------------------------------------------ binding
+
+
+def test_binds_vllm_allocated_packed_tensors(model_dir):
+    vllm_config, kv_cache_config = planned(model_dir, 100)
+    kv = allocate(vllm_config, kv_cache_config)
+    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+                              huge_pages="never")
+    role.register_kv_caches(kv)
+    assert len(role.lanes) >= 1
+    assert sum(len(l.layer_names) for l in role.lanes) == NUM_LAYERS
+    assert [len(u) for l in role.lanes for u in l.units] == [3, 3]
+    for lane in role.lanes:
+        for name, view in zip(lane.layer_names, lane.device_layers):
+            # Writing flat row b * S + o lands in vLLM's view of block b, offset o.
+            cache = kv[name]
+            b, o = 7, 5
+            view[b * lane.layout.block_stride_rows + o] = 0xAB
+            assert (cache[b, 0, o].view(torch.uint8) == 0xAB).all()
+            cache.view(torch.uint8)[b, 0, o] = 0
+            assert (view == 0).all()
+    assert role.host_pool.num_layers == NUM_LAYERS
+    assert compat.topk_conversion_hook_installed()
+    role.shutdown()
+    assert role.host_pool.closed
+
+
+def test_register_rejects_missing_layer(model_dir):
+    vllm_config, kv_cache_config = planned(model_dir, 100)
+    kv = allocate(vllm_config, kv_cache_config)
+    kv.pop(next(iter(kv_cache_config.kv_cache_groups[0].layer_names)))
+    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+                              huge_pages="never")
+    with pytest.raises(ValueError, match="no tensor for sparse-MLA layer"):
+        role.register_kv_caches(kv)
+
+
+# ------------------------------------------------------------------------------ decode loop
+
+
+def run_decode_loop(rig: Rig, *, num_requests=6, prompt=384, steps=120, mode="flat"):
+    ids = [f"r{i}" for i in range(num_requests)]
+    for rid in ids:
+        rig.add(rid)
+    for rid in ids:  # prefill one request per step (all FULL while prefilling)
+        rig.step({rid: prompt}, attend=False)
+    live = list(ids)
+    for s in range(steps):
+        rig.step({rid: 1 for rid in live}, block_stride_mode=mode if s % 2 else "flat")
+        if s == steps // 2:  # one request finishes mid-way: its row is cleared
+            rig.policy.finish(live.pop(0))
+    for rid in live:
+        rig.policy.finish(rid)
+    rig.drain()
+
+
+def assert_nothing_leaked(rig: Rig):
+    rig.policy.check_invariants()
+    assert rig.policy.is_idle()
+    assert rig.policy.device_pool.get_num_free_blocks() == rig.M
+    assert rig.policy.host_pool.num_free_blocks + rig.policy.host_pool.num_cached_blocks \
+        == rig.policy.host_pool.num_blocks
+    for lane in rig.role.lanes:
+        assert lane.engine.num_in_flight == 0
+    assert rig.role._merger.num_open == 0
+
+
+def test_decode_loop_reads_ground_truth_under_pressure(model_dir):
+    # Few policy blocks: 6 requests of 6+ pages do not all fit, so some go MIXED and read
+    # released pages through their hot regions.
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44)
+    run_decode_loop(rig)
+    assert int(Residency.MIXED) in rig.residency_seen, "the loop never exercised residency"
+    assert rig.reads_checked > 0
+    stats = rig.role.get_stats()
+    assert stats is not None
+    reduced = stats.reduce()
+    assert reduced["hot_hits"] + reduced["misses"] > 0
+    assert reduced["misses"] > 0 and reduced["bytes_to_host"] > 0 and reduced["gather_bytes"] > 0
+    assert_nothing_leaked(rig)
+    rig.role.shutdown()
+
+
+def test_decode_loop_dense_row_space(model_dir):
+    """Kernels that index pages through their stride (block_stride_rows=None) get dense rows."""
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44, seed=3)
+    run_decode_loop(rig, steps=60, mode="dense")
+    assert int(Residency.MIXED) in rig.residency_seen
+    assert_nothing_leaked(rig)
+
+
+def test_failed_transfers_fail_cleanly(model_dir):
+    # Every 7th transfer fails (spills, mirrors, restores alike): the policy keeps the
+    # source copy, reads stay exact, and at the end nothing is leaked.
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44, fail=lambda tid: tid % 7 == 3)
+    run_decode_loop(rig, steps=80)
+    assert rig.policy.stats.num_failed_transfers > 0
+    assert_nothing_leaked(rig)
+
+
+def test_all_full_batches_take_vllms_conversion_unchanged(model_dir):
+    rig = Rig(model_dir, num_blocks=200)  # plenty of blocks: every request stays FULL
+    calls = []
+    for group, _, _ in rig.groups:
+        original = group._convert_once
+
+        def spy(*a, _orig=original, **k):
+            calls.append(k["return_valid_counts"])
+            return _orig(*a, **k)
+        group._convert_once = spy
+    rig.add("a")
+    rig.step({"a": 200}, attend=False)
+    for _ in range(5):
+        rig.step({"a": 1})
+    assert rig.residency_seen == {int(Residency.FULL)}
+    # Only vLLM's conversion ran, with the caller's own arguments (compaction included).
+    assert calls and all(calls)
+    assert rig.role.get_stats().data["misses"] == 0
+
+
+def test_host_backed_step_without_request_ids_is_refused(model_dir):
+    rig = Rig(model_dir, num_blocks=200)
+    rig.role._non_full["x"] = 0
+    from vllm_hisparse.core.commands import StepCommand
+
+    with pytest.raises(RuntimeError, match="request_ids"):
+        rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)))
+
+
+def test_prefill_of_host_backed_batch_is_refused(model_dir):
+    rig = Rig(model_dir, num_blocks=200)
+    rig.role._non_full["x"] = 0
+    from vllm_hisparse.core.commands import StepCommand
+
+    out = SimpleNamespace(num_scheduled_tokens={"x": 1, "y": 300})
+    with pytest.raises(NotImplementedError, match="prefill"):
+        rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)),
+                               request_ids=["x", "y"], scheduler_output=out)
+
+
+def test_attention_before_start_load_kv_is_an_error(model_dir):
+    rig = Rig(model_dir, num_blocks=200)
+    group = rig.groups[0][0]
+    md = SimpleNamespace(req_id_per_token=torch.zeros(1, dtype=torch.int32),
+                         block_table=torch.zeros((1, 4), dtype=torch.int32), block_size=BS,
+                         num_actual_tokens=1)
+    with pytest.raises(RuntimeError, match="has_sync_kv_loads"):
+        group.convert_logical_to_physical_topk(0, torch.zeros((1, TOP_K), dtype=torch.int32),
+                                               md, block_stride_rows=None,
+                                               return_valid_counts=False)
+
+
+def test_unbound_groups_are_untouched(model_dir):
+    Rig(model_dir, num_blocks=200)  # installs the hook
+    group = make_group()
+    assert getattr(group, BINDING_ATTR, None) is None
+    md = SimpleNamespace(req_id_per_token=torch.tensor([0], dtype=torch.int32),
+                         block_table=torch.tensor([[4, 9]], dtype=torch.int32), block_size=BS)
+    topk = torch.full((1, TOP_K), -1, dtype=torch.int32)
+    topk[0, :3] = torch.tensor([70, 3, -1])
+    rows = group.convert_logical_to_physical_topk(0, topk, md, block_stride_rows=None,
+                                                  return_valid_counts=False)
+    assert rows[0, :3].tolist() == [9 * BS + 6, 4 * BS + 3, -1]
+    assert hooked_conversion is not None
+
+
+def test_record_trace_writes_host_backed_selections(model_dir, tmp_path):
+    from vllm_hisparse.core.trace import SelectionTrace
+
+    path = str(tmp_path / "trace.npz")
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44, extra={"record_trace": path})
+    run_decode_loop(rig, steps=60)
+    rig.role.shutdown()
+    trace = SelectionTrace.load(path)
+    assert trace.num_records > 0 and trace.positions.size > 0
+    assert trace.meta["top_k"] == TOP_K

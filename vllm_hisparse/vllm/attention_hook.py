@@ -1,0 +1,278 @@
+"""The sparse-MLA attention read path under residency: logical top-k → physical rows.
+
+vLLM 0.33's sparse-MLA backends (FlashMLA sparse, FlashInfer sparse) turn the indexer's
+logical top-k (request-relative token positions) into physical KV rows in one place for
+decode batches: ``SparseMLAIndexGroup.convert_logical_to_physical_topk``
+(``v1/attention/backends/mla/index_group.py:95``). FlashMLA sparse calls it for
+decode-only batches (``flashmla_sparse.py:907,1040,1243``); the generic
+``SparseMLACommonImpl.forward_mqa`` that FlashInfer sparse uses calls it for every batch
+(``model_executor/layers/attention/sparse_mla_attention.py:783``). It maps position ``p``
+of the token's request (batch row ``req_id_per_token[t]``) through the layer group's
+block table: ``block_table[req, p // bs] * block_stride_rows + p % bs`` (``-1`` for padding).
+
+``compat.install_topk_conversion_hook`` wraps that method (one patch). An index group with
+no :class:`IndexGroupResidency` attached, or a step whose batch has only FULL requests, runs
+vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residency` runs:
+
+* vLLM's conversion still produces the rows of FULL requests' tokens (their pages are all
+  resident and vLLM's block table names them);
+* tokens of MIXED / NONE requests get their rows from ``HotState.resolve`` (resident page →
+  its row; hot hit → the slot's row; miss → an LRU victim slot) and the misses are copied
+  from the pinned host pool by ``HotState.gather`` for **every layer of the index group** in
+  one call, at the leader layer (``layer_index == 0``); followers reuse the leader's rows,
+  exactly as vLLM's own group conversion shares one result;
+* rows are translated to the index space the kernel asked for (``block_stride_rows``) and,
+  when ``return_valid_counts``, compacted to the front with per-row counts.
+
+Token → state row: the worker role publishes, per step, the state row of every batch row
+whose request is not FULL (``StepView``); ``req_id_per_token`` indexes it.
+
+Not handled here (the worker role refuses such steps with a clear error): prefill tokens of
+MIXED / NONE requests (their selections span the whole context, more than a hot region
+holds; host-backed prefill context needs staging), and mixed prefill + decode batches on
+FlashMLA sparse, whose prefill path converts with vLLM's block table directly without calling
+the group. Full CUDA-graph capture of a bound group is refused too (the per-step fast-path
+choice would be frozen into the graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from vllm_hisparse.worker.device_rows import DeviceRowLayout
+from vllm_hisparse.worker.hot_state import HotState
+
+#: Attribute under which a vLLM index group object carries its binding.
+BINDING_ATTR = "_vllm_hisparse_residency"
+
+
+class StepView:
+    """What the attention hook needs to know about the current step (one per worker).
+
+    Args:
+        max_batch_rows: size of the batch-row table (vLLM ``max_num_seqs``).
+        device: where the table lives (the KV device).
+    """
+
+    def __init__(self, max_batch_rows: int, device: torch.device | str):
+        self.max_batch_rows = max_batch_rows
+        self.device = torch.device(device)
+        #: int32 [max_batch_rows]: state row of each batch row whose request is not FULL,
+        #: -1 for FULL requests and unused rows.
+        self.batch_state_rows = torch.full((max_batch_rows,), -1, dtype=torch.int32,
+                                           device=self.device)
+        self.step_id = -1
+        self.ready = False
+        self.uses_residency = False
+
+    def begin(self, step_id: int, batch_state_rows: Sequence[int] | None) -> None:
+        """Start a step. ``batch_state_rows[i]`` is the state row of batch row ``i`` when its
+        request is not FULL, else -1; ``None`` = every request of the batch is FULL."""
+        self.step_id = step_id
+        self.ready = True
+        self.uses_residency = batch_state_rows is not None
+        if batch_state_rows is None:
+            return
+        n = len(batch_state_rows)
+        if n > self.max_batch_rows:
+            raise ValueError(f"StepView: batch of {n} requests exceeds max_num_seqs = "
+                             f"{self.max_batch_rows}")
+        host = torch.full((self.max_batch_rows,), -1, dtype=torch.int32)
+        host[:n] = torch.as_tensor(list(batch_state_rows), dtype=torch.int32)
+        self.batch_state_rows.copy_(host.to(self.device, non_blocking=True))
+
+    def end(self) -> None:
+        self.ready = False
+
+    def token_state_rows(self, req_id_per_token: torch.Tensor, num_actual_tokens: int) -> torch.Tensor:
+        """int32 ``[T]``: state row of each token of a non-FULL request; -1 for tokens of FULL
+        requests and padding tokens (index ``>= num_actual_tokens``)."""
+        batch_rows = req_id_per_token.to(torch.int64)
+        valid = (batch_rows >= 0) & (batch_rows < self.max_batch_rows)
+        rows = self.batch_state_rows[batch_rows.clamp(0, self.max_batch_rows - 1)]
+        rows = torch.where(valid, rows, torch.full_like(rows, -1))
+        if num_actual_tokens < rows.shape[0]:
+            rows[num_actual_tokens:] = -1
+        return rows.contiguous()
+
+
+@dataclasses.dataclass
+class IndexGroupResidency:
+    """One vLLM index group (leader + IndexShare followers) bound to its hot state.
+
+    Attributes:
+        hot_state: the group's residency tables and hot slots.
+        host_layers: uint8 ``[host_rows, row_bytes]`` host-pool views of the group's layers,
+            leader first (the order of the vLLM index group).
+        device_layers: uint8 flat row views of the same layers' device KV.
+        layout: device row addressing (flat rows, ``block_stride_rows``).
+        step: the worker's per-step view.
+        record: optional callback ``(state_rows int32 [T], topk int32 [T, K])`` called at
+            the leader for tracing (syncs; only when tracing is on).
+    """
+
+    hot_state: HotState
+    host_layers: list[torch.Tensor]
+    device_layers: list[torch.Tensor]
+    layout: DeviceRowLayout
+    step: StepView
+    record: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    _leader_rows: torch.Tensor | None = None
+    _leader_token_rows: torch.Tensor | None = None
+    _leader_step: int = -1
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.device_layers)
+
+    def resolve_leader(self, logical_topk: torch.Tensor, token_rows: torch.Tensor) -> None:
+        """Resolve the group's top-k and gather its misses for every layer (leader layer)."""
+        result = self.hot_state.resolve(logical_topk.contiguous(), token_rows)
+        self.hot_state.gather(result, self.host_layers, self.device_layers)
+        self._leader_rows = result.out_rows
+        self._leader_token_rows = token_rows
+        self._leader_step = self.step.step_id
+        if self.record is not None:
+            self.record(token_rows, logical_topk)
+
+    def leader_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat rows int32 [T, K], token state rows int32 [T]) the leader resolved this step."""
+        if self._leader_rows is None or self._leader_step != self.step.step_id:
+            raise RuntimeError("residency hook: a follower layer converted its top-k before "
+                               "the index group's leader layer did in this step")
+        if self._leader_rows.shape[0] != num_tokens:
+            raise RuntimeError(f"residency hook: follower converts {num_tokens} tokens but the "
+                               f"leader resolved {self._leader_rows.shape[0]}")
+        return self._leader_rows, self._leader_token_rows
+
+
+def compact_valid_to_front(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid (``>= 0``) entries of each row moved to the front in their order, -1 after;
+    plus int32 ``[T]`` counts. Matches what vLLM's conversion returns with
+    ``return_valid_counts=True`` (the kernel only guarantees the set, we keep the order)."""
+    valid = rows >= 0
+    counts = valid.sum(dim=1, dtype=torch.int32)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    compacted = torch.gather(rows, 1, order)
+    return compacted.contiguous(), counts
+
+
+def convert_with_residency(
+    binding: IndexGroupResidency,
+    layer_index: int,
+    logical_topk: torch.Tensor,
+    req_id_per_token: torch.Tensor,
+    num_actual_tokens: int,
+    vllm_rows: torch.Tensor,
+    *,
+    block_stride_rows: int | None,
+    return_valid_counts: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Physical rows for a batch that holds MIXED / NONE requests.
+
+    Args:
+        binding: the index group's residency binding.
+        layer_index: position of the layer in its index group (0 = leader: resolves and
+            gathers for every layer of the group).
+        logical_topk: int32 ``[T, K]`` request-relative positions, -1 = padding.
+        req_id_per_token: int32 ``[T]`` batch row of each token.
+        num_actual_tokens: tokens ``>=`` this are padding.
+        vllm_rows: int32 ``[T, K]``: vLLM's own conversion of ``logical_topk``, uncompacted
+            (column ``k`` ↔ selection ``k``), in the ``block_stride_rows`` index space; used
+            for FULL requests' tokens.
+        block_stride_rows: the kernel's row space (``None`` = dense page rows).
+        return_valid_counts: compact to the front and return counts, like vLLM.
+
+    Returns:
+        int32 ``[T, K]`` rows (and int32 ``[T]`` counts when ``return_valid_counts``).
+    """
+    num_tokens = logical_topk.shape[0]
+    if vllm_rows.shape != logical_topk.shape:
+        raise ValueError(f"convert_with_residency: vLLM rows {tuple(vllm_rows.shape)} do not "
+                         f"match top-k {tuple(logical_topk.shape)}")
+    if layer_index == 0:
+        token_rows = binding.step.token_state_rows(req_id_per_token[:num_tokens],
+                                                   num_actual_tokens)
+        binding.resolve_leader(logical_topk, token_rows)
+    flat_rows, token_rows = binding.leader_rows(num_tokens)
+    ours = binding.layout.to_kernel_rows(flat_rows, block_stride_rows)
+    rows = torch.where((token_rows >= 0)[:, None], ours, vllm_rows).to(torch.int32)
+    if return_valid_counts:
+        return compact_valid_to_front(rows)
+    return rows.contiguous()
+
+
+def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch.Tensor,
+                              logical_topk: torch.Tensor, block_size: int,
+                              block_stride_rows: int | None = None) -> torch.Tensor:
+    """Pure-torch twin of vLLM's ``triton_convert_req_index_to_global_index`` without
+    compaction (``sparse_utils.py:493``): ``block_table[req, p // bs] * stride + p % bs``,
+    -1 for ``p < 0`` or a page outside the table. For CPU tests and the CPU simulator,
+    where the Triton kernel cannot run."""
+    stride = block_size if block_stride_rows is None else block_stride_rows
+    topk = logical_topk.to(torch.int64)
+    req = req_id_per_token.to(torch.int64)[:, None].expand_as(topk)
+    page = torch.div(topk, block_size, rounding_mode="floor")
+    ok = (topk >= 0) & (page < block_table.shape[1])
+    block = block_table.to(torch.int64)[req.clamp(0), page.clamp(0, block_table.shape[1] - 1)]
+    rows = block * stride + topk % block_size
+    return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+
+
+def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int,
+                      logical_topk: torch.Tensor, attn_metadata: Any, *,
+                      block_stride_rows: int | None, return_valid_counts: bool) -> Any:
+    """Replacement body of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``.
+
+    ``original`` is vLLM's method (bound). Unbound groups and all-FULL steps take it as is.
+    """
+    binding: IndexGroupResidency | None = getattr(group, BINDING_ATTR, None)
+    if binding is None:
+        return original(layer_index, logical_topk, attn_metadata,
+                        block_stride_rows=block_stride_rows,
+                        return_valid_counts=return_valid_counts)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            "HiSparseResidencyConnector: full CUDA-graph capture of sparse-MLA attention is not "
+            "supported with residency yet (the per-step choice between vLLM's conversion and "
+            "the resolver would be frozen into the graph); use cudagraph_mode=PIECEWISE or NONE")
+    step = binding.step
+    if not step.ready:
+        raise RuntimeError(
+            "HiSparseResidencyConnector: attention ran before the step's residency command was "
+            "applied; the scheduler side must set scheduler_output.has_sync_kv_loads so that "
+            "start_load_kv runs before the forward")
+    if not step.uses_residency:
+        return original(layer_index, logical_topk, attn_metadata,
+                        block_stride_rows=block_stride_rows,
+                        return_valid_counts=return_valid_counts)
+    vllm_rows = original(layer_index, logical_topk, attn_metadata,
+                         block_stride_rows=block_stride_rows, return_valid_counts=False)
+    num_actual = int(getattr(attn_metadata, "num_actual_tokens", logical_topk.shape[0]))
+    return convert_with_residency(
+        binding, layer_index, logical_topk, attn_metadata.req_id_per_token, num_actual,
+        vllm_rows, block_stride_rows=block_stride_rows,
+        return_valid_counts=return_valid_counts)
+
+
+def host_backed_positions(hot_state: HotState, token_rows: torch.Tensor,
+                          topk: torch.Tensor) -> dict[int, np.ndarray]:
+    """Per state row, the distinct host-backed positions its tokens selected (syncs).
+
+    Used for trace recording only."""
+    rows = token_rows.cpu().numpy()
+    sel = topk.cpu().numpy()
+    residency = hot_state.residency.cpu().numpy()
+    bs = hot_state.block_size
+    out: dict[int, list[np.ndarray]] = {}
+    for t, row in enumerate(rows):
+        if row < 0:
+            continue
+        p = sel[t][sel[t] >= 0]
+        host = p[residency[row, p // bs] < 0]
+        out.setdefault(int(row), []).append(host)
+    return {row: np.unique(np.concatenate(parts)) for row, parts in out.items()}

@@ -1,0 +1,480 @@
+"""The scheduler role of ``HiSparseResidencyConnector``: core policy ↔ vLLM's scheduler.
+
+Division of labour
+------------------
+* **vLLM allocates every page.** The sparse-MLA groups keep vLLM's full-attention
+  allocation (admission, chunked prefill, prefix-cache hits, preemption all stay
+  vLLM's). A page's blocks (one per sparse group, a *bundle*, see
+  ``device_pool_adapter``) are handed to the core :class:`~vllm_hisparse.core.ResidencyPolicy`
+  the step the page first holds a scheduled token; from then on the policy owns that
+  lease.
+* **The policy decides residency.** Under pool pressure (or a chunked prefill past its
+  admission window) it leases a hot region and releases clean pages back to the pool,
+  readable until vLLM reuses them. Released blocks count as free for vLLM, so the
+  scheduler admits more requests, and preempts fewer.
+* **The managers never double free.** ``ResidencyAwareManager.pop_blocks_for_free``
+  (every free path: finish, abort, preemption) asks :meth:`on_blocks_freed`, which ends
+  the request in the policy (returning its page leases and hot region) and lets vLLM
+  free only the blocks the policy never adopted.
+
+Per step: ``build_connector_meta`` feeds the step's scheduled tokens to the policy
+(vectorised for requests that stay inside their last page; one call per request that
+crosses a page), takes the policy's :class:`~vllm_hisparse.core.StepCommand`, applies its
+page losses to vLLM's block tables (null blocks), and returns the command as metadata.
+It does not modify ``scheduler_output``. ``update_connector_output`` counts worker acks
+(a transfer is complete only once every worker completed it, failed if any failed) and
+applies them. The work is proportional to the scheduled requests (one dict walk and a
+few numpy operations) plus what changed this step.
+
+Preemption: vLLM recomputes a preempted request from scratch, so the policy ends the
+request (``abort``); nothing is parked on the host for it. Host back-pressure: a
+request is admitted only when the host pool can back its whole length
+(``get_num_new_matched_tokens`` returns ``None`` otherwise, which keeps it waiting).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
+from vllm_hisparse.core.host_pool import HostBlockPool
+from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES
+from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
+from vllm_hisparse.vllm.kv_planning import engine_capacity_report, format_capacity_table, sparse_group_ids
+from vllm_hisparse.vllm.managers import ResidencyAwareManager
+from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
+
+logger = logging.getLogger(__name__)
+
+#: PolicyStats field -> our stats counter.
+_POLICY_COUNTERS = {
+    "num_spill_pages": "num_spilled_pages",
+    "num_restore_pages": "num_restored_pages",
+    "num_pages_released": "num_released_pages",
+    "num_pages_reused": "num_reused_pages",
+    "num_demotions": "num_demotions",
+    "num_promotions": "num_promotions",
+    "num_failed_transfers": "num_failed_transfers",
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class HiSparseConnectorScheduler:
+    """Scheduler-side residency: owns the host pool, the policy and the ack counting."""
+
+    def __init__(
+        self,
+        vllm_config: compat.VllmConfig,
+        hisparse_config: HiSparseResidencyConfig,
+        kv_cache_config: compat.KVCacheConfig,
+    ) -> None:
+        self.hisparse_config = hisparse_config
+        self.block_size = hisparse_config.block_size
+        self.sparse_group_ids = sparse_group_ids(kv_cache_config)
+        # Our manager for the sparse groups, chosen by group role. This must happen
+        # before the scheduler builds its KVCacheManager, i.e. here (see compat).
+        compat.register_residency_manager(ResidencyAwareManager)
+        compat.assign_group_role(kv_cache_config, self.sparse_group_ids)
+
+        report = engine_capacity_report(vllm_config, kv_cache_config)
+        logger.info("%s", format_capacity_table(report))
+        self.capacity_report = report
+        self.host_pool = HostBlockPool(report.host_blocks)
+
+        sched = vllm_config.scheduler_config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        low, high = self._watermarks(kv_cache_config, sched, hisparse_config)
+        self.policy_config = PolicyConfig(
+            block_size=self.block_size,
+            max_num_rows=sched.max_num_seqs,
+            max_pages_per_request=_cdiv(self.max_model_len, self.block_size),
+            device_buffer_size_rows=hisparse_config.device_buffer_size,
+            admission_window_pages=_cdiv(sched.max_num_batched_tokens, self.block_size),
+            eager_host_mirror=hisparse_config.eager_host_mirror,
+            low_watermark_blocks=low,
+            high_watermark_blocks=high,
+        )
+        # Every rank of the replica runs a worker role that acks each transfer.
+        self.num_workers = max(1, vllm_config.parallel_config.world_size)
+
+        # Bound in bind_kv_cache_manager (vLLM builds the KVCacheManager after us).
+        self.policy: ResidencyPolicy | None = None
+        self.device_pool: BlockPoolDevicePool | None = None
+        self._managers: list[ResidencyAwareManager] = []
+
+        # Requests known to the policy.
+        self._row_of: dict[str, int] = {}
+        self._rid_of_row: list[str | None] = [None] * self.policy_config.max_num_rows
+        self._requests: dict[str, Any] = {}  # admitted requests (vLLM Request objects)
+        self._finishing: set[str] = set()
+        # Free in progress: request id -> (policy pages, sparse groups still to visit).
+        self._freeing: dict[str, list[int]] = {}
+        # Host blocks promised to admitted requests and not yet allocated.
+        self._host_remaining: dict[str, int] = {}
+        self._host_outstanding = 0
+        # Residency bookkeeping for metrics and has_pending_block_frees.
+        self._non_full: set[str] = set()
+        self._hot_rows: set[int] = set()
+        # Ack counting across workers (only used with more than one worker).
+        self._ack_enqueued: dict[int, int] = {}
+        self._ack_completed: dict[int, int] = {}
+        self._failed_ids: set[int] = set()
+        # Metrics.
+        self._stats = HiSparseConnectorStats()
+        self._policy_stats_seen = {k: 0 for k in _POLICY_COUNTERS}
+        self.num_preemptions = 0  # lifetime count (tests, tools)
+
+    def _watermarks(self, kv_cache_config, sched, hisparse_config) -> tuple[int, int]:
+        """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
+
+        The policy relieves pressure only at the end of a step, after vLLM allocated
+        (and, failing that, preempted). So the low watermark must cover the most one
+        step can ask for: a full prefill budget of pages plus one page crossing per
+        running request, in every group, converted to bundles of the sparse groups.
+        The high watermark adds one hot region and 5 % of the pool on top (hysteresis).
+        """
+        num_sparse = len(self.sparse_group_ids)
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        step_pages = _cdiv(sched.max_num_batched_tokens, self.block_size) + min(
+            sched.max_num_seqs, sched.max_num_batched_tokens
+        )
+        step_blocks = step_pages * num_groups
+        bundles = (kv_cache_config.num_blocks - 1) // num_sparse
+        low = min(_cdiv(step_blocks, num_sparse), bundles // 2)
+        high = min(low + hisparse_config.hot_blocks_per_request + _cdiv(bundles, 20), bundles)
+        return low, max(high, low)
+
+    # ==================================================================== binding
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """Bind the policy to vLLM's ``BlockPool`` and our managers of the sparse groups."""
+        managers = compat.group_managers(kv_cache_manager, self.sparse_group_ids)
+        for group_id, manager in zip(self.sparse_group_ids, managers):
+            if not isinstance(manager, ResidencyAwareManager):
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: KV cache group {group_id} is managed by "
+                    f"{type(manager).__name__}, not ResidencyAwareManager; the group role "
+                    f"{compat.RESIDENCY_GROUP_ROLE!r} was not honoured (was the KVCacheManager "
+                    "built before the connector?)"
+                )
+        for index, manager in enumerate(managers):
+            manager.bind_residency(self, index)
+        self._managers = managers
+        self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
+        self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
+
+    def _require_policy(self) -> ResidencyPolicy:
+        if self.policy is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: scheduler role used before bind_kv_cache_manager")
+        return self.policy
+
+    # ==================================================================== admission
+    def _host_pages_for(self, request: Any) -> int:
+        max_tokens = getattr(request, "max_tokens", None) or 0
+        total = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        return _cdiv(max(total, 1), self.block_size)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """No external tokens; ``None`` (wait) when the host pool cannot back the request.
+
+        Host-prefix hits are not served yet (see docs/vllm-integration.md): a DSA page
+        also needs its indexer KV, which this connector does not hold.
+        """
+        if request.request_id in self._requests:
+            return 0, False
+        available = self.host_pool.num_allocatable_blocks - self._host_outstanding
+        if self._host_pages_for(request) > available:
+            return None, False
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Admitted: remember the request and reserve host blocks for its whole length."""
+        rid = request.request_id
+        if rid in self._requests:
+            return
+        self._requests[rid] = request
+        need = self._host_pages_for(request)
+        self._host_remaining[rid] = need
+        self._host_outstanding += need
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
+        """Finish or abort (not preemption): the free that follows ends it as finished."""
+        self._finishing.add(request.request_id)
+        return False, None
+
+    # ==================================================================== the step
+    def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
+        """Feed the step to the policy; return its command (``scheduler_output`` untouched)."""
+        policy = self._require_policy()
+        scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        new_rows: dict[str, int] = {}
+        if scheduled:
+            row_of = self._row_of
+            rows = np.fromiter((row_of.get(rid, -1) for rid in scheduled), dtype=np.int64, count=len(scheduled))
+            counts = np.fromiter(scheduled.values(), dtype=np.int64, count=len(scheduled))
+            t = policy.tables
+            known = rows >= 0
+            grows = np.zeros(rows.shape[0], dtype=bool)
+            if known.any():
+                kr = rows[known]
+                grows[known] = _cdiv(t.num_tokens[kr] + counts[known], self.block_size) > t.num_pages[kr]
+            slow = np.nonzero(~known | grows)[0]
+            if slow.shape[0]:
+                ids = list(scheduled)
+                for i in slow.tolist():
+                    rid = ids[i]
+                    if rows[i] < 0:
+                        new_rows[rid] = self._add_request(rid)
+                        num_new = self._requests[rid].num_computed_tokens + int(counts[i])
+                    else:
+                        num_new = int(counts[i])
+                    self._schedule_growing(rid, num_new)
+            fast = known & ~grows
+            if fast.any():
+                outcome = policy.schedule_rows(rows[fast], counts[fast])
+                if outcome.any():  # pragma: no cover - rows in the fast path never allocate
+                    raise RuntimeError(f"{CONNECTOR_NAME}: policy refused rows {rows[fast][outcome != 0][:8]}")
+        command = policy.build_step()
+        self._apply_command(command)
+        return HiSparseConnectorMetadata(
+            command=command, new_rows=new_rows, bundles=self._bundles_of(command)
+        )
+
+    def _add_request(self, rid: str) -> int:
+        request = self._requests.get(rid)
+        if request is None:
+            raise RuntimeError(f"{CONNECTOR_NAME}: request {rid!r} scheduled without update_state_after_alloc")
+        result = self._require_policy().add_request(rid)
+        self._row_of[rid] = result.row
+        self._rid_of_row[result.row] = rid
+        return result.row
+
+    def _schedule_growing(self, rid: str, num_new_tokens: int) -> None:
+        """Schedule a request that crosses into new pages, adopting vLLM's blocks for them."""
+        policy = self._require_policy()
+        t = policy.tables
+        row = self._row_of[rid]
+        old_pages = int(t.num_pages[row])
+        new_pages = _cdiv(int(t.num_tokens[row]) + num_new_tokens, self.block_size)
+        tables = [m.req_to_blocks[rid] for m in self._managers]
+        if len(tables[0]) < new_pages:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: request {rid!r} scheduled to {new_pages} pages but vLLM "
+                f"allocated {len(tables[0])} blocks in sparse group {self.sparse_group_ids[0]}"
+            )
+        pool = self.device_pool
+        leads = [pool.adopt([table[p] for table in tables]) for p in range(old_pages, new_pages)]
+        outcome = policy.schedule(rid, num_new_tokens, device_block_ids=leads)
+        if outcome != Outcome.OK:
+            # Admission reserved host blocks for the whole request, so this is an
+            # accounting error, not back-pressure; refuse loudly rather than lose KV.
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: residency policy answered {Outcome(outcome).name} while "
+                f"scheduling {rid!r} into {new_pages - old_pages} new pages (host pool: "
+                f"{self.host_pool.num_allocatable_blocks} allocatable, "
+                f"{self._host_outstanding} reserved)"
+            )
+        grew = new_pages - old_pages
+        remaining = self._host_remaining.get(rid, 0)
+        used = min(grew, remaining)
+        self._host_remaining[rid] = remaining - used
+        self._host_outstanding -= used
+
+    def _apply_command(self, command: StepCommand) -> None:
+        """Mirror the command's page losses/restores into vLLM's block tables; track
+        residency and hot leases for metrics. Cost: proportional to the command."""
+        for row in command.cleared_rows:
+            self._hot_rows.discard(row)
+        for lease in command.hot_leases:
+            if lease.block_ids:
+                self._hot_rows.add(lease.row)
+            else:
+                self._hot_rows.discard(lease.row)
+        for change in command.residency_changes:
+            if change.residency == Residency.FULL:
+                self._non_full.discard(change.request_id)
+            else:
+                self._non_full.add(change.request_id)
+        if not command.page_rows:
+            return
+        rid_of_row = self._rid_of_row
+        lead_manager = self._managers[0]
+        for row, page, device in zip(command.page_rows, command.page_indices, command.page_device_blocks):
+            rid = rid_of_row[row]
+            if rid is None:
+                continue
+            table = lead_manager.req_to_blocks.get(rid)
+            if table is None or page >= len(table):
+                continue
+            if device < 0:
+                if not table[page].is_null:
+                    for manager in self._managers:
+                        manager.null_page(rid, page)
+            elif table[page].block_id != device:
+                for manager, block in zip(self._managers, self.device_pool.bundle(device)):
+                    manager.set_page(rid, page, block)
+
+    def _bundles_of(self, command: StepCommand) -> dict[int, list[int]]:
+        """Every sparse group's block for each device block the command names (G > 1)."""
+        pool = self.device_pool
+        if pool.num_groups == 1:
+            return {}
+        leads = {b for b in command.page_device_blocks if b >= 0}
+        for lease in command.hot_leases:
+            leads.update(lease.block_ids)
+        for transfer in command.transfers:
+            leads.update(transfer.device_blocks)
+        return {lead: pool.bundle_block_ids(lead) for lead in leads}
+
+    # ==================================================================== frees
+    def on_blocks_freed(self, group_index: int, request_id: str, blocks: list) -> list:
+        """``ResidencyAwareManager`` callback (every free path). The first sparse group
+        to be freed ends the request in the policy; each group's blocks past the pages
+        the policy adopted are returned to vLLM to free."""
+        state = self._freeing.get(request_id)
+        if state is None:
+            row = self._row_of.get(request_id)
+            num_pages = 0
+            if row is not None:
+                num_pages = int(self._require_policy().tables.num_pages[row])
+                self._end_request(request_id)
+            else:
+                self._forget(request_id)
+            state = self._freeing[request_id] = [num_pages, len(self._managers)]
+        state[1] -= 1
+        if state[1] == 0:
+            del self._freeing[request_id]
+        return [b for b in blocks[state[0]:] if not b.is_null]
+
+    def _end_request(self, rid: str) -> None:
+        policy = self._require_policy()
+        if rid in self._finishing:
+            policy.finish(rid)
+        else:
+            # vLLM preemption: the request restarts from zero tokens, so the policy
+            # forgets it (its durable pages would only matter for a host-prefix hit).
+            self._stats.add("num_preemptions", 1)
+            self.num_preemptions += 1
+            policy.abort(rid)
+        row = self._row_of.pop(rid)
+        self._rid_of_row[row] = None
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._finishing.discard(rid)
+        self._non_full.discard(rid)
+        self._host_outstanding -= self._host_remaining.pop(rid, 0)
+
+    # ==================================================================== acks
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Apply the workers' transfer acks (unanimous completion, any-failure)."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return
+        if not isinstance(meta, HiSparseWorkerMetadata):
+            raise TypeError(
+                f"{CONNECTOR_NAME}: expected HiSparseWorkerMetadata from the workers, got {type(meta).__name__}"
+            )
+        acks = meta.acks
+        if acks.is_empty():
+            return
+        policy = self._require_policy()
+        if self.num_workers == 1:
+            policy.apply_acks(acks)
+            return
+        policy.apply_acks(self._count_acks(acks))
+
+    def _count_acks(self, acks: WorkerAcks) -> WorkerAcks:
+        """Turn per-worker reports into transfer-level outcomes (N workers)."""
+        n = self.num_workers
+        failed = [tid for tid in dict.fromkeys(acks.failed) if tid not in self._failed_ids]
+        for tid in failed:
+            self._failed_ids.add(tid)
+            self._ack_completed.pop(tid, None)
+        done_enq, done_comp = [], []
+        for tid in acks.enqueued:
+            if tid in self._failed_ids:
+                continue
+            c = self._ack_enqueued[tid] = self._ack_enqueued.get(tid, 0) + 1
+            if c == n:
+                done_enq.append(tid)
+        for tid in acks.completed:
+            if tid in self._failed_ids:
+                continue
+            c = self._ack_completed[tid] = self._ack_completed.get(tid, 0) + 1
+            if c == n:
+                done_comp.append(tid)
+                del self._ack_completed[tid]
+                self._ack_enqueued.pop(tid, None)
+        # An enqueue count that never reached n is moot once the transfer is closed.
+        for tid in failed:
+            self._ack_enqueued.pop(tid, None)
+        # Only drop ids from the failure set once every worker could have reported.
+        return WorkerAcks(enqueued=done_enq, completed=done_comp, failed=failed)
+
+    # ==================================================================== queries
+    def has_pending_block_frees(self) -> bool:
+        """True when acks already in flight will release device blocks.
+
+        Pages of Mixed/None requests whose host copy is being completed (a mirror or
+        spill in flight) are released as soon as the ack arrives. Only then is waiting
+        better than preempting; otherwise vLLM must preempt (waiting could stall).
+        Called only when an allocation failed, so the numpy scan is off the hot path.
+        """
+        policy = self.policy
+        if policy is None or not self._non_full or policy.num_open_transfers == 0:
+            return False
+        t = policy.tables
+        for rid in self._non_full:
+            row = self._row_of.get(rid)
+            if row is None:
+                continue
+            limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
+            sealed = int(t.num_tokens[row]) // self.block_size
+            limit = min(limit, sealed)
+            if limit <= 0:
+                continue
+            inflight = (t.mirror_inflight[row, :limit] > 0) | (t.pending[row, :limit] >= 0)
+            if np.any(t.pinned[row, :limit] & ~t.host_valid[row, :limit] & inflight):
+                self._stats.add("num_preemptions_avoided", 1)
+                return True
+        return False
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while transfers wait for their acks."""
+        return self.policy is not None and self.policy.num_open_transfers > 0
+
+    def get_kv_connector_stats(self) -> HiSparseConnectorStats | None:
+        """Counters since the previous call plus current gauges; None when nothing to say."""
+        policy = self.policy
+        if policy is None:
+            return None
+        stats = self._stats
+        for field_name, key in _POLICY_COUNTERS.items():
+            value = getattr(policy.stats, field_name)
+            stats.add(key, value - self._policy_stats_seen[field_name])
+            self._policy_stats_seen[field_name] = value
+        if stats.is_empty() and not self._non_full and policy.num_open_transfers == 0:
+            return None
+        host = self.host_pool
+        stats.set_gauge("num_hot_leases", len(self._hot_rows))
+        stats.set_gauge("num_host_blocks_used", host.num_blocks - host.num_free_blocks - host.num_cached_blocks)
+        stats.set_gauge("num_host_blocks_total", host.num_blocks)
+        stats.set_gauge("num_pending_transfers", policy.num_open_transfers)
+        stats.set_gauge("num_mixed_requests", len(self._non_full))
+        self._stats = HiSparseConnectorStats()
+        return stats
+
+    def is_idle(self) -> bool:
+        """No request and no transfer open (pools should be at rest)."""
+        return self.policy is not None and self.policy.is_idle() and not self._requests

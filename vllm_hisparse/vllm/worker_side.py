@@ -1,0 +1,453 @@
+"""The worker role of ``HiSparseResidencyConnector``: vLLM KV tensors → the worker data plane.
+
+What it binds (``register_kv_caches``): for every sparse-MLA KV cache group of the plan
+(``kv_planning.sparse_group_ids``), the uint8 **flat row views** of its layers' KV
+(``worker.device_rows.flat_row_view`` over the ``[B, 1, N, C]`` views vLLM's
+``allocate_kv_cache`` made; block-outermost packing puts ``block_stride_rows`` flat rows
+between a layer's blocks). It builds:
+
+* one :class:`~vllm_hisparse.worker.HostPool` holding one page of every sparse-MLA layer per
+  host block, sized from ``host_pool_gib`` exactly as the planner and the scheduler size it
+  (``config.check_host_pool_holds_one_request``), per data-parallel replica and TP rank;
+* per sparse group, a **lane**: a :class:`TransferEngine` over the group's device and host
+  layers, one :class:`HotState` per index unit (IndexShare leader + followers share one;
+  the lane's HotStates share one residency / host-block table), and a
+  :class:`StepExecutor`;
+* the attention-hook bindings of vLLM's index-group objects (when the model is built).
+
+Device block ids on the wire are the page bundle's **lead** block (sparse group 0's block,
+``device_pool_adapter``). Lane ``g`` needs its own group's block: with more than one sparse
+group the command must come with the bundle members (``metadata.bundles``: lead id →
+one block id per sparse group, for every bundle new since the previous step). Ids are then
+scaled to flat-row blocks (``DeviceRowLayout``).
+
+Per step: ``start_load_kv`` (before the forward; needs ``has_sync_kv_loads``) applies the
+command to every lane (tables, leases, pre-forward transfers, fence) and opens the step for
+the attention hook; the forward reads through the hook; ``wait_for_save`` launches the
+post-forward spills and mirrors; ``build_worker_meta`` merges the lanes' acks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from vllm_hisparse.core.commands import Residency, StepCommand
+from vllm_hisparse.core.trace import TraceRecorder
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.attention_hook import (
+    BINDING_ATTR,
+    IndexGroupResidency,
+    StepView,
+    hooked_conversion,
+    host_backed_positions,
+)
+from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig, check_host_pool_holds_one_request
+from vllm_hisparse.vllm.kv_planning import host_block_bytes, host_copies_per_replica, sparse_group_ids
+from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
+from vllm_hisparse.worker.ack_merger import AckMerger
+from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
+
+logger = logging.getLogger("vllm_hisparse.vllm")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Lane:
+    """One sparse-MLA KV cache group's share of the data plane."""
+
+    group_id: int
+    sparse_index: int  # position among the sparse groups (0 = the bundle's lead group)
+    layer_names: list[str]
+    units: list[list[int]]  # index units as positions into layer_names, leader first
+    layout: DeviceRowLayout
+    device_layers: list[torch.Tensor]
+    host_layers: list[torch.Tensor]
+    engine: TransferEngine
+    hot_states: list[HotState]
+    executor: StepExecutor
+    bindings: list[IndexGroupResidency] = field(default_factory=list)
+
+
+class HiSparseWorkerRole:
+    """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
+
+    Args:
+        vllm_config: the engine's ``VllmConfig``.
+        hisparse_config: the validated connector config.
+        kv_cache_config: the planned KV cache config (split by ``kv_planning``).
+        num_state_rows: rows of the per-request tables; must equal the scheduler-side
+            policy's ``max_num_rows`` (default ``max_num_seqs``).
+        fail_transfer: fault injection passed to every lane's transfer engine (tests, drills).
+        huge_pages: host pool page policy (``"auto"`` | ``"never"`` | ``"require"``).
+    """
+
+    def __init__(self, vllm_config: Any, hisparse_config: HiSparseResidencyConfig,
+                 kv_cache_config: Any, *, num_state_rows: int | None = None,
+                 fail_transfer: Callable[[int], bool] | None = None,
+                 huge_pages: str = "auto"):
+        self.vllm_config = vllm_config
+        self.config = hisparse_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = hisparse_config.block_size
+        self.sparse_group_ids = sparse_group_ids(kv_cache_config)
+        groups = kv_cache_config.kv_cache_groups
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.max_pages = _cdiv(self.max_model_len, self.block_size)
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.num_state_rows = int(num_state_rows or self.max_num_seqs)
+        self.host_num_blocks = check_host_pool_holds_one_request(
+            hisparse_config,
+            host_block_bytes=host_block_bytes(groups[i] for i in self.sparse_group_ids),
+            host_copies=host_copies_per_replica(vllm_config),
+            max_model_len=self.max_model_len,
+        )
+        self._fail_transfer = fail_transfer
+        self._huge_pages = huge_pages
+        self.host_pool: HostPool | None = None
+        self.lanes: list[_Lane] = []
+        self.step_view: StepView | None = None
+        self._merger = AckMerger(len(self.sparse_group_ids))
+        # lead block id -> that page's block id in every sparse group (G > 1 only).
+        self._bundles: dict[int, list[int]] = {}
+        # Requests whose residency is not FULL: id -> state row (from residency changes).
+        self._non_full: dict[str, int] = {}
+        self._in_step = False
+        self._stats = HiSparseWorkerStats()
+        self._reported_counters = np.zeros(3, dtype=np.int64)
+        self._reported_bytes = (0, 0)
+        self._trace = (TraceRecorder(top_k=hisparse_config.top_k, block_size=self.block_size,
+                                     source="vllm") if hisparse_config.record_trace else None)
+        self._trace_ids: dict[str, int] = {}
+        self._row_request: dict[int, str] = {}
+        self._step_id = -1
+        self._closed = False
+
+    # ================================================================== binding
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Bind the sparse-MLA layers' KV tensors; build host pool, lanes and hook bindings.
+
+        ``kv_caches``: layer name → that layer's cache as vLLM allocated it
+        (``[num_blocks, 1, block_size, C]`` per MLA layer, block-outermost)."""
+        if self.lanes:
+            raise RuntimeError(f"{CONNECTOR_NAME}: register_kv_caches called twice")
+        groups = self.kv_cache_config.kv_cache_groups
+        per_group: list[tuple[int, list[str], list[list[int]], DeviceRowLayout, list[torch.Tensor]]] = []
+        row_bytes = None
+        device = None
+        for group_id in self.sparse_group_ids:
+            names = list(groups[group_id].layer_names)
+            views, strides = [], set()
+            for name in names:
+                if name not in kv_caches:
+                    raise ValueError(f"{CONNECTOR_NAME}: register_kv_caches got no tensor for "
+                                     f"sparse-MLA layer {name!r} (KV cache group {group_id})")
+                rows, stride = flat_row_view(kv_caches[name], self.block_size)
+                if row_bytes is None:
+                    row_bytes, device = rows.shape[1], rows.device
+                if rows.shape[1] != row_bytes:
+                    raise ValueError(f"{CONNECTOR_NAME}: sparse-MLA layer {name!r} has "
+                                     f"{rows.shape[1]} B rows, others {row_bytes} B")
+                views.append(rows)
+                strides.add(stride)
+            if len(strides) != 1:
+                raise ValueError(f"{CONNECTOR_NAME}: layers of KV cache group {group_id} have "
+                                 f"different block strides {sorted(strides)}")
+            layout = DeviceRowLayout(self.block_size, strides.pop())
+            per_group.append((group_id, names, self._index_units(group_id, names), layout, views))
+        num_layers = sum(len(names) for _, names, _, _, _ in per_group)
+        self.host_pool = HostPool(num_layers, self.host_num_blocks, self.block_size, row_bytes,
+                                  huge_pages=self._huge_pages,
+                                  pin=device.type == "cuda")
+        self.step_view = StepView(self.max_num_seqs, device)
+        first_host_layer = 0
+        for sparse_index, (group_id, names, units, layout, views) in enumerate(per_group):
+            host_layers = self.host_pool.layers[first_host_layer:first_host_layer + len(names)]
+            first_host_layer += len(names)
+            self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
+                                               views, host_layers, device))
+        compat.install_topk_conversion_hook(hooked_conversion)
+        self.bind_model_index_groups(compat.static_forward_context(self.vllm_config))
+        logger.info("%s worker: %d sparse-MLA layers in %d KV cache groups, %d index units, "
+                    "%d host blocks, block stride %s rows", CONNECTOR_NAME, num_layers,
+                    len(self.lanes), sum(len(l.units) for l in self.lanes), self.host_num_blocks,
+                    [l.layout.block_stride_rows for l in self.lanes])
+
+    def _index_units(self, group_id: int, names: list[str]) -> list[list[int]]:
+        """Index units of a group: each leader with the followers after it (per-layer specs)."""
+        spec = self.kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+        specs = getattr(spec, "kv_cache_specs", None) or {n: spec for n in names}
+        units: list[list[int]] = []
+        for i, name in enumerate(names):
+            leader = bool(getattr(specs[name], "is_index_group_leader", True))
+            if leader or not units:
+                if not leader:
+                    raise ValueError(f"{CONNECTOR_NAME}: KV cache group {group_id} starts with "
+                                     f"IndexShare follower {name!r} (no leader before it)")
+                units.append([i])
+            else:
+                units[-1].append(i)
+        return units
+
+    def _build_lane(self, group_id, sparse_index, names, units, layout, views, host_layers,
+                    device) -> _Lane:
+        engine = TransferEngine(views, host_layers, self.block_size,
+                                ops_backend=self.config.ops_backend,
+                                fail_transfer=self._fail_transfer)
+        hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.device_buffer_size,
+                               self.block_size, device, ops_backend=self.config.ops_backend)
+                      for _ in units]
+        # A page is resident in every layer of a group or in none: the unit states of one
+        # lane share one residency / host-block table (saves (units - 1) copies of [R, P]).
+        for state in hot_states[1:]:
+            state.residency = hot_states[0].residency
+            state.host_blocks = hot_states[0].host_blocks
+        executor = StepExecutor(hot_states, engine, self.num_state_rows, self.max_pages,
+                                self.block_size)
+        lane = _Lane(group_id, sparse_index, names, units, layout, views, list(host_layers),
+                     engine, hot_states, executor)
+        for unit, state in zip(units, hot_states):
+            lane.bindings.append(IndexGroupResidency(
+                hot_state=state,
+                host_layers=[host_layers[i] for i in unit],
+                device_layers=[views[i] for i in unit],
+                layout=layout, step=self.step_view,
+                record=self._record if (self._trace is not None and not self.lanes
+                                        and not lane.bindings) else None))
+        return lane
+
+    def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:
+        """Attach each unit's binding to vLLM's index-group object of its layers.
+
+        ``forward_context``: layer name → attention module (vLLM's static forward
+        context). Returns how many groups were bound (0 before the model exists)."""
+        bound = 0
+        hisparse_cls = compat.in_tree_hisparse_index_group_class()
+        for lane in self.lanes:
+            for unit, binding in zip(lane.units, lane.bindings):
+                leader_name = lane.layer_names[unit[0]]
+                layer = forward_context.get(leader_name)
+                if layer is None:
+                    continue
+                found = compat.layer_index_group(layer)
+                if found is None:
+                    raise ValueError(f"{CONNECTOR_NAME}: sparse-MLA layer {leader_name!r} has "
+                                     "no index group (not a sparse-MLA backend?)")
+                group, index = found
+                if isinstance(group, hisparse_cls):
+                    raise ValueError(f"{CONNECTOR_NAME}: layer {leader_name!r} uses vLLM's "
+                                     "in-tree HiSparse index group; the two cannot run together")
+                for pos, i in enumerate(unit):
+                    member = compat.layer_index_group(forward_context[lane.layer_names[i]])
+                    if member is None or member[0] is not group or member[1] != pos:
+                        raise ValueError(
+                            f"{CONNECTOR_NAME}: layer {lane.layer_names[i]!r} is not member "
+                            f"{pos} of {leader_name!r}'s index group in the model, but the KV "
+                            "plan groups them so")
+                self.bind_index_group(group, binding)
+                bound += 1
+        return bound
+
+    @staticmethod
+    def bind_index_group(group: Any, binding: IndexGroupResidency) -> None:
+        """Attach ``binding`` to one vLLM index-group object (tests bind hand-made ones)."""
+        setattr(group, BINDING_ATTR, binding)
+
+    @property
+    def bindings(self) -> list[IndexGroupResidency]:
+        """Every index unit's binding, lane by lane, in layer order."""
+        return [b for lane in self.lanes for b in lane.bindings]
+
+    # ================================================================== per step
+
+    def start_load_kv(self, metadata: HiSparseConnectorMetadata, **step_inputs: Any) -> None:
+        """Apply the step's command before the forward and open the step for attention.
+
+        Optional ``step_inputs`` (vLLM MRV2 passes them to the connector's
+        ``start_load_kv``; the façade forwards them): ``request_ids`` (batch order) and
+        ``scheduler_output`` (for per-request token counts). Without ``request_ids`` every
+        step with any non-FULL request known takes the residency path (conservative).
+        """
+        self._check_bound()
+        if self._in_step:
+            raise RuntimeError(f"{CONNECTOR_NAME}: start_load_kv called twice without "
+                               "wait_for_save in between")
+        cmd: StepCommand = metadata.command
+        self._step_id = cmd.step_id
+        self._apply_bundles(getattr(metadata, "bundles", None) or {})
+        self._track_residency(cmd)
+        batch_rows = self._batch_state_rows(step_inputs.get("request_ids"),
+                                            step_inputs.get("scheduler_output"))
+        self._check_rows(cmd)
+        for lane in self.lanes:
+            lane.executor.before_forward(self._lane_command(lane, cmd))
+        self.step_view.begin(cmd.step_id, batch_rows)
+        self._stats.add(steps=1)
+        self._in_step = True
+
+    def wait_for_save(self) -> None:
+        """After the forward: launch sealed-page spills and the mirror of written rows."""
+        if not self._in_step:
+            return  # no forward this step (vLLM may call it on idle steps)
+        for lane in self.lanes:
+            lane.executor.after_forward()
+        self.step_view.end()
+        self._in_step = False
+
+    def build_worker_meta(self) -> HiSparseWorkerMetadata | None:
+        """Transfer acks since the last call (every lane merged); None when there are none."""
+        if not self.lanes:
+            return None
+        acks = self._merger.merge([lane.executor.acks() for lane in self.lanes])
+        self._stats.add(failed_transfers=len(acks.failed))
+        return None if acks.is_empty() else HiSparseWorkerMetadata(acks=acks)
+
+    def get_stats(self) -> HiSparseWorkerStats | None:
+        """Counters since the previous call (None when nothing happened). Reads the device
+        counters (a sync on CUDA)."""
+        if not self.lanes:
+            return None
+        counters = np.zeros(3, dtype=np.int64)
+        gather_bytes = 0
+        row_bytes = self.lanes[0].device_layers[0].shape[1]
+        for lane in self.lanes:
+            for unit, state in zip(lane.units, lane.hot_states):
+                c = np.asarray(state.counters(), dtype=np.int64)
+                counters += c
+                gather_bytes += int(c[2]) * len(unit) * row_bytes
+        delta = counters - self._reported_counters
+        self._reported_counters = counters
+        to_host = sum(l.executor.bytes_to_host for l in self.lanes)
+        to_device = sum(l.executor.bytes_to_device for l in self.lanes)
+        self._stats.add(resident=int(delta[0]), hot_hits=int(delta[1]), misses=int(delta[2]),
+                        bytes_to_host=to_host - self._reported_bytes[0],
+                        bytes_to_device=to_device - self._reported_bytes[1],
+                        gather_bytes=gather_bytes - getattr(self, "_reported_gather", 0))
+        self._reported_gather = gather_bytes
+        self._reported_bytes = (to_host, to_device)
+        stats, self._stats = self._stats, HiSparseWorkerStats()
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        """Drain every transfer, write the trace, unbind the model, close the host pool."""
+        if self._closed:
+            return
+        self._closed = True
+        for lane in self.lanes:
+            lane.engine.wait_all()
+        for binding in self.bindings:
+            binding.device_layers, binding.host_layers = [], []
+        if self._trace is not None:
+            self._trace.trace().save(self.config.record_trace)
+        for lane in self.lanes:
+            lane.host_layers = []
+        if self.host_pool is not None:
+            self.host_pool.close()
+
+    # ================================================================== helpers
+
+    def _check_bound(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{CONNECTOR_NAME}: worker role used after shutdown")
+        if not self.lanes:
+            raise RuntimeError(f"{CONNECTOR_NAME}: start_load_kv before register_kv_caches")
+
+    def _apply_bundles(self, bundles: dict[int, Sequence[int]]) -> None:
+        for lead, members in bundles.items():
+            if len(members) != len(self.lanes) or members[0] != lead:
+                raise ValueError(f"{CONNECTOR_NAME}: bundle {lead} lists {list(members)}; "
+                                 f"expected {len(self.lanes)} blocks starting with the lead")
+            self._bundles[int(lead)] = [int(b) for b in members]
+
+    def _member_block(self, lane: _Lane, lead: int) -> int:
+        if lead < 0 or lane.sparse_index == 0:
+            return lead
+        members = self._bundles.get(lead)
+        if members is None:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: device block {lead} has no bundle members for sparse group "
+                f"{lane.group_id}; with {len(self.lanes)} sparse-MLA KV cache groups the "
+                "connector metadata must carry bundles (lead block -> one block per "
+                "sparse group) for every page bundle the command names")
+        return members[lane.sparse_index]
+
+    def _lane_command(self, lane: _Lane, cmd: StepCommand) -> StepCommand:
+        """``cmd`` in lane ``lane``'s block ids, scaled to flat-row blocks."""
+        if len(self.lanes) > 1 and lane.sparse_index > 0:
+            import dataclasses
+
+            from vllm_hisparse.core.commands import HotLease, TransferKind
+
+            def member(blocks):
+                return [self._member_block(lane, b) for b in blocks]
+
+            cmd = dataclasses.replace(
+                cmd,
+                page_device_blocks=member(cmd.page_device_blocks),
+                hot_leases=[HotLease(l.row, member(l.block_ids)) for l in cmd.hot_leases],
+                transfers=[t if TransferKind(t.kind) is TransferKind.MIRROR
+                           else dataclasses.replace(t, device_blocks=member(t.device_blocks))
+                           for t in cmd.transfers])
+        return lane.layout.scale_command(cmd)
+
+    def _check_rows(self, cmd: StepCommand) -> None:
+        rows = [*cmd.cleared_rows, *cmd.page_rows, *(l.row for l in cmd.hot_leases)]
+        if rows and not 0 <= min(rows) <= max(rows) < self.num_state_rows:
+            bad = next(r for r in rows if not 0 <= r < self.num_state_rows)
+            raise ValueError(f"{CONNECTOR_NAME}: step {cmd.step_id} names state row {bad}, "
+                             f"outside [0, {self.num_state_rows}); the worker's tables must "
+                             "have as many rows as the scheduler policy's max_num_rows")
+
+    def _track_residency(self, cmd: StepCommand) -> None:
+        cleared = set(cmd.cleared_rows)
+        if cleared:
+            for rid in [r for r, row in self._non_full.items() if row in cleared]:
+                del self._non_full[rid]
+        for change in cmd.residency_changes:
+            self._row_request[change.row] = change.request_id
+            if change.residency == Residency.FULL:
+                self._non_full.pop(change.request_id, None)
+            else:
+                self._non_full[change.request_id] = change.row
+
+    def _batch_state_rows(self, request_ids: Sequence[str] | None,
+                          scheduler_output: Any) -> list[int] | None:
+        """State row per batch row for non-FULL requests (-1 for FULL); None if all FULL."""
+        if not self._non_full:
+            return None
+        if request_ids is None:
+            # Without the batch order no token can be mapped to its row: refuse to guess.
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: requests are host-backed but start_load_kv got no "
+                "request_ids; forward vLLM's start_load_kv keyword arguments to the worker role")
+        rows = [self._non_full.get(rid, -1) for rid in request_ids]
+        if all(r < 0 for r in rows):
+            return None
+        if scheduler_output is not None:
+            counts = compat.scheduled_token_counts(scheduler_output)
+            limit = self.config.max_decode_query_len
+            prefill = [rid for rid in request_ids if counts.get(rid, 0) > limit]
+            if prefill:
+                raise NotImplementedError(
+                    f"{CONNECTOR_NAME}: this step mixes host-backed (MIXED/NONE) requests with "
+                    f"prefill tokens (e.g. {prefill[0]!r}: {counts[prefill[0]]} tokens > "
+                    f"max_decode_query_len={limit}); reading host-backed context for prefill "
+                    "and FlashMLA-sparse mixed batches is not implemented yet")
+        return rows
+
+    def _record(self, token_rows: torch.Tensor, topk: torch.Tensor) -> None:
+        state = self.lanes[0].hot_states[0]
+        for row, positions in host_backed_positions(state, token_rows, topk).items():
+            rid = self._row_request.get(row, f"row{row}")
+            ident = self._trace_ids.setdefault(rid, len(self._trace_ids))
+            self._trace.add(ident, self._step_id, positions)
