@@ -18,6 +18,11 @@ per GPU per decode step; this term does not grow with the batch, which is why a 
 
     python benchmarks/bench_decode_capacity.py                # defaults: 8 layers, 656 B rows
     python benchmarks/bench_decode_capacity.py --json out.json
+    python benchmarks/bench_decode_capacity.py --layout layer      # the layer-major host pool
+
+``--layout`` picks the host pool layout (position-major by default: the rows of all layers of a
+position are adjacent, docs/kernels.md); ``--rows-per-warp`` / ``--ctas-per-sm`` set the gather
+kernel's tuning (0 = its defaults).
 """
 
 from __future__ import annotations
@@ -191,6 +196,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ops-backend", default="auto")
+    p.add_argument("--layout", choices=["position", "layer"], default=None,
+                   help="host pool layout (default: HostPool's default, position-major)")
+    p.add_argument("--rows-per-warp", type=int, default=0, help="gather tuning (0 = default)")
+    p.add_argument("--ctas-per-sm", type=int, default=0, help="gather tuning (0 = default)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,17 +212,21 @@ def main(argv=None) -> int:
     device_kv = [torch.randint(0, 256, (rows_per_layer, a.row_bytes), dtype=torch.uint8,
                                device=device) for _ in range(a.layers)]
     host_blocks = int(a.host_gib * 2**30) // (a.layers * a.block_size * a.row_bytes)
+    if device == "cuda" and (a.rows_per_warp or a.ctas_per_sm):
+        from vllm_hisparse.ops import cuda as cuda_ops
+        cuda_ops.set_copy_tuning(a.rows_per_warp, a.ctas_per_sm)
     t0 = time.perf_counter()
-    host_pool = HostPool(a.layers, host_blocks, a.block_size, a.row_bytes)
-    for layer in host_pool.layers:  # never time on zeros
-        chunk = device_kv[0][: min(rows_per_layer, layer.shape[0])]
-        for start in range(0, layer.shape[0], chunk.shape[0]):
-            n = min(chunk.shape[0], layer.shape[0] - start)
-            layer[start:start + n].copy_(chunk[:n], non_blocking=True)
+    pool_kwargs = {} if a.layout is None else dict(layout=a.layout)
+    host_pool = HostPool(a.layers, host_blocks, a.block_size, a.row_bytes, **pool_kwargs)
+    flat = host_pool.buffer  # never time on zeros: fill in large contiguous copies
+    chunk = device_kv[0].view(-1)
+    for start in range(0, flat.numel(), chunk.numel()):
+        n = min(chunk.numel(), flat.numel() - start)
+        flat[start:start + n].copy_(chunk[:n], non_blocking=True)
     if device == "cuda":
         torch.cuda.synchronize()
-    print(f"host pool {host_pool.logical_gib:.1f} GiB ({host_pool.page_mode}) ready in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"host pool {host_pool.logical_gib:.1f} GiB ({host_pool.page_mode}, "
+          f"{host_pool.layout}-major) ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     weights = torch.empty(int(a.weights_gib_per_layer * a.layers * 2**30) // 4,
                           dtype=torch.float32, device=device).uniform_()
@@ -232,11 +245,14 @@ def main(argv=None) -> int:
             hybrid = r["hybrid_batch"] / (r["hybrid_step_ms"] + weight_ms)
             r["tokens_per_s_ratio_with_weights"] = hybrid / full
         results.append(r)
+    host_layout = host_pool.layout
     host_pool.close()
 
     print()
     print(f"{a.layers} layers x {a.row_bytes} B rows, K = {a.topk}, hot rows {a.hot_rows}, "
-          f"HBM for KV {a.hbm_gib} GiB, host pool {a.host_gib} GiB, weight pass {weight_ms:.2f} ms, "
+          f"HBM for KV {a.hbm_gib} GiB, host pool {a.host_gib} GiB ({host_layout}-major), "
+          f"gather tuning {a.rows_per_warp or 'default'} rows/warp, "
+          f"{a.ctas_per_sm or 'default'} CTAs/SM, weight pass {weight_ms:.2f} ms, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     nan = float("nan")
     print("| context | full batch | hybrid batch | full KV ms | hybrid KV ms | of which resolve+gather "
@@ -250,7 +266,8 @@ def main(argv=None) -> int:
               f"| {r.get('tokens_per_s_ratio_with_weights', nan):.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(args=vars(a), device=device, results=results), f,
+            json.dump(dict(args=vars(a), device=device, host_layout=host_layout,
+                           results=results), f,
                       indent=2)
     return 0
 

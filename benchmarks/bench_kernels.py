@@ -10,7 +10,11 @@
   the same run, plus a sweep of rows-in-flight per warp and CTAs per SM;
 * the torch reference on the GPU as a second baseline (a few points: it is slow);
 * page copies (kernel vs one DMA per page) and row mirrors;
-* 4 KiB vs 2 MiB host pages for 128K random rows over a 6 GiB host buffer.
+* 4 KiB vs 2 MiB host pages for 128K random rows over a 6 GiB host buffer;
+* host pool layouts (``--only layout``): one 24 GiB registered host buffer, gathers of 128K random
+  positions x all layers (8 and 61 layers, 656 and 1152 B rows) from a layer-major,
+  position-major (``[row][layer]``) and page-major (``[block][layer][offset]``) carving of it,
+  plus a rows-in-flight x CTAs/SM sweep and the work order (pair-major vs layer-major).
 
 Prints a table and writes every number as JSON with --json.
 """
@@ -500,12 +504,123 @@ def bench_huge_pages(quick: bool):
     RESULTS["huge_pages"] = res
 
 
+# --------------------------------------------------------------------------------------
+# host pool layouts at scale
+# --------------------------------------------------------------------------------------
+
+
+def layout_views(buf: torch.Tensor, layout: str, L: int, H: int, row_bytes: int, bs: int):
+    """L uint8 layer views of ``buf`` for H host rows per layer, and a function that maps host
+    rows (positions) to the row ids the views are indexed with."""
+    if layout == "layer":
+        views = [buf[l * H * row_bytes:(l + 1) * H * row_bytes].view(H, row_bytes)
+                 for l in range(L)]
+        return views, lambda p: p
+    if layout == "position":
+        rows = buf[:H * L * row_bytes].view(H, L, row_bytes)
+        return [rows[:, l, :] for l in range(L)], lambda p: p
+    # page-major [host_block][layer][offset]: layer l of block b starts at (b * L + l) * bs rows
+    # of a dense row view. Expressed with dense views that start l * bs rows in, indexed by
+    # (p // bs) * L * bs + p % bs, so the kernel reads exactly the page-major addresses.
+    flat = buf[:H * L * row_bytes].view(H * L, row_bytes)
+    n = H * L - (L - 1) * bs
+    views = [flat[l * bs:l * bs + n] for l in range(L)]
+    return views, lambda p: (p // bs) * (L * bs) + p % bs
+
+
+def bench_layout(quick: bool):
+    log("\n== host pool layout: 128K random positions x all layers from one 24 GiB registered "
+        "buffer (GB/s of payload) ==")
+    bs = 64
+    pool_bytes = 24 << 30
+    t0 = time.perf_counter()
+    a = cuda_ops.host_alloc_registered(pool_bytes, "thp")
+    if not a["ptr"]:
+        a = cuda_ops.host_alloc_registered(pool_bytes, "4k")
+    if not a["ptr"]:
+        raise RuntimeError(f"could not register 24 GiB: {a['message']}")
+    import ctypes
+
+    import numpy as np
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * a["bytes"]).from_address(a["ptr"]))
+    buf = torch.from_numpy(arr)
+    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=DEV)
+    for off in range(0, pool_bytes, 1 << 30):  # never time on zeros
+        n = min(1 << 30, pool_bytes - off)
+        buf[off:off + n].copy_(chunk[:n], non_blocking=True)
+    torch.cuda.synchronize()
+    del chunk
+    log(f"24 GiB host buffer ({'thp' if a['huge_requested_ok'] else '4k'}) allocated, "
+        f"registered and filled in {time.perf_counter() - t0:.1f} s")
+    res = dict(mode=a["mode"], huge_requested_ok=a["huge_requested_ok"], runs=[], sweep=[])
+    N = 131072
+    K = 2048
+    reps = 3 if quick else 5
+    try:
+        for L in (8, 61):
+            for row_bytes in (656, 1152):
+                H = pool_bytes // (L * row_bytes)
+                H -= H % bs
+                dst = [torch.empty((N, row_bytes), dtype=torch.uint8, device=DEV)
+                       for _ in range(L)]
+                g = torch.Generator(device=DEV).manual_seed(L * 10_000 + row_bytes)
+                plans = []
+                for _ in range(2):
+                    pos = torch.randint(0, H, (N,), device=DEV, generator=g, dtype=torch.int64)
+                    d = torch.randperm(N, device=DEV, generator=g).to(torch.int32)
+                    plans.append((pos, d.view(N // K, K)))
+                count = torch.full((N // K,), K, dtype=torch.int32, device=DEV)
+                nbytes = N * L * row_bytes
+                variants = [("layer", True), ("layer", False), ("position", True),
+                            ("position", False), ("page", True)]
+                for layout, pair_major in variants:
+                    views, ids = layout_views(buf, layout, L, H, row_bytes, bs)
+                    ps = [(ids(p).to(torch.int32).view(N // K, K), d) for p, d in plans]
+
+                    def fn(i, views=views, ps=ps, pm=pair_major, rpw=0, cps=0):
+                        s, d = ps[i % len(ps)]
+                        cuda_ops.gather_rows_tuned(views, dst, s, d, count, rows_per_warp=rpw,
+                                                   ctas_per_sm=cps, pair_major=pm)
+
+                    fn(0)
+                    us = time_events(fn, reps, flush=False)
+                    gb = nbytes / (us * 1e-6) / 1e9
+                    row = dict(layers=L, row_bytes=row_bytes, layout=layout,
+                               order="pair-major" if pair_major else "layer-major",
+                               positions=N, us=us, gbps=gb,
+                               mrows_per_s=N * L / us, mpos_per_s=N / us)
+                    res["runs"].append(row)
+                    log(f"L {L:>2}, {row_bytes:>4} B, {layout:>8}-major, {row['order']:>11} "
+                        f"order: {gb:5.1f} GB/s, {row['mrows_per_s']:6.1f} M rows/s, "
+                        f"{us / 1000:7.2f} ms")
+                    if layout == "position" and row_bytes == 656 and L in (8, 61):
+                        for rpw in (2, 4, 8, 16):
+                            for cps in (1, 2, 4):
+                                us2 = time_events(lambda i: fn(i, rpw=rpw, cps=cps),
+                                                  2 if quick else 3, flush=False)
+                                res["sweep"].append(dict(layers=L, row_bytes=row_bytes,
+                                                         order=row["order"],
+                                                         rows_per_warp=rpw, ctas_per_sm=cps,
+                                                         gbps=nbytes / (us2 * 1e-6) / 1e9))
+                        log(f"  position-major, {row['order']} order, sweep (rows/warp x "
+                            f"CTAs/SM): " + ", ".join(
+                                f"{r['rows_per_warp']}r/{r['ctas_per_sm']}c {r['gbps']:.1f}"
+                                for r in res["sweep"]
+                                if r["layers"] == L and r["order"] == row["order"]))
+                del dst, plans
+                torch.cuda.empty_cache()
+    finally:
+        RESULTS["layout"] = res
+        del buf, arr
+        cuda_ops.host_free_registered(a["ptr"], a["bytes"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--quick", action="store_true", help="fewer points and repetitions")
-    ap.add_argument("--only", default="resolve,gather,copies,huge",
-                    help="comma-separated subset of resolve,gather,copies,huge")
+    ap.add_argument("--only", default="resolve,gather,copies,huge,layout",
+                    help="comma-separated subset of resolve,gather,copies,huge,layout")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not cuda_ops.available():
         print("bench_kernels: needs a CUDA device and the compiled extension", file=sys.stderr)
@@ -517,8 +632,8 @@ def main() -> int:
                              command=" ".join(sys.argv))
     log(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     only = set(args.only.split(","))
-    steps = [("resolve", bench_resolve), ("gather", bench_gather), ("copies", bench_copies),
-             ("huge", bench_huge_pages)]
+    steps = [("resolve", bench_resolve), ("layout", bench_layout), ("gather", bench_gather),
+             ("copies", bench_copies), ("huge", bench_huge_pages)]
     for name, fn in steps:
         if name in only:
             try:

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kCopyThreads = 256;
 constexpr int kCopyWarps = kCopyThreads / 32;
-constexpr int kMaxRowsPerWarp = 8;
+constexpr int kMaxRowsPerWarp = 16;
 
 __device__ __forceinline__ uint4 load_nc(const void* ptr) {
   uint4 v;
@@ -72,14 +72,23 @@ __device__ long long plan_prefix(const CopyParams& p, int* excl, int* scratch) {
   return carry;
 }
 
-// Source and destination address of item `item` (0 when the item is skipped).
+// Source and destination address of item `item` (0 when the item is skipped). Items are
+// pair-major (item = pair * L + layer: a warp's G consecutive items are the layers of one row,
+// which a position-major host pool keeps adjacent) or layer-major (item = layer * pairs + pair).
 __device__ __forceinline__ void item_addresses(const CopyParams& p, const int* excl,
                                                long long pairs, long long item,
                                                uint64_t& src, uint64_t& dst) {
   src = 0;
   dst = 0;
-  const int layer = static_cast<int>(item / pairs);
-  const long long q = item - static_cast<long long>(layer) * pairs;
+  int layer;
+  long long q;
+  if (p.pair_major) {
+    q = item / p.num_layers;
+    layer = static_cast<int>(item - q * p.num_layers);
+  } else {
+    layer = static_cast<int>(item / pairs);
+    q = item - static_cast<long long>(layer) * pairs;
+  }
   long long srow, drow;
   if (p.mode == kCopyPlan) {
     int lo = 0;
@@ -104,8 +113,8 @@ __device__ __forceinline__ void item_addresses(const CopyParams& p, const int* e
     drow = static_cast<long long>(db) * p.n_inner + o;
   }
   if (srow < 0 || drow < 0 || srow >= p.src_rows || drow >= p.dst_rows) return;
-  src = p.src[layer] + static_cast<uint64_t>(srow) * p.row_bytes;
-  dst = p.dst[layer] + static_cast<uint64_t>(drow) * p.row_bytes;
+  src = p.src[layer] + static_cast<uint64_t>(srow) * static_cast<uint64_t>(p.src_stride);
+  dst = p.dst[layer] + static_cast<uint64_t>(drow) * static_cast<uint64_t>(p.dst_stride);
 }
 
 template <int CPR, int G>
@@ -197,7 +206,8 @@ KernelFn pick_g(int g) {
     case 1: return copy_rows_kernel<CPR, 1>;
     case 2: return copy_rows_kernel<CPR, 2>;
     case 4: return copy_rows_kernel<CPR, 4>;
-    default: return copy_rows_kernel<CPR, 8>;
+    case 8: return copy_rows_kernel<CPR, 8>;
+    default: return copy_rows_kernel<CPR, 16>;
   }
 }
 
@@ -210,13 +220,19 @@ int default_rows_per_warp(int row_bytes) {
 
 }  // namespace
 
-cudaError_t launch_copy_rows(const CopyParams& p, const CopyTuning& tuning,
+cudaError_t launch_copy_rows(const CopyParams& params, const CopyTuning& tuning,
                              cudaStream_t stream) {
-  if (p.num_layers <= 0 || p.n_outer <= 0 || p.n_inner <= 0) return cudaSuccess;
-  if (p.num_layers > kMaxCopyLayers || p.row_bytes <= 0 || p.row_bytes % 16 != 0)
+  if (params.num_layers <= 0 || params.n_outer <= 0 || params.n_inner <= 0) return cudaSuccess;
+  if (params.num_layers > kMaxCopyLayers || params.row_bytes <= 0 || params.row_bytes % 16 != 0)
+    return cudaErrorInvalidValue;
+  CopyParams p = params;
+  if (p.src_stride == 0) p.src_stride = p.row_bytes;
+  if (p.dst_stride == 0) p.dst_stride = p.row_bytes;
+  if (p.src_stride < p.row_bytes || p.src_stride % 16 != 0 || p.dst_stride < p.row_bytes ||
+      p.dst_stride % 16 != 0)
     return cudaErrorInvalidValue;
   int g = tuning.rows_per_warp > 0 ? tuning.rows_per_warp : default_rows_per_warp(p.row_bytes);
-  if (g != 1 && g != 2 && g != 4 && g != 8) return cudaErrorInvalidValue;
+  if (g != 1 && g != 2 && g != 4 && g != 8 && g != 16) return cudaErrorInvalidValue;
   KernelFn fn;
   if (p.row_bytes == 656) {
     fn = pick_g<41>(g);

@@ -54,6 +54,8 @@ struct ResolveParams {
   int hash_capacity;           // entries of the shared-memory hash (kernel limit)
   int victim_capacity;         // entries of the shared-memory victim list
   int hot_blocks_in_smem;      // D / bs when the hot_blocks row is staged in shared memory
+  int position_bitmap_words;   // words of the shared-memory bitmap of host-backed positions
+                               // (ceil(P * bs / 32)), 0 = none; set by launch_resolve
 };
 
 struct ResolveLaunchInfo {
@@ -101,10 +103,16 @@ struct CopyParams {
   int n_inner;                   // plan: K; pairs: 1; blocks: block_size
   long long src_rows;            // rows of each source layer (ids outside are skipped)
   long long dst_rows;            // rows of each destination layer
+  long long src_stride;          // bytes between consecutive rows of a source layer: 0 or
+                                 // row_bytes for a dense layer, else a multiple of 16 that is
+                                 // >= row_bytes (row-strided views, e.g. a position-major pool)
+  long long dst_stride;          // same for the destination layers
+  int pair_major;                // 1: item = pair * L + layer (all layers of a row together,
+                                 //    the default); 0: item = layer * pairs + pair
 };
 
 struct CopyTuning {
-  int rows_per_warp = 0;  // 1, 2, 4 or 8 rows in flight per warp; 0 = default for the size
+  int rows_per_warp = 0;  // 1, 2, 4, 8 or 16 rows in flight per warp; 0 = default for the size
   int threads = 256;      // threads per CTA
   int ctas_per_sm = 0;    // grid cap = SMs * ctas_per_sm; 0 = default
 };

@@ -87,10 +87,15 @@ py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
 void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<uint64_t>& dst,
                   int row_bytes, long long src_rows, long long dst_rows, uint64_t a, uint64_t b,
                   uint64_t count, int n_outer, int n_inner, int rows_per_warp, int ctas_per_sm,
-                  uint64_t stream) {
+                  uint64_t stream, long long src_stride, long long dst_stride, int pair_major) {
   if (src.size() != dst.size()) throw std::invalid_argument("copy_rows: layer lists differ");
   if (row_bytes <= 0 || row_bytes % 16 != 0)
     throw std::invalid_argument("copy_rows: row_bytes must be a positive multiple of 16");
+  for (long long stride : {src_stride, dst_stride}) {
+    if (stride != 0 && (stride < row_bytes || stride % 16 != 0))
+      throw std::invalid_argument(
+          "copy_rows: a row stride must be 0 (dense) or a multiple of 16 that is >= row_bytes");
+  }
   CopyTuning tuning;
   tuning.rows_per_warp = rows_per_warp;
   tuning.ctas_per_sm = ctas_per_sm;
@@ -114,6 +119,9 @@ void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<
       p.n_inner = n_inner;
       p.src_rows = src_rows;
       p.dst_rows = dst_rows;
+      p.src_stride = src_stride;
+      p.dst_stride = dst_stride;
+      p.pair_major = pair_major;
       err = launch_copy_rows(p, tuning, as_stream(stream));
     }
   }
@@ -165,7 +173,8 @@ void register_ops(py::module_& m) {
         py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("row_bytes"),
         py::arg("src_rows"), py::arg("dst_rows"), py::arg("a"), py::arg("b"), py::arg("count"),
         py::arg("n_outer"), py::arg("n_inner"), py::arg("rows_per_warp") = 0,
-        py::arg("ctas_per_sm") = 0, py::arg("stream") = 0);
+        py::arg("ctas_per_sm") = 0, py::arg("stream") = 0, py::arg("src_stride") = 0,
+        py::arg("dst_stride") = 0, py::arg("pair_major") = 1);
   m.def("host_alloc_registered", &host_alloc_py,
         "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
         py::arg("mode"));

@@ -35,6 +35,9 @@ constexpr int kUnroll = 4;         // independent loads in flight in the striped
 constexpr unsigned long long kNoError = ~0ull;
 constexpr int kMaxDevices = 64;
 constexpr int kMaxHotBlocksSmem = 4096;  // hot_blocks row staged in shared memory up to this
+constexpr long long kMaxBitmapPositions = 1 << 18;
+constexpr long long kSmemBudget = 227LL * 1024 - 1024;  // dynamic smem per CTA (Hopper opt-in)  // position bitmap (32 KiB) up to this
+constexpr int kHashSpread = 4;  // a request's hash part: up to 4 entries per reference (<= C)
 
 // Error candidates of one CTA: atomicMin over (priority, key, detail) picks the error the
 // reference twin would raise first (its check order, then first-reference order).
@@ -333,11 +336,21 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
   int* hotb = reinterpret_cast<int*>(hitmask + ((D + 31) >> 5));
   const int n_hotb = p.hot_blocks_in_smem;  // D / bs when staged, else 0
   for (int i = tid; i < n_hotb; i += nthreads) hotb[i] = __ldg(&p.hot_blocks[row_hb + i]);
+  // Bitmap of the request's host-backed positions (when P * bs is small enough): hit marking
+  // tests a slot's position with one load and probes the hash only for selected positions.
+  uint32_t* posbits = reinterpret_cast<uint32_t*>(hotb + n_hotb);
+  const int n_posbits = p.position_bitmap_words;  // 0 = no bitmap
+  for (int i = tid; i < n_posbits; i += nthreads) posbits[i] = 0u;
   auto hot_block = [&](int slot) -> int {
     return n_hotb ? hotb[slot / bs] : __ldg(&p.hot_blocks[row_hb + slot / bs]);
   };
 
-  int cap = (3 * N + 1) / 2;
+  // The request's part of the hash: up to kHashSpread entries per reference (load factor
+  // <= 1/kHashSpread, short probe chains), never more than the table (which is sized for
+  // 1.5 entries per reference of max_tokens_per_request tokens: the UNION_CAPACITY bound).
+  long long capl = static_cast<long long>(kHashSpread) * N;
+  if (capl > p.hash_capacity) capl = p.hash_capacity;
+  int cap = static_cast<int>(capl);
   cap = (cap + 31) & ~31;
   if (cap < 32) cap = 32;
   if (cap > p.hash_capacity) cap = p.hash_capacity;
@@ -411,6 +424,7 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
       } else {
         my_host += ins;
         atomicMin(&vals[h], i);
+        if (ins && n_posbits) atomicOr(&posbits[q >> 5], 1u << (q & 31));
       }
     }
   }
@@ -450,6 +464,7 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
   // Slots (k * nwarps + warp) * 32 + lane, k < SPT, cover D; loads go in batches of up to
   // 8 per lane so they overlap instead of one round trip per 32-slot chunk.
   constexpr int kBatch = SPT >= 32 ? 4 : (SPT < 8 ? SPT : 8);
+  int warp_hit_slots = 0, warp_hit_pos = 0;  // uniform over the warp
 #pragma unroll
   for (int k0 = 0; k0 < SPT; k0 += kBatch) {
     int qv[kBatch];
@@ -466,7 +481,11 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
       const int q = qv[u];
       bool hit = false;
       bool first = false;
-      if (q >= 0) {
+      bool maybe = q >= 0;
+      if (maybe && n_posbits) {
+        maybe = (q >> 5) < n_posbits && ((posbits[q >> 5] >> (q & 31)) & 1u);
+      }
+      if (maybe) {
         const int h = hash_find(keys, cap, q);
         if (h >= 0) {
           const int v = vals[h];
@@ -485,12 +504,14 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
       }
       const unsigned bits = __ballot_sync(0xffffffffu, hit);
       const unsigned firsts = __ballot_sync(0xffffffffu, first);
-      if (lane == 0) {
-        hitmask[sb >> 5] = bits;
-        if (bits) atomicAdd(&s.n_hit_slots, __popc(bits));
-        if (firsts) atomicAdd(&s.n_hit_pos, __popc(firsts));
-      }
+      if (lane == 0) hitmask[sb >> 5] = bits;
+      warp_hit_slots += __popc(bits);
+      warp_hit_pos += __popc(firsts);
     }
+  }
+  if (lane == 0) {
+    if (warp_hit_slots) atomicAdd(&s.n_hit_slots, warp_hit_slots);
+    if (warp_hit_pos) atomicAdd(&s.n_hit_pos, warp_hit_pos);
   }
   __syncthreads();
   if (s.err != kNoError && static_cast<unsigned>(s.err >> 60) == kPrioDuplicate) {
@@ -719,7 +740,7 @@ ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int 
   info.hot_blocks_in_smem = hot_blocks <= kMaxHotBlocksSmem ? hot_blocks : 0;
   const long long hitmask_bytes =
       ((num_slots + 31) / 32) * 4LL + static_cast<long long>(info.hot_blocks_in_smem) * 4;
-  const long long budget = 227LL * 1024 - 1024;
+  const long long budget = kSmemBudget;
   auto bytes_for = [&](long long c) {
     const long long vc = c < num_slots ? c : num_slots;
     return ((c * 12 + vc * 2 + 15) & ~15LL) + hitmask_bytes;
@@ -741,6 +762,16 @@ cudaError_t launch_resolve(const ResolveParams& params, int max_tokens_per_reque
   p.hash_capacity = info.hash_capacity;
   p.victim_capacity = info.victim_capacity;
   p.hot_blocks_in_smem = info.hot_blocks_in_smem;
+  // Position bitmap (after the staged hot_blocks row) when P * bs is small enough and fits.
+  p.position_bitmap_words = 0;
+  const long long npos = static_cast<long long>(p.num_pages) * p.block_size;
+  if (npos > 0 && npos <= kMaxBitmapPositions) {
+    const long long words = (npos + 31) / 32;
+    if (static_cast<long long>(info.smem_bytes) + words * 4 <= kSmemBudget) {
+      p.position_bitmap_words = static_cast<int>(words);
+      info.smem_bytes += static_cast<size_t>(words) * 4;
+    }
+  }
   if (info.threads == 1024) {
     switch (info.slots_per_thread) {
       case 1: return launch_spt<1, 1024>(p, info, stream);

@@ -59,13 +59,17 @@ if has worker; then
 fi
 
 if has capacity; then
+  # the default (position-major) host pool, then the layer-major one for comparison
   timeout 240 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
     ${CAPACITY_ARGS:-} > "$OUT/capacity.log" 2>&1
   note "bench_decode_capacity rc=$?"
+  timeout 240 $PY benchmarks/bench_decode_capacity.py --layout layer ${CAPACITY_ARGS:-} \
+    > "$OUT/capacity_layer.log" 2>&1
+  note "bench_decode_capacity --layout layer rc=$?"
 fi
 
 if has bench; then
-  timeout 270 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+  timeout 330 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     > "$OUT/bench.log" 2>&1
   note "bench rc=$?"
 fi
@@ -86,6 +90,8 @@ if has bench; then
   cat "$OUT/bench.log"
 fi
 if has capacity; then
-  echo "---------------- decode capacity ----------------"
-  tail -n 12 "$OUT/capacity.log"
+  echo "---------------- decode capacity (position-major host pool) ----------------"
+  tail -n 6 "$OUT/capacity.log"
+  echo "---------------- decode capacity (layer-major host pool) ----------------"
+  tail -n 4 "$OUT/capacity_layer.log"
 fi

@@ -5,7 +5,7 @@
 
 Resolves a batch with spec-decode requests, hits, misses, duplicates, padding, a fully
 resident request and stats, then runs gather_rows (pinned host -> device), copy_blocks (both
-directions) and mirror_rows, and checks every result against the reference twins. Also
+directions), mirror_rows and a gather from row-strided (position-major) host layers, and checks every result against the reference twins. Also
 exercises the error path (one failing request). Exits non-zero on any mismatch.
 """
 
@@ -91,6 +91,21 @@ def main() -> int:
     cuda_ops.mirror_rows(dev_pool, host_pool, sr.to(DEV), dr.to(DEV))
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(host_pool, exp)), "mirror"
+
+    # row-strided (position-major) host layers: gather with all layers of a row per warp
+    Ls, rbs = 3, 656
+    hbuf = torch.randint(0, 256, (2000, Ls * rbs), dtype=torch.uint8).pin_memory()
+    hviews = [hbuf[:, l * rbs:(l + 1) * rbs] for l in range(Ls)]
+    dst = layers(Ls, 700, rbs, DEV, seed=8)
+    exp = [d.cpu() for d in dst]
+    ms, md, mc = random_plan(4, 64, 2000, 700, seed=9)
+    reference.gather_rows(hviews, exp, ms, md, mc)
+    for rpw, pm in ((16, True), (4, False)):
+        out = [d.clone() for d in dst]
+        cuda_ops.gather_rows_tuned(hviews, out, ms.to(DEV), md.to(DEV), mc.to(DEV),
+                                   rows_per_warp=rpw, ctas_per_sm=2, pair_major=pm)
+        torch.cuda.synchronize()
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, exp)), f"strided gather {rpw}"
 
     # error path: one failing request among good ones
     bad = case.clone(DEV)

@@ -134,8 +134,11 @@ def test_empty_plans_copy_nothing():
     (lambda s, d: ops.gather_rows(s[0], d[0], *_plan()), "must be a list or tuple"),
     (lambda s, d: ops.gather_rows([s[0].view(torch.int8)] + s[1:], d, *_plan()),
      r"src_layers\[0\] must have dtype torch.uint8"),
-    (lambda s, d: ops.gather_rows([x[:, :16] for x in s], d, *_plan()),
-     r"src_layers\[0\] must be contiguous"),
+    (lambda s, d: ops.gather_rows([x[:, ::2] for x in s], d, *_plan()),
+     r"src_layers\[0\] must be contiguous or row-strided"),
+    (lambda s, d: ops.gather_rows(s, [torch.zeros(40, 56, dtype=torch.uint8)[:, :32]] * 2,
+                                  *_plan()),
+     r"dst_layers\[0\] must be contiguous or row-strided .*multiple of 16"),
     (lambda s, d: ops.gather_rows([x[:, :16].contiguous() for x in s], d, *_plan()),
      "rows of 16 B but dst_layers"),
     (lambda s, d: ops.gather_rows(s, d, *_plan(count=5)), "miss_count holds 5, outside"),
@@ -170,3 +173,70 @@ def test_reference_twins_share_signatures_with_public_ops():
     import inspect
     for name in ("resolve", "gather_rows", "copy_blocks", "mirror_rows"):
         assert inspect.signature(getattr(ops, name)) == inspect.signature(getattr(reference, name))
+
+
+# --------------------------------------------------------------------------------------
+# row-strided layer views (a position-major host pool: layer l = rows of stride L * row_bytes)
+# --------------------------------------------------------------------------------------
+
+
+def strided_layers(num_layers: int, rows: int, row_bytes: int, seed: int):
+    """(buffer [rows, L, row_bytes], L row-strided layer views into it)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (rows, num_layers, row_bytes), dtype=torch.uint8, generator=g)
+    views = [buf[:, l, :] for l in range(num_layers)]
+    assert all(not v.is_contiguous() and v.stride() == (num_layers * row_bytes, 1)
+               for v in views) or num_layers == 1
+    return buf, views
+
+
+def assert_buffer_is(buf: torch.Tensor, dense_layers: list[torch.Tensor]) -> None:
+    """Every byte of the position-major buffer (so untouched rows too) equals the dense twin."""
+    assert torch.equal(buf, torch.stack(dense_layers, dim=1))
+
+
+@pytest.mark.parametrize("row_bytes", (656, 48, 32))
+@pytest.mark.parametrize("side", ["src", "dst", "both"])
+def test_gather_rows_on_row_strided_layers(row_bytes, side):
+    L = 3
+    sbuf, s_strided = strided_layers(L, 64, row_bytes, 21)
+    dbuf, d_strided = strided_layers(L, 40, row_bytes, 22)
+    s_dense = [v.contiguous() for v in s_strided]
+    d_dense = [v.contiguous() for v in d_strided]
+    src = s_strided if side in ("src", "both") else [v.clone() for v in s_dense]
+    dst = d_strided if side in ("dst", "both") else [v.clone() for v in d_dense]
+    miss_src = torch.tensor([[5, 9, 63, 0], [7, 7, 7, 7]], dtype=torch.int32)
+    miss_dst = torch.tensor([[0, 39, 4, 8], [12, -5, 99, 99]], dtype=torch.int32)
+    miss_count = torch.tensor([4, 1], dtype=torch.int32)
+    sbuf_before = sbuf.clone()
+    ops.gather_rows(src, dst, miss_src, miss_dst, miss_count)
+    ops.gather_rows(s_dense, d_dense, miss_src, miss_dst, miss_count)
+    for l in range(L):
+        assert torch.equal(dst[l], d_dense[l])
+    assert torch.equal(sbuf, sbuf_before)
+    if side in ("dst", "both"):
+        assert_buffer_is(dbuf, d_dense)
+
+
+@pytest.mark.parametrize("direction", ["spill", "restore"])
+def test_copy_blocks_and_mirrors_on_row_strided_host_layers(direction):
+    L, bs, row_bytes = 2, 4, 48
+    hbuf, host = strided_layers(L, 10 * bs, row_bytes, 23)
+    dev = layers(L, 6 * bs, row_bytes, 24)
+    host_dense = [v.contiguous() for v in host]
+    dev_twin = snapshot(dev)
+    sb = torch.tensor([3, -1, 5, 0], dtype=torch.int32)
+    db = torch.tensor([1, 4, -1, 2], dtype=torch.int32)
+    if direction == "spill":
+        ops.copy_blocks(dev, host, db, sb, bs)
+        ops.copy_blocks(dev_twin, host_dense, db, sb, bs)
+        assert_buffer_is(hbuf, host_dense)
+    else:
+        ops.copy_blocks(host, dev, sb, db, bs)
+        ops.copy_blocks(host_dense, dev_twin, sb, db, bs)
+        assert all(torch.equal(a, b) for a, b in zip(dev, dev_twin))
+    sr = torch.tensor([1, 2, -1, 7], dtype=torch.int32)
+    dr = torch.tensor([5, -1, 6, 39], dtype=torch.int32)
+    ops.mirror_rows(dev, host, sr, dr)
+    ops.mirror_rows(dev_twin, host_dense, sr, dr)
+    assert_buffer_is(hbuf, host_dense)

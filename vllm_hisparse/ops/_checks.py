@@ -80,10 +80,33 @@ def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slo
         check_shape("stats", stats, (3,), "(resident, hot hit, miss) counters")
 
 
+def check_row_view(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
+    """A uint8 ``[rows, row_bytes]`` layer view: contiguous, or **row-strided** (the bytes of a
+    row contiguous, ``stride(0)`` a multiple of 16 and ``>= row_bytes``), which is how one
+    layer of a position-major host pool looks (DESIGN.md §4.2, docs/kernels.md)."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.uint8:
+        _fail(f"{name} must have dtype {torch.uint8}, got {t.dtype}")
+    if t.dim() != 2:
+        _fail(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        rows, row_bytes = t.shape
+        s0, s1 = t.stride()
+        if not (s1 == 1 and s0 >= row_bytes and s0 % 16 == 0):
+            _fail(f"{name} must be contiguous or row-strided (contiguous rows, row stride a "
+                  f"multiple of 16 and >= row_bytes = {row_bytes}); got strides {t.stride()} "
+                  f"for shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device} (the device of the other indices)")
+    return t
+
+
 def check_layer_lists(src_layers: Sequence[torch.Tensor],
                       dst_layers: Sequence[torch.Tensor]) -> None:
-    """Two equally long, non-empty lists of uint8 ``[rows, row_bytes]`` tensors, pairwise
-    equal ``row_bytes``, all sources on one device and all destinations on one device."""
+    """Two equally long, non-empty lists of uint8 ``[rows, row_bytes]`` tensors (contiguous or
+    row-strided, see :func:`check_row_view`), pairwise equal ``row_bytes``, all sources on one
+    device and all destinations on one device."""
     for name, layers in (("src_layers", src_layers), ("dst_layers", dst_layers)):
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             _fail(f"{name} must be a list or tuple of tensors, got {type(layers).__name__}")
@@ -94,8 +117,8 @@ def check_layer_lists(src_layers: Sequence[torch.Tensor],
     src_dev = src_layers[0].device if isinstance(src_layers[0], torch.Tensor) else None
     dst_dev = dst_layers[0].device if isinstance(dst_layers[0], torch.Tensor) else None
     for i, (s, d) in enumerate(zip(src_layers, dst_layers)):
-        check_tensor(f"src_layers[{i}]", s, torch.uint8, 2, src_dev)
-        check_tensor(f"dst_layers[{i}]", d, torch.uint8, 2, dst_dev)
+        check_row_view(f"src_layers[{i}]", s, src_dev)
+        check_row_view(f"dst_layers[{i}]", d, dst_dev)
         if s.shape[1] != d.shape[1]:
             _fail(f"src_layers[{i}] has rows of {s.shape[1]} B but dst_layers[{i}] has rows "
                   f"of {d.shape[1]} B")

@@ -46,7 +46,12 @@ _max_tokens_per_request = 4
 # variable HISPARSE_RESOLVE_THREADS sets the initial value (tests run both).
 _resolve_threads = int(os.environ.get("HISPARSE_RESOLVE_THREADS", "0") or 0)
 # Row-copy tuning (0 = the kernel's defaults, measured in benchmarks/bench_kernels.py).
-_copy_tuning = {"rows_per_warp": 0, "ctas_per_sm": 0}
+# pair_major: work order of the (layer, pair) items. True: the layers of one (src, dst) pair
+# are adjacent items, so a warp reads all layers of a row together (one or two translation
+# pages in a position-major host pool). False: layer by layer. None (default): pair-major for
+# a launch whose layers are row-strided on either side, layer-major for dense layers
+# (measured on the H200 with a 24 GiB pool: docs/kernels.md "Host pool layout").
+_copy_tuning = {"rows_per_warp": 0, "ctas_per_sm": 0, "pair_major": None}
 
 
 def _module():
@@ -78,14 +83,18 @@ def set_resolve_threads(n: int) -> None:
     _resolve_threads = n
 
 
-def set_copy_tuning(rows_per_warp: int = 0, ctas_per_sm: int = 0) -> None:
-    """Rows in flight per warp (1, 2, 4, 8; 0 = default) and grid cap per SM (0 = default)."""
-    if rows_per_warp not in (0, 1, 2, 4, 8):
-        raise ValueError(f"rows_per_warp must be 0, 1, 2, 4 or 8, got {rows_per_warp!r}")
+def set_copy_tuning(rows_per_warp: int = 0, ctas_per_sm: int = 0,
+                    pair_major: bool | None = None) -> None:
+    """Rows in flight per warp (1, 2, 4, 8, 16; 0 = default), grid cap per SM (0 = default)
+    and the work order (True: all layers of a row together; False: layer by layer; None:
+    the default, pair-major exactly when the layer views are row-strided)."""
+    if rows_per_warp not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"rows_per_warp must be 0, 1, 2, 4, 8 or 16, got {rows_per_warp!r}")
     if not isinstance(ctas_per_sm, int) or ctas_per_sm < 0:
         raise ValueError(f"ctas_per_sm must be a non-negative int, got {ctas_per_sm!r}")
     _copy_tuning["rows_per_warp"] = rows_per_warp
     _copy_tuning["ctas_per_sm"] = ctas_per_sm
+    _copy_tuning["pair_major"] = None if pair_major is None else bool(pair_major)
 
 
 # --------------------------------------------------------------------------------------
@@ -229,12 +238,26 @@ def resolve_launch_info(num_tokens: int, k: int, num_slots: int, block_size: int
 # --------------------------------------------------------------------------------------
 
 
+def _row_stride(name: str, t: torch.Tensor, row_bytes: int) -> int:
+    """Bytes between consecutive rows of a uint8 layer view (dense or row-strided)."""
+    if t.shape[0] <= 1 or t.is_contiguous():
+        return row_bytes
+    stride = int(t.stride(0))
+    if int(t.stride(1)) != 1 or stride < row_bytes or stride % 16:
+        raise ValueError(f"{name}: the CUDA row copies need rows with contiguous bytes and a "
+                         f"row stride that is a multiple of 16 and >= {row_bytes} B; got "
+                         f"strides {t.stride()}")
+    return stride
+
+
 def _layer_table(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor]):
+    """Row size and runs of consecutive layers with equal (src, dst) row strides:
+    ``[(src_stride, dst_stride, [src ptrs], [dst ptrs]), ...]`` (one launch per run)."""
     row_bytes = int(src_layers[0].shape[1])
     if row_bytes % 16 != 0:
         raise ValueError(f"the CUDA row copies need rows of a multiple of 16 bytes; got "
                          f"{row_bytes} B (use the reference ops for this layout)")
-    src, dst = [], []
+    runs: list[tuple[int, int, list[int], list[int]]] = []
     for i, (s, d) in enumerate(zip(src_layers, dst_layers)):
         if int(s.shape[1]) != row_bytes:
             raise ValueError(f"src_layers[{i}] has rows of {s.shape[1]} B but layer 0 has "
@@ -243,26 +266,35 @@ def _layer_table(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.
         if ps % 16 or pd % 16:
             raise ValueError(f"layer {i}: the CUDA row copies need 16-byte aligned layers "
                              f"(src at {ps:#x}, dst at {pd:#x})")
-        src.append(ps)
-        dst.append(pd)
-    return row_bytes, src, dst
+        ss = _row_stride(f"src_layers[{i}]", s, row_bytes)
+        ds = _row_stride(f"dst_layers[{i}]", d, row_bytes)
+        if runs and runs[-1][0] == ss and runs[-1][1] == ds:
+            runs[-1][2].append(ps)
+            runs[-1][3].append(pd)
+        else:
+            runs.append((ss, ds, [ps], [pd]))
+    return row_bytes, runs
 
 
 def _copy(mode: int, src_layers, dst_layers, a, b, count, n_outer: int, n_inner: int,
-          rows_per_warp: int | None = None, ctas_per_sm: int | None = None) -> None:
+          rows_per_warp: int | None = None, ctas_per_sm: int | None = None,
+          pair_major: bool | None = None) -> None:
     if n_outer == 0 or n_inner == 0:
         return
     module = _module()
-    row_bytes, src, dst = _layer_table(src_layers, dst_layers)
+    row_bytes, runs = _layer_table(src_layers, dst_layers)
     device = a.device
     rpw = _copy_tuning["rows_per_warp"] if rows_per_warp is None else rows_per_warp
     cps = _copy_tuning["ctas_per_sm"] if ctas_per_sm is None else ctas_per_sm
+    pm = _copy_tuning["pair_major"] if pair_major is None else bool(pair_major)
     with _on_device(device):
         stream = torch.cuda.current_stream(device)
-        module.copy_rows(mode, src, dst, row_bytes, int(src_layers[0].shape[0]),
-                         int(dst_layers[0].shape[0]), a.data_ptr(), b.data_ptr(),
-                         0 if count is None else count.data_ptr(), n_outer, n_inner, rpw, cps,
-                         stream.cuda_stream)
+        for src_stride, dst_stride, src, dst in runs:
+            order = pm if pm is not None else (src_stride != row_bytes or dst_stride != row_bytes)
+            module.copy_rows(mode, src, dst, row_bytes, int(src_layers[0].shape[0]),
+                             int(dst_layers[0].shape[0]), a.data_ptr(), b.data_ptr(),
+                             0 if count is None else count.data_ptr(), n_outer, n_inner, rpw,
+                             cps, stream.cuda_stream, src_stride, dst_stride, int(order))
 
 
 def gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
@@ -276,10 +308,12 @@ def gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
 
 
 def gather_rows_tuned(src_layers, dst_layers, miss_src, miss_dst, miss_count, *,
-                      rows_per_warp: int, ctas_per_sm: int) -> None:
+                      rows_per_warp: int, ctas_per_sm: int,
+                      pair_major: bool | None = None) -> None:
     """:func:`gather_rows` with explicit tuning (benchmarks)."""
     _copy(_module().COPY_PLAN, src_layers, dst_layers, miss_src, miss_dst, miss_count,
-          int(miss_src.shape[0]), int(miss_src.shape[1]), rows_per_warp, ctas_per_sm)
+          int(miss_src.shape[0]), int(miss_src.shape[1]), rows_per_warp, ctas_per_sm,
+          pair_major)
 
 
 def copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size) -> None:

@@ -3,6 +3,17 @@
 One allocation holds all layers; layer ``l`` is the uint8 view
 ``[num_blocks * block_size, row_bytes]`` and host row = ``host_block * block_size + offset``.
 
+Layouts (``layout=``):
+
+* ``"position"`` (default): position-major, ``[host_rows, num_layers, row_bytes]``. The rows of
+  all layers of one position are adjacent, so a gather of one index group's layers at the same
+  positions touches one or two 4 KiB translation pages per position instead of one per layer.
+  Layer ``l`` is the **row-strided** view ``buffer.view(host_rows, L, row_bytes)[:, l]``
+  (``stride(0) = L * row_bytes``), which the ops accept (DESIGN.md §4.2, docs/kernels.md).
+  Needs ``L * row_bytes`` to be a multiple of 16 (true for 656 and 1152 B rows).
+* ``"layer"``: layer-major, layer ``l`` is the contiguous slice
+  ``[l * layer_bytes, (l + 1) * layer_bytes)``; the layout before position-major was measured.
+
 Backing memory, best first (the choice is logged with logical and physical GiB):
 
 1. ``hugetlb``: anonymous ``MAP_HUGETLB`` mapping (2 MiB pages reserved by the administrator),
@@ -31,6 +42,9 @@ import torch
 logger = logging.getLogger("vllm_hisparse.worker")
 
 PageMode = Literal["hugetlb", "thp", "pinned", "pageable"]
+Layout = Literal["position", "layer"]
+LAYOUTS = ("position", "layer")
+DEFAULT_LAYOUT: Layout = "position"
 HUGE_PAGE_BYTES = 2 << 20
 _MAP_HUGETLB = 0x40000  # Linux, all architectures we build for
 _CUDA_HOST_REGISTER_PORTABLE = 1
@@ -50,11 +64,14 @@ class HostPool:
         pin: register/pin the memory for GPU access (default: when CUDA is available).
         unpin_timeout_s: how long :meth:`close` waits for the unregistration before it gives
             up and logs (unpinning hundreds of GiB takes seconds; shutdown must not hang).
+        layout: ``"position"`` (position-major, the default: layer views are row-strided) or
+            ``"layer"`` (layer-major: each layer view is contiguous). See the module docstring.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, row_bytes: int, *,
                  huge_pages: Literal["auto", "never", "require"] = "auto",
-                 pin: bool | None = None, unpin_timeout_s: float = 30.0):
+                 pin: bool | None = None, unpin_timeout_s: float = 30.0,
+                 layout: Layout = DEFAULT_LAYOUT):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("row_bytes", row_bytes)):
             if not isinstance(value, int) or value <= 0:
@@ -62,6 +79,13 @@ class HostPool:
         if huge_pages not in ("auto", "never", "require"):
             raise ValueError(f"HostPool: huge_pages must be 'auto', 'never' or 'require', "
                              f"got {huge_pages!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"HostPool: layout must be 'position' or 'layer', got {layout!r}")
+        if layout == "position" and num_layers > 1 and (num_layers * row_bytes) % 16:
+            raise ValueError(f"HostPool: layout 'position' needs num_layers * row_bytes to be a "
+                             f"multiple of 16 (the row stride of a layer view), got "
+                             f"{num_layers} x {row_bytes} B; use layout='layer'")
+        self.layout: Layout = layout
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -74,17 +98,30 @@ class HostPool:
         self._mapping: mmap.mmap | None = None
         self._registered_ptr: int | None = None
         self._buffer, self.page_mode = self._allocate(huge_pages)
-        self.layers: list[torch.Tensor] = [
-            self._buffer[l * self.layer_bytes:(l + 1) * self.layer_bytes].view(
-                self.rows_per_layer, row_bytes)
-            for l in range(num_layers)
-        ]
+        if layout == "layer":
+            self.row_stride = row_bytes
+            self.layers: list[torch.Tensor] = [
+                self._buffer[l * self.layer_bytes:(l + 1) * self.layer_bytes].view(
+                    self.rows_per_layer, row_bytes)
+                for l in range(num_layers)
+            ]
+        else:
+            self.row_stride = num_layers * row_bytes
+            rows = self._buffer.view(self.rows_per_layer, num_layers, row_bytes)
+            self.layers = [rows[:, l, :] for l in range(num_layers)]
         logger.info("host pool: %d layers x %d blocks x %d rows x %d B = %.2f GiB logical, "
-                    "%.2f GiB physical (private pool), pages: %s",
+                    "%.2f GiB physical (private pool), pages: %s, layout: %s-major",
                     num_layers, num_blocks, block_size, row_bytes, self.logical_gib,
-                    self.physical_gib, self.page_mode)
+                    self.physical_gib, self.page_mode, layout)
 
     # ---------------------------------------------------------------- sizes
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole allocation as one flat uint8 tensor (bulk fills in tools and tests)."""
+        if self._buffer is None:
+            raise RuntimeError("HostPool: the pool is closed")
+        return self._buffer
 
     @property
     def logical_gib(self) -> float:
@@ -196,4 +233,5 @@ class HostPool:
     def __repr__(self) -> str:
         return (f"HostPool(layers={self.num_layers}, blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, row_bytes={self.row_bytes}, "
+                f"layout={self.layout}, "
                 f"{self.logical_gib:.2f} GiB, pages={self.page_mode})")
