@@ -1,0 +1,41 @@
+"""``vllm-hisparse bench``: the package's benchmarks.
+
+``kernels`` (GPU: resolve, gathers, page copies, host-pool layouts and page sizes against the
+link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
+vs hybrid residency under one HBM budget; a CPU smoke run otherwise) and ``reference`` (the
+pure-torch resolve on the CPU). Without a target: ``kernels`` and ``capacity`` on a GPU,
+``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
+(``vllm-hisparse bench kernels --quick --json k.json``; ``--help`` lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+TARGETS = ("kernels", "capacity", "reference")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="kernel, decode-capacity and reference benchmarks",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", nargs="?", choices=TARGETS,
+                   help="which benchmark (default: kernels + capacity on a GPU, else reference)")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="arguments for the benchmark (see `vllm-hisparse bench TARGET --help`)")
+
+
+def run(args) -> int:
+    if args.target is None:
+        import torch
+
+        targets = ["kernels", "capacity"] if torch.cuda.is_available() else ["reference"]
+        if args.args:
+            raise ValueError("benchmark arguments need a target: vllm-hisparse bench TARGET ...")
+    else:
+        targets = [args.target]
+    status = 0
+    for name in targets:
+        module = importlib.import_module(f"vllm_hisparse.cli.benchmarks.{name}")
+        status = max(status, module.main(list(args.args)))
+    return status
