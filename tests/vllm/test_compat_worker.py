@@ -76,3 +76,90 @@ def test_allocation_and_forward_context_accessors():
 
     src = inspect.getsource(ActiveKVConnector._build_load_kwargs)
     assert "request_ids=input_batch.req_ids" in src and "scheduler_output=scheduler_output" in src
+
+
+# ------------------------------------------------------------------ direct conversion sites
+
+
+def test_direct_conversion_sites_call_the_module_global_name():
+    """Every method listed in DIRECT_CONVERSION_SITES calls the name we replace, and the
+    function still has every parameter the routed body reads."""
+    import importlib
+
+    for module_name, methods in compat.DIRECT_CONVERSION_SITES.items():
+        module = importlib.import_module(module_name)
+        assert getattr(module, compat.DIRECT_CONVERSION_NAME) is not None
+        for qualname in methods:
+            cls_name, meth = qualname.split(".")
+            src = inspect.getsource(getattr(getattr(module, cls_name), meth))
+            assert f"{compat.DIRECT_CONVERSION_NAME}(" in src, qualname
+            assert "block_table" in src, qualname
+    params = inspect.signature(compat.direct_conversion_function()).parameters
+    for name in ("req_id", "block_table", "token_indices", "BLOCK_SIZE", "BLOCK_STRIDE_ROWS",
+                 "HAS_PREFILL_WORKSPACE", "prefill_workspace_request_ids", "dcp_size",
+                 "return_valid_counts", "out", "valid_counts_out", "idx_mapping"):
+        assert name in params, name
+    # The group's own conversion uses index_group.py's name, which we leave alone.
+    from vllm.v1.attention.backends.mla import index_group
+
+    assert compat.DIRECT_CONVERSION_NAME in inspect.getsource(index_group.SparseMLAIndexGroup._convert_once)
+    assert index_group.__name__ not in compat.DIRECT_CONVERSION_SITES
+
+
+def test_direct_conversion_routing_is_idempotent_and_removable():
+    import importlib
+
+    seen = []
+
+    def body(context, original, *args, **kwargs):
+        seen.append(context)
+        return "routed"
+
+    real = compat.direct_conversion_function()
+    try:
+        assert compat.install_direct_conversion_routing(body)
+        assert not compat.install_direct_conversion_routing(body)
+        assert compat.direct_conversion_routing_installed()
+        site = getattr(importlib.import_module(next(iter(compat.DIRECT_CONVERSION_SITES))),
+                       compat.DIRECT_CONVERSION_NAME)
+        assert compat.current_sparse_layer() is None
+        with compat.sparse_layer_context("group", 2, "md"):
+            assert compat.current_sparse_layer() == ("group", 2, "md")
+            assert site() == "routed"
+        assert seen == [("group", 2, "md")] and compat.current_sparse_layer() is None
+    finally:
+        assert compat.remove_direct_conversion_routing()
+    assert not compat.direct_conversion_routing_installed()
+    assert not compat.remove_direct_conversion_routing()
+    for module_name in compat.DIRECT_CONVERSION_SITES:
+        assert getattr(importlib.import_module(module_name), compat.DIRECT_CONVERSION_NAME) is real
+
+
+def test_route_layer_forward_sets_the_layer_context():
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    # MLAAttention reaches the backend through the instance attribute we wrap.
+    assert "self.impl.forward_mqa(" in inspect.getsource(MLAAttention.forward_impl)
+    impl = SimpleNamespace(index_group="g", index_group_index=1)
+    impl.forward_mqa = lambda q, kv, md, layer: compat.current_sparse_layer()
+    assert compat.route_layer_forward(impl)
+    assert not compat.route_layer_forward(impl)
+    assert impl.forward_mqa(None, None, "md", None) == ("g", 1, "md")
+    assert compat.current_sparse_layer() is None
+
+
+def test_forward_context_attn_metadata_accessor():
+    from vllm.forward_context import ForwardContext
+
+    assert "attn_metadata" in ForwardContext.__dataclass_fields__
+    assert compat.forward_context_attn_metadata() is None  # no forward running
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner)
+    assert "self.kv_connector.pre_forward(scheduler_output, input_batch)" in src
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadata
+
+    assert "block_table" in SparseMLACommonMetadata.__dataclass_fields__
+    assert compat.NULL_BLOCK_ID == 0

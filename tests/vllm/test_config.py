@@ -170,13 +170,28 @@ def test_decode_context_parallel_rejected(dsa_model_dir):
         resolve_config(vllm_config)
 
 
-def test_full_cudagraph_rejected(dsa_model_dir):
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cudagraphs_rejected(dsa_model_dir, mode):
     vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
-    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
-    with pytest.raises(HiSparseConfigError, match="cudagraph_mode=FULL; accepted: FULL_AND_PIECEWISE"):
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    with pytest.raises(HiSparseConfigError,
+                       match=f"cudagraph_mode={mode}; accepted: PIECEWISE or NONE"):
         resolve_config(vllm_config)
-    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "NONE"])
+def test_piecewise_or_no_cudagraphs_accepted(dsa_model_dir, mode):
+    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
     resolve_config(vllm_config)
+
+
+def test_v1_model_runner_rejected(dsa_model_dir, monkeypatch):
+    import vllm.envs as envs
+    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
+    with pytest.raises(HiSparseConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        resolve_config(vllm_config)
 
 
 def test_model_without_index_topk_rejected(mla_model_dir):

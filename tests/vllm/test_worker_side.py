@@ -165,7 +165,8 @@ class Rig:
         cmd = shift_blocks(cmd, self.lead)
         meta = HiSparseConnectorMetadata(command=cmd, bundles=self.bundles)
         batch = [r[0] for r in ranges]
-        self.role.start_load_kv(meta, request_ids=batch)
+        out = SimpleNamespace(num_scheduled_tokens={r[0]: r[3] - r[2] for r in ranges})
+        self.role.start_load_kv(meta, request_ids=batch, scheduler_output=out)
         for rid, row, start, end in ranges:
             self.write_kv(rid, row, start, end)
         if attend:
@@ -338,7 +339,7 @@ def test_decode_loop_reads_ground_truth_under_pressure(model_dir):
     run_decode_loop(rig)
     assert int(Residency.MIXED) in rig.residency_seen, "the loop never exercised residency"
     assert rig.reads_checked > 0
-    stats = rig.role.get_stats()
+    stats = rig.role.get_stats(sync=True)
     assert stats is not None
     reduced = stats.reduce()
     assert reduced["hot_hits"] + reduced["misses"] > 0
@@ -381,25 +382,30 @@ def test_all_full_batches_take_vllms_conversion_unchanged(model_dir):
     assert rig.residency_seen == {int(Residency.FULL)}
     # Only vLLM's conversion ran, with the caller's own arguments (compaction included).
     assert calls and all(calls)
-    assert rig.role.get_stats().data["misses"] == 0
+    assert rig.role.get_stats(sync=True).data["misses"] == 0
 
 
 def test_host_backed_step_without_request_ids_is_refused(model_dir):
     rig = Rig(model_dir, num_blocks=200)
-    rig.role._non_full["x"] = 0
+    rig.role._tracked["x"] = 0
     from vllm_hisparse.core.commands import StepCommand
 
     with pytest.raises(RuntimeError, match="request_ids"):
         rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)))
 
 
-def test_prefill_of_host_backed_batch_is_refused(model_dir):
+def test_prefill_of_host_only_context_is_refused(model_dir):
+    """R1: prefill tokens of a request with host-only pages are refused with a clear error
+    (a FULL request's prefill beside host-backed decodes is fine: tests/vllm/test_worker_prefill.py)."""
     rig = Rig(model_dir, num_blocks=200)
-    rig.role._non_full["x"] = 0
+    rig.role._tracked["x"] = 0
+    executor = rig.role.lanes[0].executor
+    executor.host_blocks[0, :3] = [5, 6, 7]
+    executor.residency[0, :3] = [-1, 4, 8]
     from vllm_hisparse.core.commands import StepCommand
 
-    out = SimpleNamespace(num_scheduled_tokens={"x": 1, "y": 300})
-    with pytest.raises(NotImplementedError, match="prefill"):
+    out = SimpleNamespace(num_scheduled_tokens={"x": 300, "y": 1})
+    with pytest.raises(RuntimeError, match=r"request 'x'.*host-only \(pages 0\).*R1"):
         rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)),
                                request_ids=["x", "y"], scheduler_output=out)
 

@@ -83,3 +83,11 @@ def test_ack_merger_needs_every_part():
     out = m.merge([WorkerAcks(completed=[2]), WorkerAcks(failed=[2])])
     assert out.is_empty()
     assert m.num_open == 0
+
+
+def test_vllm_block_ids_unscale_and_fill_null():
+    import numpy as np
+
+    layout = DeviceRowLayout(4, 12)  # three row-blocks per device block
+    got = layout.vllm_block_ids(np.array([[0, 3, -1], [27, -1, 6]]), 0)
+    assert got.dtype == np.int32 and got.tolist() == [[0, 1, 0], [9, 0, 2]]

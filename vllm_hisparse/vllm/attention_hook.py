@@ -27,17 +27,27 @@ vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residen
 Token → state row: the worker role publishes, per step, the state row of every batch row
 whose request is not FULL (``StepView``); ``req_id_per_token`` indexes it.
 
-Not handled here (the worker role refuses such steps with a clear error): prefill tokens of
-MIXED / NONE requests (their selections span the whole context, more than a hot region
-holds; host-backed prefill context needs staging), and mixed prefill + decode batches on
-FlashMLA sparse, whose prefill path converts with vLLM's block table directly without calling
-the group. Full CUDA-graph capture of a bound group is refused too (the per-step fast-path
-choice would be frozen into the graph).
+The backends also convert **without** the group, straight from vLLM's batch block table
+(FlashMLA sparse mixed / prefill batches, FlashInfer sparse SM90 / SM120, FlashAttention
+sparse; ``compat.DIRECT_CONVERSION_SITES``). ``compat.install_direct_conversion_routing``
+routes those calls through :func:`routed_direct_conversion` while a bound layer's
+``forward_mqa`` runs (``compat.route_layer_forward`` sets the layer context), so every
+conversion of a bound group ends in :func:`convert_with_residency`, whatever the batch mix.
+Tokens that vLLM maps into its prefill upconvert workspace (``HAS_PREFILL_WORKSPACE``) keep
+vLLM's workspace offsets: that workspace is filled from the batch block table, which the
+worker role rewrites for tracked requests (``worker_side``), and it holds their whole context.
+
+Prefill tokens of tracked requests resolve like decode tokens. The worker role only lets a
+tracked request prefill when none of its pages is host-only (requirement R1 in
+``docs/worker.md``), so its prefill selections are all resident rows and never touch the hot
+region. Full CUDA-graph capture of a bound group is refused (the per-step fast-path choice
+would be frozen into the graph).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -130,8 +140,11 @@ class IndexGroupResidency:
         return len(self.device_layers)
 
     def resolve_leader(self, logical_topk: torch.Tensor, token_rows: torch.Tensor) -> None:
-        """Resolve the group's top-k and gather its misses for every layer (leader layer)."""
-        result = self.hot_state.resolve(logical_topk.contiguous(), token_rows)
+        """Resolve the group's top-k and gather its misses for every layer (leader layer).
+
+        ``token_rows``: int32 ``[T]`` state row per token, -1 for tokens the resolver must
+        skip (FULL requests, padding, workspace-mapped prefill tokens)."""
+        result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
         self.hot_state.gather(result, self.host_layers, self.device_layers)
         self._leader_rows = result.out_rows
         self._leader_token_rows = token_rows
@@ -171,8 +184,9 @@ def convert_with_residency(
     *,
     block_stride_rows: int | None,
     return_valid_counts: bool,
+    keep_vllm: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Physical rows for a batch that holds MIXED / NONE requests.
+    """Physical rows for a batch that holds tracked (residency-managed) requests.
 
     Args:
         binding: the index group's residency binding.
@@ -186,6 +200,8 @@ def convert_with_residency(
             for FULL requests' tokens.
         block_stride_rows: the kernel's row space (``None`` = dense page rows).
         return_valid_counts: compact to the front and return counts, like vLLM.
+        keep_vllm: optional bool ``[T]``: tokens that keep vLLM's value whatever their
+            request (vLLM mapped them to its prefill workspace); never resolved.
 
     Returns:
         int32 ``[T, K]`` rows (and int32 ``[T]`` counts when ``return_valid_counts``).
@@ -197,6 +213,9 @@ def convert_with_residency(
     if layer_index == 0:
         token_rows = binding.step.token_state_rows(req_id_per_token[:num_tokens],
                                                    num_actual_tokens)
+        if keep_vllm is not None:
+            token_rows = torch.where(keep_vllm[:num_tokens].to(torch.bool),
+                                     torch.full_like(token_rows, -1), token_rows)
         binding.resolve_leader(logical_topk, token_rows)
     flat_rows, token_rows = binding.leader_rows(num_tokens)
     ours = binding.layout.to_kernel_rows(flat_rows, block_stride_rows)
@@ -223,6 +242,22 @@ def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch
     return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
 
 
+def _checked_step(binding: IndexGroupResidency) -> StepView:
+    """The binding's step view, after the checks every conversion of a bound group needs."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            "HiSparseResidencyConnector: full CUDA-graph capture of sparse-MLA attention is not "
+            "supported with residency yet (the per-step choice between vLLM's conversion and "
+            "the resolver would be frozen into the graph); use cudagraph_mode=PIECEWISE or NONE")
+    step = binding.step
+    if not step.ready:
+        raise RuntimeError(
+            "HiSparseResidencyConnector: attention ran before the step's residency command was "
+            "applied; the scheduler side must set scheduler_output.has_sync_kv_loads so that "
+            "start_load_kv runs before the forward")
+    return step
+
+
 def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int,
                       logical_topk: torch.Tensor, attn_metadata: Any, *,
                       block_stride_rows: int | None, return_valid_counts: bool) -> Any:
@@ -235,17 +270,7 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
         return original(layer_index, logical_topk, attn_metadata,
                         block_stride_rows=block_stride_rows,
                         return_valid_counts=return_valid_counts)
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError(
-            "HiSparseResidencyConnector: full CUDA-graph capture of sparse-MLA attention is not "
-            "supported with residency yet (the per-step choice between vLLM's conversion and "
-            "the resolver would be frozen into the graph); use cudagraph_mode=PIECEWISE or NONE")
-    step = binding.step
-    if not step.ready:
-        raise RuntimeError(
-            "HiSparseResidencyConnector: attention ran before the step's residency command was "
-            "applied; the scheduler side must set scheduler_output.has_sync_kv_loads so that "
-            "start_load_kv runs before the forward")
+    step = _checked_step(binding)
     if not step.uses_residency:
         return original(layer_index, logical_topk, attn_metadata,
                         block_stride_rows=block_stride_rows,
@@ -257,6 +282,68 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
         binding, layer_index, logical_topk, attn_metadata.req_id_per_token, num_actual,
         vllm_rows, block_stride_rows=block_stride_rows,
         return_valid_counts=return_valid_counts)
+
+
+_DIRECT_SIGNATURE: inspect.Signature | None = None
+
+
+def _direct_arguments(original: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    global _DIRECT_SIGNATURE
+    if _DIRECT_SIGNATURE is None:
+        _DIRECT_SIGNATURE = inspect.signature(original)
+    bound = _DIRECT_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[..., Any],
+                             *args: Any, **kwargs: Any) -> Any:
+    """Replacement of ``triton_convert_req_index_to_global_index`` at the backends' direct
+    conversion sites (``compat.DIRECT_CONVERSION_SITES``) while a sparse-MLA layer runs.
+
+    ``context`` is ``(index_group, index_in_group, attn_metadata)`` of the running layer.
+    Unbound groups and steps without tracked requests call vLLM's function unchanged.
+    Otherwise vLLM's rows are computed uncompacted (they stay the answer for untracked
+    requests and for tokens vLLM maps to its prefill workspace), tracked requests' tokens get
+    :func:`convert_with_residency` rows, and the caller's ``return_valid_counts`` / ``out`` /
+    ``valid_counts_out`` contract is honoured.
+    """
+    group, layer_index, attn_metadata = context
+    binding: IndexGroupResidency | None = getattr(group, BINDING_ATTR, None)
+    if binding is None:
+        return original(*args, **kwargs)
+    step = _checked_step(binding)
+    if not step.uses_residency:
+        return original(*args, **kwargs)
+    a = _direct_arguments(original, args, kwargs)
+    if int(a.get("dcp_size", 1)) != 1:
+        raise NotImplementedError("HiSparseResidencyConnector: decode context parallelism "
+                                  "(dcp_size > 1) is not supported with residency")
+    if a.get("idx_mapping") is not None:
+        raise NotImplementedError("HiSparseResidencyConnector: a direct top-k conversion with "
+                                  "idx_mapping (state-row block tables) is not supported")
+    return_valid_counts = bool(a["return_valid_counts"])
+    out, counts_out = a["out"], a["valid_counts_out"]
+    a.update(return_valid_counts=False, out=None, valid_counts_out=None)
+    vllm_rows = original(**a)
+    topk = a["token_indices"]
+    keep = None
+    if a.get("HAS_PREFILL_WORKSPACE"):
+        keep = a["prefill_workspace_request_ids"][: topk.shape[0]] >= 0
+    num_actual = int(getattr(attn_metadata, "num_actual_tokens", topk.shape[0]))
+    rows = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual, vllm_rows,
+                                  block_stride_rows=a["BLOCK_STRIDE_ROWS"],
+                                  return_valid_counts=False, keep_vllm=keep)
+    counts = None
+    if return_valid_counts:
+        rows, counts = compact_valid_to_front(rows)
+        if counts_out is not None:
+            counts_out.copy_(counts)
+            counts = counts_out
+    if out is not None:
+        out.copy_(rows)
+        rows = out
+    return (rows, counts) if return_valid_counts else rows
 
 
 def host_backed_positions(hot_state: HotState, token_rows: torch.Tensor,

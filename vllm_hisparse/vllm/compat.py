@@ -414,3 +414,165 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: Any, layout: KVCac
 def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
     """``SchedulerOutput.num_scheduled_tokens`` (request id → tokens this step)."""
     return dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
+
+
+# ======================================================================================
+# Worker side (2): sparse-MLA backends' direct logical->physical conversions, the layer
+# context they run in, and the per-step attention metadata.
+# (section owned by the worker role: worker_side.py, attention_hook.py;
+#  existence and signature checks in tests/vllm/test_compat_worker.py)
+# ======================================================================================
+
+import contextlib as _contextlib
+import contextvars as _contextvars
+import importlib as _importlib
+
+#: Modules whose forward paths call ``sparse_utils.triton_convert_req_index_to_global_index``
+#: through their own module-global name with vLLM's **batch** block table (bypassing the index
+#: group), and the methods that do (vLLM 0.33.0 line numbers):
+#:
+#: * FlashMLA sparse: ``_forward_bf16_kv`` (mixed / prefill bf16 batches, ``:914``),
+#:   ``_forward_fp8_kv_separate_prefill_decode`` (batches with prefill tokens, prefill tokens
+#:   mapped to the upconvert workspace, ``:1047``), ``_forward_fp8_kv_mixed_batch`` (mixed
+#:   fp8 batches, ``:1250``); ``_gather_prefill_chunk`` (``:955``) is PCP+DCP only;
+#: * the generic ``SparseMLACommonImpl.forward_mqa`` (FlashInfer sparse, FlashAttention sparse)
+#:   when ``group_conversion_decode_only`` and the batch is not a multi-layer decode batch
+#:   (``sparse_mla_attention.py:773``);
+#: * FlashInfer sparse SM120 ``forward_mqa`` (``flashinfer_mla_sparse_sm120.py:194``) and
+#:   SM90 ``forward_mqa`` (``flashinfer_mla_sparse_sm90.py:618``), every batch.
+#:
+#: ``install_direct_conversion_routing`` replaces that module-global name in each of them
+#: (``index_group.py``'s own name, used by the group method, is left alone: the group method
+#: has its own hook). ROCm / XPU sparse backends are not covered.
+DIRECT_CONVERSION_SITES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.attention.backends.mla.flashmla_sparse": (
+        "FlashMLASparseImpl._forward_bf16_kv",
+        "FlashMLASparseImpl._forward_fp8_kv_separate_prefill_decode",
+        "FlashMLASparseImpl._forward_fp8_kv_mixed_batch",
+    ),
+    "vllm.model_executor.layers.attention.sparse_mla_attention": (
+        "SparseMLACommonImpl.forward_mqa",
+    ),
+    "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm120": (
+        "FlashInferMLASparseSM120Impl.forward_mqa",
+    ),
+    "vllm.v1.attention.backends.mla.flashinfer_mla_sparse_sm90": (
+        "FlashInferMLASparseSM90Impl.forward_mqa",
+    ),
+}
+
+#: The name the sites call (defined in ``vllm.v1.attention.backends.mla.sparse_utils``).
+DIRECT_CONVERSION_NAME = "triton_convert_req_index_to_global_index"
+
+#: vLLM's null KV block id (``BlockPool`` block 0): what a block table names for a page
+#: that has no device block.
+NULL_BLOCK_ID = 0
+
+_ROUTING_MARKER = "__vllm_hisparse_direct_conversion__"
+_LAYER_ROUTE_MARKER = "__vllm_hisparse_layer_context__"
+
+#: ``(index_group, index_in_group, attn_metadata)`` of the sparse-MLA layer whose
+#: ``forward_mqa`` is running, or None outside one.
+_CURRENT_SPARSE_LAYER: _contextvars.ContextVar[tuple[Any, int, Any] | None] = \
+    _contextvars.ContextVar("vllm_hisparse_sparse_layer", default=None)
+
+
+def direct_conversion_function() -> Callable[..., Any]:
+    """vLLM's ``triton_convert_req_index_to_global_index`` (``sparse_utils.py:493``)."""
+    from vllm.v1.attention.backends.mla import sparse_utils
+
+    return getattr(sparse_utils, DIRECT_CONVERSION_NAME)
+
+
+@_contextlib.contextmanager
+def sparse_layer_context(group: Any, layer_index: int, attn_metadata: Any):
+    """Mark the code inside as the attention of member ``layer_index`` of ``group``."""
+    token = _CURRENT_SPARSE_LAYER.set((group, int(layer_index), attn_metadata))
+    try:
+        yield
+    finally:
+        _CURRENT_SPARSE_LAYER.reset(token)
+
+
+def current_sparse_layer() -> tuple[Any, int, Any] | None:
+    """The layer context set by :func:`sparse_layer_context`, or None."""
+    return _CURRENT_SPARSE_LAYER.get()
+
+
+def direct_conversion_routing_installed() -> bool:
+    """Whether every module of ``DIRECT_CONVERSION_SITES`` calls our wrapper."""
+    return all(getattr(getattr(_importlib.import_module(m), DIRECT_CONVERSION_NAME), _ROUTING_MARKER,
+                       False) for m in DIRECT_CONVERSION_SITES)
+
+
+def install_direct_conversion_routing(body: Callable[..., Any]) -> bool:
+    """Route the backends' direct conversions through ``body`` while a layer context is set.
+
+    The wrapper replaces the module-global ``triton_convert_req_index_to_global_index`` of
+    every module of ``DIRECT_CONVERSION_SITES``. Outside a :func:`sparse_layer_context` it
+    calls vLLM's function unchanged; inside one it calls ``body(context, original, *args,
+    **kwargs)``, ``context`` being ``(index_group, index_in_group, attn_metadata)``.
+    Idempotent (returns False when already installed); applied by the worker role when it
+    binds, never at import.
+    """
+    if direct_conversion_routing_installed():
+        return False
+    original = direct_conversion_function()
+
+    @functools.wraps(original)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        context = _CURRENT_SPARSE_LAYER.get()
+        if context is None:
+            return original(*args, **kwargs)
+        return body(context, original, *args, **kwargs)
+
+    setattr(routed, _ROUTING_MARKER, True)
+    routed.__vllm_hisparse_original__ = original  # type: ignore[attr-defined]
+    for module_name in DIRECT_CONVERSION_SITES:
+        setattr(_importlib.import_module(module_name), DIRECT_CONVERSION_NAME, routed)
+    return True
+
+
+def remove_direct_conversion_routing() -> bool:
+    """Undo :func:`install_direct_conversion_routing` (tests only); False if not installed."""
+    removed = False
+    for module_name in DIRECT_CONVERSION_SITES:
+        module = _importlib.import_module(module_name)
+        current = getattr(module, DIRECT_CONVERSION_NAME)
+        if getattr(current, _ROUTING_MARKER, False):
+            setattr(module, DIRECT_CONVERSION_NAME, current.__vllm_hisparse_original__)
+            removed = True
+    return removed
+
+
+def route_layer_forward(impl: Any) -> bool:
+    """Make ``impl.forward_mqa`` (one bound sparse-MLA layer, instance attribute only) run
+    inside :func:`sparse_layer_context` of its index group, so the direct conversion sites
+    know whose binding to use. ``MLAAttention.forward_impl`` calls
+    ``self.impl.forward_mqa(q, kv_cache, attn_metadata, layer)`` (``mla_attention.py:1134``).
+    Idempotent; returns False when already routed."""
+    current = impl.forward_mqa
+    if getattr(current, _LAYER_ROUTE_MARKER, False):
+        return False
+    bound = current
+
+    @functools.wraps(bound)
+    def forward_mqa(q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
+        with sparse_layer_context(impl.index_group, impl.index_group_index, attn_metadata):
+            return bound(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+
+    setattr(forward_mqa, _LAYER_ROUTE_MARKER, True)
+    impl.forward_mqa = forward_mqa
+    return True
+
+
+def forward_context_attn_metadata() -> Any:
+    """``get_forward_context().attn_metadata`` (layer name -> metadata; a list of such
+    dicts under micro-batching) when a forward context is set, else None. In eager and
+    piecewise steps ``start_load_kv`` runs inside the step's forward context
+    (``v1/worker/gpu/model_runner.py:2068``); FULL-graph steps pass ``attn_metadata`` to it."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return getattr(get_forward_context(), "attn_metadata", None)

@@ -326,16 +326,18 @@ def check_engine_compatible(vllm_config: VllmConfig) -> None:
         raise _unsupported(
             "decode_context_parallel_size", parallel.decode_context_parallel_size, "1"
         )
-    # FULL graphs also capture mixed prefill batches, whose host-backed context is
-    # staged by work that cannot be captured; FULL_AND_PIECEWISE keeps full graphs
-    # for pure decode batches only.
+    # A captured graph would freeze the per-step choice between vLLM's top-k conversion and
+    # the residency resolver (attention_hook.py refuses to be captured), so only piecewise
+    # graphs (attention runs eagerly between them) or none.
     mode = vllm_config.compilation_config.cudagraph_mode
-    if mode == CUDAGraphMode.FULL:
+    if mode is not None and mode.has_full_cudagraphs():
+        raise _unsupported("cudagraph_mode", mode.name, "PIECEWISE or NONE")
+    # The worker role maps batch rows to request-state rows with the request ids that only
+    # Model Runner V2 passes to start_load_kv.
+    if not vllm_config.use_v2_model_runner:
         raise _unsupported(
-            "cudagraph_mode",
-            "FULL",
-            "FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE or NONE",
-        )
+            "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 or a feature V2 lacks)", True,
+            "Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER or set it to 1)")
     # Residency keeps sparse-MLA and indexer KV in separate KV cache groups, which
     # needs the hybrid (multi-group) KV cache manager.
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:

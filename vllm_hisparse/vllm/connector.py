@@ -121,7 +121,9 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        # vLLM MRV2 passes request_ids, scheduler_output, attn_metadata, ...: the worker
+        # role needs them to map batch rows to state rows.
+        self._worker.start_load_kv(self._get_connector_metadata(), **kwargs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # host rows are gathered inside the attention op, not per layer here

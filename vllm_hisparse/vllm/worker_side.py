@@ -22,8 +22,10 @@ one block id per sparse group, for every bundle new since the previous step). Id
 scaled to flat-row blocks (``DeviceRowLayout``).
 
 Per step: ``start_load_kv`` (before the forward; needs ``has_sync_kv_loads``) applies the
-command to every lane (tables, leases, pre-forward transfers, fence) and opens the step for
-the attention hook; the forward reads through the hook; ``wait_for_save`` launches the
+command to every lane (tables, leases, pre-forward transfers, fence), checks that tracked
+requests with prefill tokens have no host-only page (R1, ``docs/worker.md``) and rewrites
+their rows of the sparse groups' batch block tables, and opens the step for the attention
+hook (group method and routed direct conversion sites); the forward reads through the hook; ``wait_for_save`` launches the
 post-forward spills and mirrors; ``build_worker_meta`` merges the lanes' acks.
 """
 
@@ -45,6 +47,7 @@ from vllm_hisparse.vllm.attention_hook import (
     StepView,
     hooked_conversion,
     host_backed_positions,
+    routed_direct_conversion,
 )
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig, check_host_pool_holds_one_request
 from vllm_hisparse.vllm.kv_planning import host_block_bytes, host_copies_per_replica, sparse_group_ids
@@ -52,6 +55,7 @@ from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorke
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.ack_merger import AckMerger
+from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")
@@ -119,11 +123,15 @@ class HiSparseWorkerRole:
         self._merger = AckMerger(len(self.sparse_group_ids))
         # lead block id -> that page's block id in every sparse group (G > 1 only).
         self._bundles: dict[int, list[int]] = {}
-        # Requests whose residency is not FULL: id -> state row (from residency changes).
-        self._non_full: dict[str, int] = {}
+        # Tracked (residency-managed) requests: id -> state row. A request is tracked from its
+        # first non-FULL residency change until its row is cleared: once MIXED/NONE, its pages
+        # may sit in blocks that vLLM's batch block table does not name (a restore leases a
+        # new block; vLLM's worker table is append-only), even after it is FULL again.
+        self._tracked: dict[str, int] = {}
+        self._counter_reader: AsyncCounterReader | None = None
         self._in_step = False
         self._stats = HiSparseWorkerStats()
-        self._reported_counters = np.zeros(3, dtype=np.int64)
+        self._reported_counters = np.zeros(0, dtype=np.int64)
         self._reported_bytes = (0, 0)
         self._trace = (TraceRecorder(top_k=hisparse_config.top_k, block_size=self.block_size,
                                      source="vllm") if hisparse_config.record_trace else None)
@@ -177,6 +185,9 @@ class HiSparseWorkerRole:
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
         compat.install_topk_conversion_hook(hooked_conversion)
+        compat.install_direct_conversion_routing(routed_direct_conversion)
+        self._counter_reader = AsyncCounterReader(
+            [state.stats for lane in self.lanes for state in lane.hot_states])
         self.bind_model_index_groups(compat.static_forward_context(self.vllm_config))
         logger.info("%s worker: %d sparse-MLA layers in %d KV cache groups, %d index units, "
                     "%d host blocks, block stride %s rows", CONNECTOR_NAME, num_layers,
@@ -255,6 +266,8 @@ class HiSparseWorkerRole:
                             f"{pos} of {leader_name!r}'s index group in the model, but the KV "
                             "plan groups them so")
                 self.bind_index_group(group, binding)
+                for i in unit:  # direct conversion sites need to know the running layer
+                    compat.route_layer_forward(forward_context[lane.layer_names[i]].impl)
                 bound += 1
         return bound
 
@@ -275,8 +288,15 @@ class HiSparseWorkerRole:
 
         Optional ``step_inputs`` (vLLM MRV2 passes them to the connector's
         ``start_load_kv``; the façade forwards them): ``request_ids`` (batch order) and
-        ``scheduler_output`` (for per-request token counts). Without ``request_ids`` every
-        step with any non-FULL request known takes the residency path (conservative).
+        ``scheduler_output`` (for per-request token counts) and, in FULL-graph steps,
+        ``attn_metadata``; eager and piecewise steps run inside the forward context, whose
+        attention metadata is used instead. Steps with tracked requests need ``request_ids``.
+
+        A tracked request with prefill tokens (more than ``max_decode_query_len``) must have
+        no host-only page once the command is applied (requirement R1, ``docs/worker.md``);
+        its rows of the sparse groups' batch block tables are rewritten from the worker's
+        residency tables, so every vLLM prefill path (sparse MQA, dense / masked MHA,
+        the fp8 upconvert workspace) reads the right blocks.
         """
         self._check_bound()
         if self._in_step:
@@ -286,11 +306,20 @@ class HiSparseWorkerRole:
         self._step_id = cmd.step_id
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
         self._track_residency(cmd)
-        batch_rows = self._batch_state_rows(step_inputs.get("request_ids"),
-                                            step_inputs.get("scheduler_output"))
+        request_ids = step_inputs.get("request_ids")
+        batch_rows = self._batch_state_rows(request_ids)
         self._check_rows(cmd)
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
+        if batch_rows is not None:
+            prefill = self._tracked_prefills(request_ids, batch_rows,
+                                             step_inputs.get("scheduler_output"))
+            if prefill:
+                self._check_prefill_context(cmd.step_id, prefill)
+                metadata_by_layer = step_inputs.get("attn_metadata")
+                if metadata_by_layer is None:
+                    metadata_by_layer = compat.forward_context_attn_metadata()
+                self._rewrite_block_tables(metadata_by_layer, prefill)
         self.step_view.begin(cmd.step_id, batch_rows)
         self._stats.add(steps=1)
         self._in_step = True
@@ -312,28 +341,32 @@ class HiSparseWorkerRole:
         self._stats.add(failed_transfers=len(acks.failed))
         return None if acks.is_empty() else HiSparseWorkerMetadata(acks=acks)
 
-    def get_stats(self) -> HiSparseWorkerStats | None:
-        """Counters since the previous call (None when nothing happened). Reads the device
-        counters (a sync on CUDA)."""
-        if not self.lanes:
+    def get_stats(self, *, sync: bool = False) -> HiSparseWorkerStats | None:
+        """Counters since the previous call (None when nothing happened).
+
+        vLLM calls this after every forward, so the device counters are never read
+        synchronously: each call queues a copy of them into pinned host memory behind an
+        event and reports the newest copy that has landed, i.e. resolve counts arrive one
+        call late (``sync=True`` waits for the current values: shutdown, tests). Byte and
+        step counts are host-side and current."""
+        if not self.lanes or self._counter_reader is None:
             return None
-        counters = np.zeros(3, dtype=np.int64)
-        gather_bytes = 0
+        values = self._counter_reader.read_now() if sync else self._counter_reader.poll()
+        per_state = values.reshape(-1, 3)
+        if self._reported_counters.shape != per_state.shape:
+            self._reported_counters = np.zeros_like(per_state)
+        delta = per_state - self._reported_counters
+        self._reported_counters = per_state.copy()
         row_bytes = self.lanes[0].device_layers[0].shape[1]
-        for lane in self.lanes:
-            for unit, state in zip(lane.units, lane.hot_states):
-                c = np.asarray(state.counters(), dtype=np.int64)
-                counters += c
-                gather_bytes += int(c[2]) * len(unit) * row_bytes
-        delta = counters - self._reported_counters
-        self._reported_counters = counters
+        unit_layers = np.asarray([len(u) for lane in self.lanes for u in lane.units],
+                                 dtype=np.int64)
         to_host = sum(l.executor.bytes_to_host for l in self.lanes)
         to_device = sum(l.executor.bytes_to_device for l in self.lanes)
-        self._stats.add(resident=int(delta[0]), hot_hits=int(delta[1]), misses=int(delta[2]),
+        self._stats.add(resident=int(delta[:, 0].sum()), hot_hits=int(delta[:, 1].sum()),
+                        misses=int(delta[:, 2].sum()),
                         bytes_to_host=to_host - self._reported_bytes[0],
                         bytes_to_device=to_device - self._reported_bytes[1],
-                        gather_bytes=gather_bytes - getattr(self, "_reported_gather", 0))
-        self._reported_gather = gather_bytes
+                        gather_bytes=int((delta[:, 2] * unit_layers).sum()) * row_bytes)
         self._reported_bytes = (to_host, to_device)
         stats, self._stats = self._stats, HiSparseWorkerStats()
         return None if stats.is_empty() else stats
@@ -411,39 +444,88 @@ class HiSparseWorkerRole:
     def _track_residency(self, cmd: StepCommand) -> None:
         cleared = set(cmd.cleared_rows)
         if cleared:
-            for rid in [r for r, row in self._non_full.items() if row in cleared]:
-                del self._non_full[rid]
+            for rid in [r for r, row in self._tracked.items() if row in cleared]:
+                del self._tracked[rid]
         for change in cmd.residency_changes:
             self._row_request[change.row] = change.request_id
-            if change.residency == Residency.FULL:
-                self._non_full.pop(change.request_id, None)
-            else:
-                self._non_full[change.request_id] = change.row
+            if change.residency != Residency.FULL:
+                self._tracked[change.request_id] = change.row
 
-    def _batch_state_rows(self, request_ids: Sequence[str] | None,
-                          scheduler_output: Any) -> list[int] | None:
-        """State row per batch row for non-FULL requests (-1 for FULL); None if all FULL."""
-        if not self._non_full:
+    def _batch_state_rows(self, request_ids: Sequence[str] | None) -> list[int] | None:
+        """State row per batch row for tracked requests (-1 otherwise); None if none is."""
+        if not self._tracked:
             return None
         if request_ids is None:
             # Without the batch order no token can be mapped to its row: refuse to guess.
             raise RuntimeError(
                 f"{CONNECTOR_NAME}: requests are host-backed but start_load_kv got no "
                 "request_ids; forward vLLM's start_load_kv keyword arguments to the worker role")
-        rows = [self._non_full.get(rid, -1) for rid in request_ids]
+        rows = [self._tracked.get(rid, -1) for rid in request_ids]
         if all(r < 0 for r in rows):
             return None
-        if scheduler_output is not None:
-            counts = compat.scheduled_token_counts(scheduler_output)
-            limit = self.config.max_decode_query_len
-            prefill = [rid for rid in request_ids if counts.get(rid, 0) > limit]
-            if prefill:
-                raise NotImplementedError(
-                    f"{CONNECTOR_NAME}: this step mixes host-backed (MIXED/NONE) requests with "
-                    f"prefill tokens (e.g. {prefill[0]!r}: {counts[prefill[0]]} tokens > "
-                    f"max_decode_query_len={limit}); reading host-backed context for prefill "
-                    "and FlashMLA-sparse mixed batches is not implemented yet")
         return rows
+
+    def _tracked_prefills(self, request_ids: Sequence[str], batch_rows: Sequence[int],
+                          scheduler_output: Any) -> list[tuple[str, int, int]]:
+        """``(request id, batch row, state row)`` of tracked requests with prefill tokens.
+
+        Without a scheduler output the token counts are unknown: every tracked request is
+        treated as prefilling (checked and rewritten; conservative)."""
+        counts = (compat.scheduled_token_counts(scheduler_output)
+                  if scheduler_output is not None else None)
+        limit = self.config.max_decode_query_len
+        return [(rid, b, row) for b, (rid, row) in enumerate(zip(request_ids, batch_rows))
+                if row >= 0 and (counts is None or counts.get(rid, 0) > limit)]
+
+    def _check_prefill_context(self, step_id: int, prefill: list[tuple[str, int, int]]) -> None:
+        """R1: a tracked request with prefill tokens has no host-only page in this step."""
+        executor = self.lanes[0].executor
+        for rid, _, row in prefill:
+            host_only = np.nonzero((executor.host_blocks[row] >= 0)
+                                   & (executor.residency[row] < 0))[0]
+            if host_only.size:
+                pages = host_only.tolist()
+                shown = ", ".join(map(str, pages[:8])) + (" ..." if len(pages) > 8 else "")
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: step {step_id} schedules prefill tokens (more than "
+                    f"max_decode_query_len={self.config.max_decode_query_len}) for request "
+                    f"{rid!r}, but {len(pages)} of its pages are host-only (pages {shown}). "
+                    "vLLM's prefill paths read the whole context through the block table, so "
+                    "the residency policy must keep a request with prompt tokens left FULL, "
+                    "or make every page resident (restores completed) before its prefill tokens "
+                    "are scheduled (requirement R1, docs/worker.md)")
+
+    def _rewrite_block_tables(self, metadata_by_layer: Any,
+                              prefill: list[tuple[str, int, int]]) -> None:
+        """Point the batch block-table rows of tracked prefill requests at the blocks the
+        worker's residency tables name, in every sparse group (vLLM's worker table is
+        append-only and misses restores into new blocks)."""
+        if metadata_by_layer is None:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: a host-backed request ({prefill[0][0]!r}) has prefill "
+                "tokens but no attention metadata is reachable from start_load_kv (neither "
+                "an attn_metadata argument nor a forward context); its block-table rows "
+                "cannot be corrected")
+        if not isinstance(metadata_by_layer, dict):
+            raise NotImplementedError(
+                f"{CONNECTOR_NAME}: micro-batched attention metadata (a list per ubatch) with "
+                "a host-backed request that prefills is not supported")
+        batch = np.asarray([b for _, b, _ in prefill], dtype=np.int64)
+        state_rows = np.asarray([r for _, _, r in prefill], dtype=np.int64)
+        for lane in self.lanes:
+            seen: set[int] = set()
+            for name in lane.layer_names:
+                md = metadata_by_layer.get(name)
+                table = getattr(md, "block_table", None)
+                if table is None or id(table) in seen:
+                    continue
+                seen.add(id(table))
+                width = min(table.shape[1], lane.executor.residency.shape[1])
+                values = lane.layout.vllm_block_ids(
+                    lane.executor.residency[state_rows, :width], compat.NULL_BLOCK_ID)
+                rows = torch.as_tensor(batch).to(table.device, non_blocking=True)
+                table[rows, :width] = torch.as_tensor(values, dtype=table.dtype).to(
+                    table.device, non_blocking=True)
 
     def _record(self, token_rows: torch.Tensor, topk: torch.Tensor) -> None:
         state = self.lanes[0].hot_states[0]

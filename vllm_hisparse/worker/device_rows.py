@@ -131,6 +131,15 @@ class DeviceRowLayout:
             return spec  # positions only; the page tables turn them into rows
         return dataclasses.replace(spec, device_blocks=self.scale_blocks(spec.device_blocks))
 
+    def vllm_block_ids(self, row_blocks, null_block: int):
+        """Row-block ids (this layout's scaled page-table entries, ``-1`` = no device block)
+        → the engine's own block ids, ``null_block`` where there is none. Accepts and
+        returns numpy arrays (any shape); used to rewrite an engine's block-table rows."""
+        import numpy as np
+
+        blocks = np.asarray(row_blocks, dtype=np.int64)
+        return np.where(blocks >= 0, blocks // self.block_scale, null_block).astype(np.int32)
+
     def to_kernel_rows(self, flat_rows: torch.Tensor, block_stride_rows: int | None) -> torch.Tensor:
         """Flat rows (this layout) → the row index space a kernel asked for.
 
