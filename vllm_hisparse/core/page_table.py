@@ -38,6 +38,9 @@ and an in-flight step may still read them)."""
 
 _WORD_BITS = 64
 _ALL_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+# _LOW_BITS[k] = the k lowest bits set (k = 0 .. 64): the word mask of rows [lo, hi) is
+# _LOW_BITS[hi] & ~_LOW_BITS[lo], two table lookups instead of shifts and clips.
+_LOW_BITS = np.array([(1 << k) - 1 for k in range(_WORD_BITS + 1)], dtype=np.uint64)
 
 
 def cdiv(a, b):
@@ -71,6 +74,17 @@ class PageTables:
         self.serial = np.zeros(self.num_rows, dtype=np.int64)
         # The mask a page has when all its rows are on the host.
         self.full_mask = range_mask(0, self.block_size, self.num_mask_words)
+        # Flat views (same memory) indexed by ``row * max_pages + page``: one integer
+        # index array is cheaper to gather and scatter through than a (rows, pages) pair.
+        self.flat_pinned = self.pinned.reshape(-1)
+        self.flat_host_mask = self.host_mask.reshape(-1, self.num_mask_words)
+        self.flat_host_valid = self.host_valid.reshape(-1)
+        self.flat_mirror_inflight = self.mirror_inflight.reshape(-1)
+        self.flat_mirror_failed = self.mirror_failed.reshape(-1)
+
+    def flat_index(self, rows: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """Index of ``[rows, pages]`` in the ``flat_*`` views."""
+        return rows * self.max_pages + pages
 
     def reset_row(self, row: int) -> None:
         """Forget everything about ``row`` (its request ended)."""
@@ -164,16 +178,16 @@ def range_masks(starts: np.ndarray, ends: np.ndarray, num_words: int) -> np.ndar
     """Vectorised :func:`range_mask`: ``[n, num_words]`` masks of rows ``[starts, ends)``."""
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
-    out = np.zeros((starts.shape[0], num_words), dtype=np.uint64)
+    if num_words == 1:
+        # Common case (block_size <= 64): no clipping needed once bounded to [0, 64].
+        lo = np.minimum(np.maximum(starts, 0), _WORD_BITS)
+        hi = np.minimum(np.maximum(ends, 0), _WORD_BITS)
+        return (_LOW_BITS[hi] & ~_LOW_BITS[lo])[:, None]
+    out = np.empty((starts.shape[0], num_words), dtype=np.uint64)
     for w in range(num_words):
-        lo = np.clip(starts - w * _WORD_BITS, 0, _WORD_BITS)
-        hi = np.clip(ends - w * _WORD_BITS, 0, _WORD_BITS)
-        width = np.maximum(hi - lo, 0)
-        # (1 << 64) overflows uint64; build "width ones" as ALL_ONES >> (64 - width).
-        ones = np.where(
-            width > 0,
-            _ALL_ONES >> (np.uint64(_WORD_BITS) - width.astype(np.uint64)),
-            np.uint64(0),
-        )
-        out[:, w] = ones << lo.astype(np.uint64)
+        base = w * _WORD_BITS
+        lo = np.minimum(np.maximum(starts - base, 0), _WORD_BITS)
+        hi = np.minimum(np.maximum(ends - base, 0), _WORD_BITS)
+        # hi <= lo gives 0: the bits below hi are all below lo.
+        out[:, w] = _LOW_BITS[hi] & ~_LOW_BITS[lo]
     return out

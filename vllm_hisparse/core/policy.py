@@ -36,9 +36,10 @@ state. Pressure selection is a numpy pass over rows, done only while under press
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -173,6 +174,27 @@ class _Request:
     last_transition_step: int = -(10**9)
 
 
+class _SetView(Set):
+    """A live, read-only view of a set (no copy; it follows the set's changes)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: set) -> None:
+        self._items = items
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._items!r})"
+
+
 class ResidencyPolicy:
     """Scheduler-side residency coordinator (engine-agnostic).
 
@@ -218,6 +240,8 @@ class ResidencyPolicy:
         self._row_residency = np.full(n, -1, dtype=np.int8)
         self._row_hot_blocks = np.zeros(n, dtype=np.int64)
         self._row_last_transition = np.full(n, -(10**9), dtype=np.int64)
+        # Rows whose mirror acks may release pages: PARKED status or MIXED/NONE residency.
+        self._row_watch = np.zeros(n, dtype=bool)
         self._txns = TransactionTable()
         # Released device block -> [(row, serial, page)] whose copy it still holds.
         self._released_owner: dict[int, list[tuple[int, int, int]]] = {}
@@ -225,9 +249,17 @@ class ResidencyPolicy:
         self._spill_queue: dict[tuple[int, int, int], None] = {}
         self._window_candidates: set[int] = set()
         self._non_full_rows: set[int] = set()
+        self._non_full_view = _SetView(self._non_full_rows)
         self._tail_retry_rows: set[int] = set()
         self._next_promotion_check_step = 0
         self._unmet_device_blocks = 0
+        # Scratch for the duplicate-row check of a step's mirror (see _plan_mirror_or_seal).
+        self._row_scratch = np.zeros(n, dtype=np.int64)
+        self._row_arange = np.arange(n, dtype=np.int64)
+        bs = self.block_size
+        # Page arithmetic on arrays: a shift when the block size is a power of two (integer
+        # division is several times slower in numpy).
+        self._page_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         self._reset_step_buffers()
 
     # =====================================================================================
@@ -279,6 +311,70 @@ class ResidencyPolicy:
     def request_ids(self) -> list[str]:
         """Ids of every known request."""
         return list(self._requests)
+
+    @property
+    def non_full_rows(self) -> AbstractSet[int]:
+        """State rows whose request is MIXED or NONE (any status), as a live read-only view.
+
+        No copy is made: the view follows the policy's changes, so take ``set(...)`` of it
+        before iterating across calls that may change residency.
+        """
+        return self._non_full_view
+
+    def num_device_blocks_pending_release(self) -> int:
+        """Device blocks the policy will give back once the transfers now in flight are
+        acknowledged (successfully), with no other event in between.
+
+        Two sources:
+
+        * pages released on completion: a pinned page that is not clean and has a spill or
+          a (not failed) mirror in flight, where the completion makes it releasable:
+          a sealed non-tail page of a running MIXED/NONE request that is not being
+          promoted, or any page of a PARKED request;
+        * leases that transfers hold for requests that ended meanwhile (mirrors and spills
+          still reading a finished request's blocks, restores into an aborted request).
+
+        Counted in the policy's device blocks (one per page). A block another holder also
+        leases (a device prefix shared outside the policy) is counted although it does not
+        become free. Cost: O(non-FULL rows x pages + open transfers); meant for the rare
+        moment an allocation failed (vLLM's ``has_pending_block_frees``), not every step.
+        """
+        if not len(self._txns):
+            return 0
+        t = self.tables
+        count = 0
+        if self._non_full_rows:
+            rows = np.fromiter(self._non_full_rows, dtype=np.int64, count=len(self._non_full_rows))
+            status = self._row_status[rows]
+            parked = status == RequestStatus.PARKED
+            promoting = np.fromiter(
+                (self._row_request[r].promoting for r in rows.tolist()), dtype=bool, count=rows.shape[0]
+            )
+            running = ((status == RequestStatus.ACTIVE) | (status == RequestStatus.ACTIVATING)) & ~promoting
+            num_pages = t.num_pages[rows]
+            sealed = np.minimum(num_pages - ACTIVE_TAIL_PAGES, t.num_tokens[rows] // self.block_size)
+            limit = np.where(parked, num_pages, np.where(running, sealed, 0))
+            width = int(limit.max()) if limit.shape[0] else 0
+            if width > 0:
+                cols = slice(0, width)
+                in_range = np.arange(width)[None, :] < limit[:, None]
+                inflight = (t.pending[rows, cols] >= 0) | (
+                    (t.mirror_inflight[rows, cols] > 0) & ~t.mirror_failed[rows, cols]
+                )
+                count += int(
+                    np.count_nonzero(in_range & t.pinned[rows, cols] & ~t.host_valid[rows, cols] & inflight)
+                )
+        orphaned: set[int] = set()
+        for txn in self._txns.values():
+            if txn.kind == TransferKind.MIRROR:
+                # A mirror holds device leases only for requests that ended under it.
+                orphaned.update(txn.held_device_until_enqueued)
+                continue
+            held = txn.held_device_until_enqueued if txn.kind == TransferKind.SPILL else txn.held_device_until_done
+            if held:
+                dead = ~self._live(txn)
+                orphaned.update(txn.device_blocks[dead].tolist())
+        return count + len(orphaned)
 
     def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Pages of ``block_hashes`` published in the host pool (no lease taken)."""
@@ -390,25 +486,38 @@ class ResidencyPolicy:
         t = self.tables
         outcome = np.zeros(rows.shape[0], dtype=np.int8)
         status = self._row_status[rows]
-        if np.any(status != RequestStatus.ACTIVE):
-            bad = np.nonzero(status != RequestStatus.ACTIVE)[0]
-            for i in bad:
+        not_active = status != RequestStatus.ACTIVE
+        # np.count_nonzero and ndarray.nonzero are much cheaper than .any() / flatnonzero
+        # on the few hundred entries of a step.
+        any_not_active = np.count_nonzero(not_active) > 0
+        if any_not_active:
+            for i in not_active.nonzero()[0]:
                 st = int(status[i])
                 if st != RequestStatus.ACTIVATING:
                     raise ProtocolError(f"row {int(rows[i])} scheduled while not active (status {st})")
                 outcome[i] = Outcome.WAIT_TRANSFER
         starts = t.num_tokens[rows]
         ends = starts + counts
-        grows = (cdiv(ends, self.block_size) > t.num_pages[rows]) & (outcome == 0)
-        fast = ~grows & (outcome == 0)
-        if np.any(fast):
-            fr = rows[fast]
-            t.num_tokens[fr] = ends[fast]
+        grows = self._num_pages_for(ends) > t.num_pages[rows]
+        if any_not_active:
+            grows &= ~not_active
+            fast = ~grows & ~not_active
+        else:
+            fast = ~grows
+        grow_idx = grows.nonzero()[0]
+        if grow_idx.shape[0] == 0 and not any_not_active:
+            # Every row stays inside its last page (most decode steps): no masking. The
+            # copy keeps the caller's array out of the step's records.
+            fr, fast_starts, fast_ends = rows.copy(), starts, ends
+        else:
+            fr, fast_starts, fast_ends = rows[fast], starts[fast], ends[fast]
+        if fr.shape[0]:
+            t.num_tokens[fr] = fast_ends
             self._step_rows.append(fr)
-            self._step_starts.append(starts[fast])
-            self._step_ends.append(ends[fast])
+            self._step_starts.append(fast_starts)
+            self._step_ends.append(fast_ends)
             self._step_serials.append(t.serial[fr])
-        for i in np.nonzero(grows)[0]:
+        for i in grow_idx.tolist():
             req = self._row_request[int(rows[i])]
             outcome[i] = self._grow(req, int(counts[i]), None, record=True)
         return outcome
@@ -535,6 +644,21 @@ class ResidencyPolicy:
         self._set_status(req, RequestStatus.PARKED)
         self._set_residency(req, Residency.NONE)
         return self.resume(request_id)
+
+    def note_device_demand(self, num_blocks: int) -> None:
+        """The engine allocates its own pages and could not get ``num_blocks`` device blocks
+        this step (``schedule(..., device_block_ids=...)`` never sees that shortfall).
+
+        The demand is added to this step's unmet demand, exactly like a ``WAIT_DEVICE``
+        from ``schedule``: the next ``build_step`` treats the pool as under pressure and
+        sizes its demotions to cover ``high_watermark - free + unmet``. It is forgotten
+        after that ``build_step``, so report it again each step it persists. Counters
+        (``stats``) are not changed.
+        """
+        num_blocks = int(num_blocks)
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self._unmet_device_blocks += num_blocks
 
     # =====================================================================================
     # Worker acknowledgements
@@ -742,23 +866,31 @@ class ResidencyPolicy:
             return
         t = self.tables
         bs = self.block_size
-        rows = np.concatenate(self._step_rows)
-        starts = np.concatenate(self._step_starts)
-        ends = np.concatenate(self._step_ends)
-        serials = np.concatenate(self._step_serials)
-        keep = (t.serial[rows] == serials) & (ends > starts)
-        if not np.all(keep):
-            rows, starts, ends, serials = rows[keep], starts[keep], ends[keep], serials[keep]
-        if rows.shape[0] == 0:
-            return
-        first = starts // bs
-        last = (ends - 1) // bs
-        span = last - first + 1
-        if np.all(span == 1):
-            pr, pp, ps = rows, first, serials
-            lo = starts - first * bs
-            hi = ends - first * bs
+        if len(self._step_rows) == 1:
+            rows, starts, ends, serials = (
+                self._step_rows[0], self._step_starts[0], self._step_ends[0], self._step_serials[0]
+            )
         else:
+            rows = np.concatenate(self._step_rows)
+            starts = np.concatenate(self._step_starts)
+            ends = np.concatenate(self._step_ends)
+            serials = np.concatenate(self._step_serials)
+        keep = (t.serial[rows] == serials) & (ends > starts)
+        if np.count_nonzero(keep) != keep.shape[0]:
+            rows, starts, ends, serials = rows[keep], starts[keep], ends[keep], serials[keep]
+        n = rows.shape[0]
+        if n == 0:
+            return
+        first = self._page_of(starts)
+        last = self._page_of(ends - 1)
+        if np.count_nonzero(first != last) == 0:
+            # Every range stays inside one page (decode): one entry per range.
+            pr, pp, ps = rows, first, serials
+            base = first * bs
+            lo = starts - base
+            hi = ends - base
+        else:
+            span = last - first + 1
             total = int(span.sum())
             pr = np.repeat(rows, span)
             ps = np.repeat(serials, span)
@@ -767,10 +899,25 @@ class ResidencyPolicy:
             lo = np.maximum(np.repeat(starts, span), pp * bs) - pp * bs
             hi = np.minimum(np.repeat(ends, span), (pp + 1) * bs) - pp * bs
         if self.config.eager_host_mirror:
+            # A row's ranges cover distinct pages, so (row, page) pairs repeat only if a row
+            # was scheduled twice this step; then the unbuffered np.add.at is needed.
+            unique = n <= t.num_rows and self._rows_unique(rows)
+            flat = t.flat_index(pr, pp)
             txn = self._txns.open(
-                TransferKind.MIRROR, self._step_id, rows=pr, serials=ps, pages=pp, starts=lo, ends=hi
+                TransferKind.MIRROR,
+                self._step_id,
+                rows=pr,
+                serials=ps,
+                pages=pp,
+                starts=lo,
+                ends=hi,
+                flat=flat,
+                unique_pages=unique,
             )
-            np.add.at(t.mirror_inflight, (pr, pp), 1)
+            if unique:
+                t.flat_mirror_inflight[flat] += 1
+            else:
+                np.add.at(t.mirror_inflight, (pr, pp), 1)
             self._transfers.append(
                 TransferSpec(
                     transfer_id=txn.transfer_id,
@@ -919,32 +1066,10 @@ class ResidencyPolicy:
         t = self.tables
         live = self._live(txn)
         if txn.kind == TransferKind.MIRROR:
-            r, p = txn.rows[live], txn.pages[live]
-            if r.shape[0] == 0:
-                return
-            np.subtract.at(t.mirror_inflight, (r, p), 1)
-            masks = range_masks(txn.starts[live], txn.ends[live], t.num_mask_words)
-            np.bitwise_or.at(t.host_mask, (r, p), masks)
-            full = np.all(t.host_mask[r, p] == t.full_mask, axis=1) & ~t.host_valid[r, p]
-            for i in np.nonzero(full)[0]:
-                self._mark_clean(self._row_request[int(r[i])], int(p[i]))
-            # Pages of parked requests may now be released, and pages that were waiting for
-            # this mirror to end may now be released or spilled.
-            parked = self._row_status[r] == RequestStatus.PARKED
-            for i in np.nonzero(parked & ~full)[0]:
-                self._settle_parked_page(self._row_request[int(r[i])], int(p[i]))
-            # Clean pages of MIXED/NONE requests that only waited for this mirror to end.
-            waiting = (
-                ~full
-                & ~parked
-                & t.host_valid[r, p]
-                & (t.mirror_inflight[r, p] == 0)
-                & (self._row_residency[r] != Residency.FULL)
-            )
-            for i in np.nonzero(waiting)[0]:
-                req = self._row_request[int(r[i])]
-                if req.status == RequestStatus.ACTIVE and not req.promoting:
-                    self._try_release(req, int(p[i]))
+            if txn.unique_pages:
+                self._on_mirror_completed(txn, live)
+            else:
+                self._on_mirror_completed_repeated(txn, live)
             return
         for i in np.nonzero(live)[0]:
             row, page = int(txn.rows[i]), int(txn.pages[i])
@@ -986,16 +1111,89 @@ class ResidencyPolicy:
                 if self.host_pool.publish(host_block, block_hash):
                     self.stats.num_published_pages += 1
 
+    def _on_mirror_completed(self, txn: Transaction, live: np.ndarray) -> None:
+        """MIRROR completion when no (row, page) repeats: plain gathers and scatters over
+        the flat views, and Python only for pages that became clean or may be released."""
+        t = self.tables
+        if np.count_nonzero(live) == live.shape[0]:
+            r, p, flat, lo, hi = txn.rows, txn.pages, txn.flat, txn.starts, txn.ends
+        else:
+            r, p, flat = txn.rows[live], txn.pages[live], txn.flat[live]
+            lo, hi = txn.starts[live], txn.ends[live]
+        if r.shape[0] == 0:
+            return
+        inflight = t.flat_mirror_inflight[flat] - 1
+        t.flat_mirror_inflight[flat] = inflight
+        merged = t.flat_host_mask[flat] | range_masks(lo, hi, t.num_mask_words)
+        t.flat_host_mask[flat] = merged
+        valid = t.flat_host_valid[flat]
+        if t.num_mask_words == 1:
+            full = (merged[:, 0] == t.full_mask[0]) & ~valid
+        else:
+            full = np.all(merged == t.full_mask, axis=1) & ~valid
+        for i in full.nonzero()[0].tolist():
+            self._mark_clean(self._row_request[int(r[i])], int(p[i]))
+        # The rest only concerns parked or MIXED/NONE requests (none in a FULL steady state).
+        # Their pages' host_valid and mirror counts are as gathered above: marking other
+        # pages clean, settling or releasing pages changes neither.
+        if np.count_nonzero(self._row_watch[r]) == 0:
+            return
+        parked = self._row_status[r] == RequestStatus.PARKED
+        non_full = self._row_residency[r] != Residency.FULL
+        # Pages of parked requests may now be released, and pages that were waiting for
+        # this mirror to end may now be released or spilled.
+        for i in (parked & ~full).nonzero()[0].tolist():
+            self._settle_parked_page(self._row_request[int(r[i])], int(p[i]))
+        # Clean pages of MIXED/NONE requests that only waited for this mirror to end.
+        waiting = non_full & ~full & ~parked & valid & (inflight == 0)
+        for i in waiting.nonzero()[0].tolist():
+            req = self._row_request[int(r[i])]
+            if req.status == RequestStatus.ACTIVE and not req.promoting:
+                self._try_release(req, int(p[i]))
+
+    def _on_mirror_completed_repeated(self, txn: Transaction, live: np.ndarray) -> None:
+        """MIRROR completion when a (row, page) may repeat (a row scheduled twice in the
+        planning step): unbuffered ``ufunc.at`` updates, then per-entry handling."""
+        t = self.tables
+        r, p = txn.rows[live], txn.pages[live]
+        if r.shape[0] == 0:
+            return
+        np.subtract.at(t.mirror_inflight, (r, p), 1)
+        masks = range_masks(txn.starts[live], txn.ends[live], t.num_mask_words)
+        np.bitwise_or.at(t.host_mask, (r, p), masks)
+        full = np.all(t.host_mask[r, p] == t.full_mask, axis=1) & ~t.host_valid[r, p]
+        for i in np.nonzero(full)[0]:
+            row, page = int(r[i]), int(p[i])
+            if not t.host_valid[row, page]:  # a repeated entry is marked clean once
+                self._mark_clean(self._row_request[row], page)
+        parked = self._row_status[r] == RequestStatus.PARKED
+        for i in np.nonzero(parked & ~full)[0]:
+            self._settle_parked_page(self._row_request[int(r[i])], int(p[i]))
+        waiting = (
+            ~full
+            & ~parked
+            & t.host_valid[r, p]
+            & (t.mirror_inflight[r, p] == 0)
+            & (self._row_residency[r] != Residency.FULL)
+        )
+        for i in np.nonzero(waiting)[0]:
+            req = self._row_request[int(r[i])]
+            if req.status == RequestStatus.ACTIVE and not req.promoting:
+                self._try_release(req, int(p[i]))
+
     def _on_failed(self, txn: Transaction) -> None:
         t = self.tables
         live = self._live(txn)
         if txn.kind == TransferKind.MIRROR:
             r, p, s = txn.rows[live], txn.pages[live], txn.serials[live]
-            np.subtract.at(t.mirror_inflight, (r, p), 1)
+            if txn.unique_pages:
+                flat = txn.flat[live]
+                t.flat_mirror_inflight[flat] -= 1
+            else:
+                np.subtract.at(t.mirror_inflight, (r, p), 1)
             t.mirror_failed[r, p] = True
-            for i in range(r.shape[0]):
-                if not t.host_valid[r[i], p[i]]:
-                    self._spill_queue[(int(r[i]), int(s[i]), int(p[i]))] = None
+            for i in (~t.host_valid[r, p]).nonzero()[0].tolist():
+                self._spill_queue[(int(r[i]), int(s[i]), int(p[i]))] = None
             return
         for i in np.nonzero(live)[0]:
             row, page = int(txn.rows[i]), int(txn.pages[i])
@@ -1226,6 +1424,7 @@ class ResidencyPolicy:
         t.reset_row(row)
         self._row_status[row] = -1
         self._row_residency[row] = -1
+        self._row_watch[row] = False
         self._row_hot_blocks[row] = 0
         self._row_last_transition[row] = -(10**9)
         self._non_full_rows.discard(row)
@@ -1245,6 +1444,25 @@ class ResidencyPolicy:
         self._free_rows.remove(state_row)
         return state_row
 
+    def _page_of(self, positions: np.ndarray) -> np.ndarray:
+        """Page index of each (non-negative) position."""
+        if self._page_shift >= 0:
+            return positions >> self._page_shift
+        return positions // self.block_size
+
+    def _num_pages_for(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Pages needed to hold ``num_tokens`` positions (``cdiv``, arrays)."""
+        if self._page_shift >= 0:
+            return (num_tokens + (self.block_size - 1)) >> self._page_shift
+        return cdiv(num_tokens, self.block_size)
+
+    def _rows_unique(self, rows: np.ndarray) -> bool:
+        """True when no row appears twice (``len(rows) <= num_rows``)."""
+        n = rows.shape[0]
+        idx = self._row_arange[:n]
+        self._row_scratch[rows] = idx
+        return bool(np.array_equal(self._row_scratch[rows], idx))
+
     def _hot_blocks_for(self, hot_rows: int | None) -> int:
         if hot_rows is None:
             return self.config.hot_blocks_per_request
@@ -1255,6 +1473,7 @@ class ResidencyPolicy:
     def _set_status(self, req: _Request, status: RequestStatus) -> None:
         req.status = status
         self._row_status[req.row] = status
+        self._row_watch[req.row] = status == RequestStatus.PARKED or req.residency != Residency.FULL
 
     def _set_residency(self, req: _Request, residency: Residency, emit: bool = True) -> None:
         if req.residency != residency:
@@ -1262,6 +1481,7 @@ class ResidencyPolicy:
             self._row_last_transition[req.row] = self._step_id
         req.residency = residency
         self._row_residency[req.row] = residency
+        self._row_watch[req.row] = req.status == RequestStatus.PARKED or residency != Residency.FULL
         if residency == Residency.FULL:
             self._non_full_rows.discard(req.row)
         else:
@@ -1333,6 +1553,9 @@ class ResidencyPolicy:
             row = req.row
             assert self._row_request[row] is req
             assert t.serial[row] == req.serial
+            assert self._row_watch[row] == (
+                req.status == RequestStatus.PARKED or req.residency != Residency.FULL
+            ), (req.request_id, "row watch flag out of date")
             n = int(t.num_pages[row])
             assert n == cdiv(int(t.num_tokens[row]), self.block_size)
             assert t.num_pinned[row] == int(np.count_nonzero(t.pinned[row, :n])), req.request_id

@@ -46,10 +46,12 @@ class Transaction:
     """A planned transfer and everything the policy needs when it finishes.
 
     Page transactions (SPILL, RESTORE) fill ``rows``/``pages``/``serials`` with one entry
-    per page plus the block ids; MIRROR fills ``rows``/``serials``/``starts``/``ends`` with
-    one entry per scheduled request. ``serials`` identify the request incarnation owning the
-    row when the transfer was planned: a row reused by a later request never receives an
-    older request's completion.
+    per page plus the block ids; MIRROR fills ``rows``/``pages``/``serials``/``starts``/
+    ``ends`` with one entry per page a scheduled request wrote (rows ``[starts, ends)`` of
+    that page), and ``flat`` with the index of ``[row, page]`` in the page tables' flat
+    views. ``serials`` identify the request incarnation owning the row when the transfer
+    was planned: a row reused by a later request never receives an older request's
+    completion.
     """
 
     transfer_id: int
@@ -63,6 +65,10 @@ class Transaction:
     num_rows_copied: np.ndarray = field(default_factory=lambda: _EMPTY)
     starts: np.ndarray = field(default_factory=lambda: _EMPTY)
     ends: np.ndarray = field(default_factory=lambda: _EMPTY)
+    flat: np.ndarray = field(default_factory=lambda: _EMPTY)
+    # MIRROR: no (row, page) appears twice, so plain fancy-index updates are exact
+    # (otherwise the slower unbuffered ``np.ufunc.at`` is needed).
+    unique_pages: bool = False
     phase: TransferPhase = TransferPhase.PLANNED
     held_device_until_enqueued: list[int] = field(default_factory=list)
     held_device_until_done: list[int] = field(default_factory=list)
