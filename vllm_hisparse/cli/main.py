@@ -11,9 +11,9 @@ import argparse
 import sys
 
 from vllm_hisparse import __version__
-from vllm_hisparse.cli import bench, plan, replay
+from vllm_hisparse.cli import bench, plan, replay, simulate
 
-SUBCOMMANDS = {"bench": bench, "plan": plan, "replay": replay}
+SUBCOMMANDS = {"simulate": simulate, "bench": bench, "plan": plan, "replay": replay}
 
 
 class CliError(Exception):
