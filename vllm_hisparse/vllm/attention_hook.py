@@ -334,6 +334,13 @@ def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[.
     rows = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual, vllm_rows,
                                   block_stride_rows=a["BLOCK_STRIDE_ROWS"],
                                   return_valid_counts=False, keep_vllm=keep)
+    return finish_conversion(rows, return_valid_counts, out, counts_out)
+
+
+def finish_conversion(rows: torch.Tensor, return_valid_counts: bool, out: torch.Tensor | None,
+                      counts_out: torch.Tensor | None) -> Any:
+    """The tail every conversion shares with vLLM's: optionally compact valid rows to the front
+    with per-token counts, and write into the caller's ``out`` / ``counts_out`` buffers."""
     counts = None
     if return_valid_counts:
         rows, counts = compact_valid_to_front(rows)

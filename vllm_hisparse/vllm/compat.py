@@ -576,3 +576,40 @@ def forward_context_attn_metadata() -> Any:
     if not is_forward_context_available():
         return None
     return getattr(get_forward_context(), "attn_metadata", None)
+
+
+# ======================================================================================
+# Used by the simulator (vllm_hisparse/vllm/simulation): the engine pieces it drives for
+# real on CPU. Checked by tests/vllm/test_compat.py::test_simulator_internals_exist.
+# ======================================================================================
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_planning import (  # noqa: E402
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
+)
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
+from vllm.v1.kv_cache_interface import get_kv_quant_mode  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+SIMULATOR_INTERNALS = (
+    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+    SamplingParams, sha256, get_global_kv_cache_groups, get_kv_cache_configs,
+    generate_scheduler_kv_cache_config, get_request_block_hasher, init_none_hash,
+    get_kv_quant_mode, ModelRunnerOutput, Request, StructuredOutputManager,
+)

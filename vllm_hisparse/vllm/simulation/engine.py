@@ -46,22 +46,24 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
-from vllm.v1.core.kv_cache_utils import (
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.compat import (
+    KVConnectorOutput,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    StructuredOutputManager,
     generate_scheduler_kv_cache_config,
+    get_global_kv_cache_groups,
+    get_kv_cache_configs,
     get_request_block_hasher,
     init_none_hash,
+    sha256,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
-
-from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
     compact_valid_to_front,
+    finish_conversion,
     vllm_reference_conversion,
 )
 from vllm_hisparse.vllm.kv_planning import host_block_bytes, sparse_group_ids
@@ -328,16 +330,7 @@ def cpu_direct_conversion(req_id, block_table, token_indices, BLOCK_SIZE=64,
                                   "idx_mapping are not simulated")
     rows = vllm_reference_conversion(req_id, block_table, token_indices, BLOCK_SIZE,
                                      BLOCK_STRIDE_ROWS)
-    counts = None
-    if return_valid_counts:
-        rows, counts = compact_valid_to_front(rows)
-        if valid_counts_out is not None:
-            valid_counts_out.copy_(counts)
-            counts = valid_counts_out
-    if out is not None:
-        out.copy_(rows)
-        rows = out
-    return (rows, counts) if return_valid_counts else rows
+    return finish_conversion(rows, return_valid_counts, out, valid_counts_out)
 
 
 class _ProcessPatches:
@@ -565,8 +558,7 @@ class _Run:
 
         self.worker = None
         if with_connector:
-            from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+            from vllm_hisparse.vllm.compat import KVConnectorFactory, KVConnectorRole
 
             self.worker = KVConnectorFactory.create_connector(
                 config=vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=full_config)

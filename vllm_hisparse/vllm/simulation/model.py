@@ -20,16 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.config import (
+from vllm_hisparse.vllm.compat import (
     CacheConfig,
     DeviceConfig,
     KVTransferConfig,
+    MLAAttentionSpec,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SparseCacheRole,
     VllmConfig,
+    get_kv_quant_mode,
 )
-from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole, get_kv_quant_mode
 
 CONNECTOR = "HiSparseResidencyConnector"
 MLA_ROW_BYTES = 656
