@@ -8,7 +8,11 @@ the fake forward (one sampled token per request) and the fake worker's acks are 
 outside the timed region. The pool is sized so that every request stays fully resident
 (steady state, no pressure): this measures the connector's fixed per-step cost.
 
-    /root/.venvs/hisparse/bin/python benchmarks/bench_scheduler_overhead.py
+``--evict-mib N`` touches an N MiB buffer between steps in both runs (untimed), standing
+in for the host-side work a real engine does between two scheduler steps (measured: it
+slows both runs alike; see docs/vllm-integration.md, "Scheduler overhead").
+
+    /root/.venvs/hisparse/bin/python benchmarks/bench_scheduler_overhead.py --repeats 3
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.vllm.scheduler_harness import SchedulerHarness  # noqa: E402
@@ -27,7 +33,8 @@ from tests.vllm.vllm_configs import kv_transfer_config, write_model_dir  # noqa:
 from vllm_hisparse.vllm.plugin import register  # noqa: E402
 
 
-def measure(model_dir: Path, *, connector: bool, requests: int, context: int, steps: int, warmup: int) -> list[float]:
+def measure(model_dir: Path, *, connector: bool, requests: int, context: int, steps: int, warmup: int,
+            evict_mib: int = 0) -> list[float]:
     block_size = 64
     # Requests prefilled first decode while the others prefill (two per step).
     max_tokens = warmup + steps + requests + 8
@@ -66,12 +73,15 @@ def measure(model_dir: Path, *, connector: bool, requests: int, context: int, st
 
             setattr(target, name, timed)
     times, own_times = [], []
+    evict = np.zeros(max(1, evict_mib * (1 << 20) // 8), dtype=np.int64)
     for i in range(warmup + steps):
         own[0] = 0.0
         t0 = time.perf_counter()
         output = scheduler.schedule()
         t1 = time.perf_counter()
         model_output = harness.fake_forward(output)  # not timed (fake model + fake worker acks)
+        if evict_mib:
+            evict += 1  # not timed: what runs between two steps in a real engine
         t2 = time.perf_counter()
         scheduler.update_from_output(output, model_output)
         t3 = time.perf_counter()
@@ -90,6 +100,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2, help="alternate baseline/connector runs")
+    parser.add_argument("--evict-mib", type=int, default=0,
+                        help="touch this many MiB between steps in both runs (untimed)")
     args = parser.parse_args()
     register()
     model_dir = write_model_dir(Path(tempfile.mkdtemp()) / "dsv32_tiny")
@@ -98,14 +110,15 @@ def main() -> None:
     for _ in range(args.repeats):
         for connector in (False, True):
             times = measure(model_dir, connector=connector, requests=args.requests, context=args.context,
-                            steps=args.steps, warmup=args.warmup)
+                            steps=args.steps, warmup=args.warmup, evict_mib=args.evict_mib)
             results[connector].append(statistics.median(times) * 1e3)
             if connector:
                 own_ms.append(measure.own_ms)
     base = min(results[False])
     ours = min(results[True])
     print(f"{args.requests} running requests x {args.context} tokens, {args.steps} decode steps "
-          f"(schedule + update_from_output), median per step, best of {args.repeats}:")
+          f"(schedule + update_from_output), median per step, best of {args.repeats}"
+          f"{f', {args.evict_mib} MiB touched between steps' if args.evict_mib else ''}:")
     print(f"  {'without connector':<22} {base:8.3f} ms   ({base * 1e3 / args.requests:.2f} us/request)")
     print(f"  {'with connector':<22} {ours:8.3f} ms   ({ours * 1e3 / args.requests:.2f} us/request)")
     print(f"  {'ratio':<22} {ours / base:8.3f}   (target <= 1.10)")

@@ -127,11 +127,9 @@ def test_flipped_host_pool_byte_fails(monkeypatch, capsys):
     assert "the right row header but 1 corrupted bytes (first at byte 100)" in err
 
 
-@pytest.mark.xfail(reason="R1.a (docs/worker.md) is not met yet: the policy demotes (here at "
-                   "the admission window) a request whose chunked prefill is still running, and "
-                   "the worker role refuses the next prefill chunk over host-only pages",
-                   strict=False)
 def test_prompts_longer_than_one_step_are_prefilled_in_chunks(capsys):
+    """Regression: a chunked prefill must never be demoted mid-prompt (requirement R1), or the
+    worker role refuses its next chunk over host-only pages and the run fails."""
     argv = ["simulate", "--requests", "16", "--prompt-len", "1024", "--output-len", "64",
             "--device-blocks", "400", "--max-num-batched-tokens", "512", "--runs", "with",
             "--quiet"]

@@ -155,17 +155,25 @@ def test_prefix_cache_hit_on_released_pages(small_topk_model_dir):
 
 def test_chunked_prefill_longer_than_the_admission_window(small_topk_model_dir):
     """max_num_batched_tokens=128 -> an admission window of 2 pages; a 1536-token prompt
-    is demoted while its prefill is still running, and finishes."""
+    stays FULL while its prefill runs (requirement R1: prefill reads its whole context
+    from the device), is demoted by the window rule once its prompt is complete, and
+    finishes. (Before R1 it was demoted mid-prefill.)"""
     harness = build(small_topk_model_dir, max_num_batched_tokens=128)
     (request,) = harness.add_requests(1, prompt_len=1536, max_tokens=8)
-    demoted_during_prefill = False
+    rid = request.request_id
+    demoted_during_prefill = demoted_after = False
     while harness.scheduler.has_requests():
         harness.step()
-        rid = request.request_id
-        if harness.residency.policy.has_request(rid) and request.num_computed_tokens < request.num_prompt_tokens:
-            demoted_during_prefill |= harness.residency.policy.residency(rid) != Residency.FULL
+        if not harness.residency.policy.has_request(rid):
+            continue
+        mixed = harness.residency.policy.residency(rid) != Residency.FULL
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            demoted_during_prefill |= mixed
+        else:
+            demoted_after |= mixed
     harness.drain()
-    assert demoted_during_prefill
+    assert not demoted_during_prefill
+    assert demoted_after
     assert request.is_finished()
     harness.assert_no_leaks()
 

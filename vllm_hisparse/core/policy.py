@@ -3,7 +3,7 @@
 State machine per request (``Residency``)::
 
               free blocks < low watermark (chosen by the selection rule)
-              or pages > admission window
+              or pages > admission window (once the prompt is complete)
       FULL  ---------------------------------------------->  MIXED
         ^   <----------------------------------------------    |
         |     free blocks >= high watermark after the move,     |
@@ -23,6 +23,10 @@ those with ``reclaimable > hot_blocks`` (a net gain), and take them in descendin
 the summed net gain reaches ``high_watermark - free``. Never every request: only as many as
 the deficit needs, and never one whose move would cost blocks.
 
+Requirement R1 (docs/core.md): a prefilling request (``set_prefilling``) is never demoted
+and never releases a page; one that is MIXED/NONE is promoted at once and is not
+schedulable (``WAIT_TRANSFER``) until every page is resident in the worker's tables.
+
 Promotion MIXED/NONE → FULL (hysteresis): when free blocks are at or above the high watermark,
 take non-FULL requests cheapest first (``num_pages - num_pinned`` blocks to re-pin or restore)
 while ``free - cost >= high_watermark``. Released-but-unreused pages are re-pinned without a
@@ -39,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import AbstractSet, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import AbstractSet, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -172,6 +176,7 @@ class _Request:
     num_restores_inflight: int = 0
     needs_tail_restore_retry: bool = False
     last_transition_step: int = -(10**9)
+    prefilling: bool = False
 
 
 class _SetView(Set):
@@ -242,12 +247,20 @@ class ResidencyPolicy:
         self._row_last_transition = np.full(n, -(10**9), dtype=np.int64)
         # Rows whose mirror acks may release pages: PARKED status or MIXED/NONE residency.
         self._row_watch = np.zeros(n, dtype=bool)
+        # Requirement R1 (docs/core.md): rows whose prompt is not fully computed, and rows
+        # ``schedule_rows`` must send through the per-request path (not ACTIVE, or a
+        # prefilling request that is not FULL yet). Free rows are gated.
+        self._row_prefilling = np.zeros(n, dtype=bool)
+        self._row_gate = np.ones(n, dtype=bool)
         self._txns = TransactionTable()
         # Released device block -> [(row, serial, page)] whose copy it still holds.
         self._released_owner: dict[int, list[tuple[int, int, int]]] = {}
         # Pages that need a whole-page spill: (row, serial, page) in insertion order.
         self._spill_queue: dict[tuple[int, int, int], None] = {}
         self._window_candidates: set[int] = set()
+        # Rows that crossed the admission window while prefilling: demoted once the prompt
+        # is complete (``set_prefilling(..., False)``), never before (R1.a).
+        self._window_waiting: set[int] = set()
         self._non_full_rows: set[int] = set()
         self._non_full_view = _SetView(self._non_full_rows)
         self._tail_retry_rows: set[int] = set()
@@ -410,6 +423,7 @@ class ResidencyPolicy:
         block_hashes: Sequence[Hashable] = (),
         state_row: int | None = None,
         hot_rows: int | None = None,
+        prefilling: bool = False,
     ) -> AddResult:
         """Register a request.
 
@@ -420,6 +434,9 @@ class ResidencyPolicy:
                 (``outcome``), else stays PARKED until ``resume``.
             state_row: the engine's state row for the request; None = the policy picks one.
             hot_rows: hot region size for this request (default ``device_buffer_size_rows``).
+            prefilling: the request still has prompt tokens to compute (see
+                :meth:`set_prefilling`). With a host prefix hit, the outcome is OK only
+                once every page of the hit is resident (R1.b).
         """
         if request_id in self._requests:
             raise ProtocolError(f"request {request_id!r} added twice")
@@ -434,9 +451,11 @@ class ResidencyPolicy:
             residency=Residency.FULL,
             hot_blocks=self._hot_blocks_for(hot_rows),
             block_hashes=list(block_hashes),
+            prefilling=bool(prefilling),
         )
         self._requests[request_id] = req
         self._row_request[row] = req
+        self._row_prefilling[row] = req.prefilling
         t = self.tables
         t.serial[row] = serial
         self._row_hot_blocks[row] = req.hot_blocks
@@ -473,28 +492,47 @@ class ResidencyPolicy:
             if req.status in (RequestStatus.ACTIVATING,):
                 return Outcome.WAIT_TRANSFER
             raise ProtocolError(f"request {request_id!r} scheduled while {req.status.name}")
+        if req.prefilling and req.residency != Residency.FULL:
+            outcome = self._prepare_prefill(req)
+            if outcome != Outcome.OK:
+                return outcome
         return self._grow(req, int(num_new_tokens), device_block_ids, record=True)
 
-    def schedule_rows(self, rows: np.ndarray, num_new_tokens: np.ndarray) -> np.ndarray:
+    def schedule_rows(
+        self,
+        rows: np.ndarray,
+        num_new_tokens: np.ndarray,
+        device_blocks_for: Callable[[int, int, int], Sequence[int]] | None = None,
+    ) -> np.ndarray:
         """Batched ``schedule`` by state row (each row at most once). Returns Outcome codes.
 
         Rows that stay inside their current last page take a vectorised fast path; only rows
-        that need new pages go through per-request allocation.
+        that need new pages go through per-request allocation. An engine that allocates
+        its own pages passes ``device_blocks_for(row, first_new_page, num_new_pages)``,
+        called for each such row, returning the device block of each new page (the
+        ``device_block_ids`` of ``schedule``); without it the policy allocates them.
         """
         rows = np.asarray(rows, dtype=np.int64)
         counts = np.asarray(num_new_tokens, dtype=np.int64)
         t = self.tables
         outcome = np.zeros(rows.shape[0], dtype=np.int8)
-        status = self._row_status[rows]
-        not_active = status != RequestStatus.ACTIVE
+        # Gated rows (not ACTIVE, or prefilling and not FULL: R1.b) take the per-request
+        # path below; everything else is vectorised.
+        not_active = self._row_gate[rows]
         # np.count_nonzero and ndarray.nonzero are much cheaper than .any() / flatnonzero
         # on the few hundred entries of a step.
         any_not_active = np.count_nonzero(not_active) > 0
         if any_not_active:
-            for i in not_active.nonzero()[0]:
-                st = int(status[i])
+            for i in not_active.nonzero()[0].tolist():
+                row = int(rows[i])
+                st = int(self._row_status[row])
+                if st == RequestStatus.ACTIVE:  # a prefilling request that is not FULL
+                    outcome[i] = self._prepare_prefill(self._row_request[row])
+                    if outcome[i] == Outcome.OK:
+                        outcome[i] = self._grow_row(row, int(counts[i]), device_blocks_for)
+                    continue
                 if st != RequestStatus.ACTIVATING:
-                    raise ProtocolError(f"row {int(rows[i])} scheduled while not active (status {st})")
+                    raise ProtocolError(f"row {row} scheduled while not active (status {st})")
                 outcome[i] = Outcome.WAIT_TRANSFER
         starts = t.num_tokens[rows]
         ends = starts + counts
@@ -518,9 +556,19 @@ class ResidencyPolicy:
             self._step_ends.append(fast_ends)
             self._step_serials.append(t.serial[fr])
         for i in grow_idx.tolist():
-            req = self._row_request[int(rows[i])]
-            outcome[i] = self._grow(req, int(counts[i]), None, record=True)
+            outcome[i] = self._grow_row(int(rows[i]), int(counts[i]), device_blocks_for)
         return outcome
+
+    def _grow_row(self, row: int, count: int, device_blocks_for) -> Outcome:
+        req = self._row_request[row]
+        blocks = None
+        if device_blocks_for is not None:
+            t = self.tables
+            old = int(t.num_pages[row])
+            new = -(-(int(t.num_tokens[row]) + count) // self.block_size) - old
+            if new > 0:
+                blocks = device_blocks_for(row, old, new)
+        return self._grow(req, count, blocks, record=True)
 
     def finish(self, request_id: str) -> None:
         """The request finished: publish its clean pages, return every lease."""
@@ -561,7 +609,18 @@ class ResidencyPolicy:
         The tail pages are made resident (re-pinned if their released block was not reused,
         else restored from host) and a hot region is leased; state NONE. A request whose
         every page is still pinned comes back FULL with no hot region.
+
+        A prefilling request (R1.b) is then promoted at once: every released page is
+        re-pinned and every host-only page restored; the outcome is OK only once it is
+        FULL (``WAIT_TRANSFER`` while the restores are in flight).
         """
+        outcome = self._resume(request_id)
+        req = self._requests[request_id]
+        if outcome == Outcome.WAIT_DEVICE or not req.prefilling or req.residency == Residency.FULL:
+            return outcome
+        return self._prepare_prefill(req)
+
+    def _resume(self, request_id: str) -> Outcome:
         req = self._req(request_id)
         if req.status != RequestStatus.PARKED:
             raise ProtocolError(f"request {request_id!r} resumed while {req.status.name}")
@@ -644,6 +703,49 @@ class ResidencyPolicy:
         self._set_status(req, RequestStatus.PARKED)
         self._set_residency(req, Residency.NONE)
         return self.resume(request_id)
+
+    def set_prefilling(self, request_id: str, prefilling: bool) -> Outcome:
+        """Tell the policy whether the request still has prompt tokens to compute.
+
+        Requirement R1 (docs/core.md): the engine's prefill reads the whole context from
+        the device. While a request is prefilling the policy therefore never demotes it
+        (neither under pressure nor by the admission window, whose demotion waits for
+        ``set_prefilling(id, False)``) and never releases its pages. A prefilling request
+        that is MIXED/NONE (resume, import, host hit) is promoted first: released pages
+        are re-pinned, host-only pages restored, and ``schedule`` answers
+        ``WAIT_TRANSFER`` until the restores are acknowledged (``WAIT_DEVICE`` while the
+        pool cannot take them).
+
+        Returns whether the request may be scheduled for prefill now (``OK``), or why not.
+        O(1) when nothing changes; a promotion is O(pages) of that request.
+        """
+        req = self._req(request_id)
+        prefilling = bool(prefilling)
+        row = req.row
+        if req.prefilling != prefilling:
+            req.prefilling = prefilling
+            self._row_prefilling[row] = prefilling
+            self._update_gate(req)
+            if prefilling:
+                if row in self._window_candidates:
+                    self._window_candidates.discard(row)
+                    self._window_waiting.add(row)
+            else:
+                if row in self._window_waiting:
+                    self._window_waiting.discard(row)
+                    self._window_candidates.add(row)
+                if req.residency != Residency.FULL and req.status == RequestStatus.ACTIVE and not req.promoting:
+                    # Releases were held back while prefilling.
+                    self._release_all_releasable(req)
+        if not prefilling or req.residency == Residency.FULL:
+            return Outcome.OK if req.status == RequestStatus.ACTIVE else Outcome.WAIT_TRANSFER
+        if req.status not in (RequestStatus.ACTIVE, RequestStatus.ACTIVATING):
+            return Outcome.WAIT_TRANSFER  # parked or importing: resume / finish_import handle it
+        return self._prepare_prefill(req)
+
+    def is_prefilling(self, request_id: str) -> bool:
+        """What the engine last told :meth:`set_prefilling` (or ``add_request``)."""
+        return self._req(request_id).prefilling
 
     def note_device_demand(self, num_blocks: int) -> None:
         """The engine allocates its own pages and could not get ``num_blocks`` device blocks
@@ -755,7 +857,8 @@ class ResidencyPolicy:
                 # promoted back to FULL later is not flipped again by the window rule.
                 window = self.config.admission_window_pages
                 if window is not None and old_pages <= window < old_pages + new_pages:
-                    self._window_candidates.add(row)
+                    # R1.a: a prefilling request is demoted when its prompt completes.
+                    (self._window_waiting if req.prefilling else self._window_candidates).add(row)
             elif not req.promoting:
                 # Pages that just left the tail may now be released.
                 for page in range(max(0, old_pages - ACTIVE_TAIL_PAGES), old_pages + new_pages - ACTIVE_TAIL_PAGES):
@@ -771,7 +874,8 @@ class ResidencyPolicy:
         t = self.tables
         row = req.row
         if (
-            page < 0
+            req.prefilling  # R1.a: a prefilling request keeps every page
+            or page < 0
             or page >= t.num_pages[row] - ACTIVE_TAIL_PAGES
             or not t.pinned[row, page]
             or not t.host_valid[row, page]
@@ -1232,11 +1336,16 @@ class ResidencyPolicy:
     # =====================================================================================
     def _apply_pressure(self) -> None:
         demoted = False
-        for row in list(self._window_candidates):
-            req = self._row_request[row]
-            if req is not None and req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE:
-                demoted |= self._demote(req)
-        self._window_candidates.clear()
+        if self._window_candidates:
+            for row in list(self._window_candidates):
+                req = self._row_request[row]
+                if req is None:
+                    continue
+                if req.prefilling:  # R1.a: wait for the prompt to complete
+                    self._window_waiting.add(row)
+                elif req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE:
+                    demoted |= self._demote(req)
+            self._window_candidates.clear()
         free = self.device_pool.get_num_free_blocks()
         if free < self.low_watermark_blocks or self._unmet_device_blocks:
             self._demote_for_pressure(free)
@@ -1257,8 +1366,12 @@ class ResidencyPolicy:
             return
         t = self.tables
         cooled = self._step_id - self._row_last_transition > self.config.min_steps_between_transitions
+        # R1.a: a prefilling request is never demoted.
         candidates = np.nonzero(
-            (self._row_status == RequestStatus.ACTIVE) & (self._row_residency == Residency.FULL) & cooled
+            (self._row_status == RequestStatus.ACTIVE)
+            & (self._row_residency == Residency.FULL)
+            & cooled
+            & ~self._row_prefilling
         )[0]
         if candidates.shape[0] == 0:
             return
@@ -1293,7 +1406,7 @@ class ResidencyPolicy:
         t = self.tables
         row = req.row
         limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
-        if limit <= 0:
+        if limit <= 0 or req.prefilling:  # R1.a: a prefilling request keeps every page
             return
         releasable = (
             t.pinned[row, :limit]
@@ -1347,6 +1460,32 @@ class ResidencyPolicy:
         if host_only:
             self._plan_restore(req, host_only)
         self._maybe_finish_promotion(req)
+
+    def _prepare_prefill(self, req: _Request) -> Outcome:
+        """R1.b: make every page of a prefilling MIXED/NONE request resident (a forced
+        promotion, whatever the watermarks). OK once FULL; WAIT_TRANSFER while restores are
+        in flight (a restore completes, and its page reaches the worker's tables, before
+        the request may prefill); WAIT_DEVICE (unmet demand noted) when the pool cannot
+        take the restores now."""
+        if req.residency == Residency.FULL:
+            return Outcome.OK
+        if req.promoting:
+            return Outcome.WAIT_TRANSFER
+        t = self.tables
+        row = req.row
+        n = int(t.num_pages[row])
+        device = t.device_block[row, :n]
+        num_released = int(np.count_nonzero(~t.pinned[row, :n] & (device >= 0)))
+        num_restore = int(np.count_nonzero((device < 0) & (t.pending[row, :n] < 0)))
+        # Re-pinning takes released (free-counted) blocks out of the pool first.
+        if num_restore > self.device_pool.get_num_free_blocks() - num_released:
+            self.stats.num_device_backpressure += 1
+            self._unmet_device_blocks += num_restore
+            return Outcome.WAIT_DEVICE
+        self._promote(req)
+        if req.residency == Residency.FULL:
+            return Outcome.OK
+        return Outcome.WAIT_TRANSFER
 
     def _maybe_finish_promotion(self, req: _Request) -> None:
         t = self.tables
@@ -1429,6 +1568,9 @@ class ResidencyPolicy:
         self._row_last_transition[row] = -(10**9)
         self._non_full_rows.discard(row)
         self._window_candidates.discard(row)
+        self._window_waiting.discard(row)
+        self._row_prefilling[row] = False
+        self._row_gate[row] = True
         self._tail_retry_rows.discard(row)
         self._row_request[row] = None
         self._free_rows.append(row)
@@ -1474,6 +1616,14 @@ class ResidencyPolicy:
         req.status = status
         self._row_status[req.row] = status
         self._row_watch[req.row] = status == RequestStatus.PARKED or req.residency != Residency.FULL
+        self._update_gate(req)
+
+    def _update_gate(self, req: _Request) -> None:
+        """``schedule_rows`` sends the row through the per-request path when it is not
+        ACTIVE, or when it is prefilling and not FULL (R1.b)."""
+        self._row_gate[req.row] = req.status != RequestStatus.ACTIVE or (
+            req.prefilling and req.residency != Residency.FULL
+        )
 
     def _set_residency(self, req: _Request, residency: Residency, emit: bool = True) -> None:
         if req.residency != residency:
@@ -1482,6 +1632,7 @@ class ResidencyPolicy:
         req.residency = residency
         self._row_residency[req.row] = residency
         self._row_watch[req.row] = req.status == RequestStatus.PARKED or residency != Residency.FULL
+        self._update_gate(req)
         if residency == Residency.FULL:
             self._non_full_rows.discard(req.row)
         else:
@@ -1556,6 +1707,13 @@ class ResidencyPolicy:
             assert self._row_watch[row] == (
                 req.status == RequestStatus.PARKED or req.residency != Residency.FULL
             ), (req.request_id, "row watch flag out of date")
+            assert self._row_prefilling[row] == req.prefilling, (req.request_id, "prefilling flag out of date")
+            assert self._row_gate[row] == (
+                req.status != RequestStatus.ACTIVE or (req.prefilling and req.residency != Residency.FULL)
+            ), (req.request_id, "schedule gate out of date")
+            if req.prefilling and req.status == RequestStatus.ACTIVE and req.residency == Residency.FULL:
+                # R1.a: a prefilling request that may be scheduled has its whole context pinned.
+                assert t.num_pinned[row] == cdiv(int(t.num_tokens[row]), self.block_size), req.request_id
             n = int(t.num_pages[row])
             assert n == cdiv(int(t.num_tokens[row]), self.block_size)
             assert t.num_pinned[row] == int(np.count_nonzero(t.pinned[row, :n])), req.request_id
@@ -1609,6 +1767,8 @@ class ResidencyPolicy:
         for row in range(t.num_rows):
             if self._row_request[row] is None:
                 assert t.serial[row] == 0 and t.num_pages[row] == 0
+                assert self._row_gate[row] and not self._row_prefilling[row]
+                assert row not in self._window_waiting and row not in self._window_candidates
         ref = getattr(self.device_pool, "ref_counts", None)
         if ref is not None:
             assert np.all(ref >= 0)

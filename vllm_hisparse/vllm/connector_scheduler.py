@@ -18,13 +18,17 @@ Division of labour
   free only the blocks the policy never adopted.
 
 Per step: ``build_connector_meta`` feeds the step's scheduled tokens to the policy
-(vectorised for requests that stay inside their last page; one call per request that
-crosses a page), takes the policy's :class:`~vllm_hisparse.core.StepCommand`, applies its
+(one vectorised ``schedule_rows`` call; a request that crosses into new pages adopts
+vLLM's blocks through a callback), takes the policy's :class:`~vllm_hisparse.core.StepCommand`, applies its
 page losses to vLLM's block tables (null blocks), and returns the command as metadata.
 It does not modify ``scheduler_output``. ``update_connector_output`` counts worker acks
 (a transfer is complete only once every worker completed it, failed if any failed) and
 applies them. The work is proportional to the scheduled requests (one dict walk and a
 few numpy operations) plus what changed this step.
+
+Requirement R1 (docs/core.md): the policy is told which requests are prefilling (a
+prompt not fully computed, or a recompute), so it never demotes them or releases their
+pages; vLLM's prefill reads the whole context through the block table.
 
 Preemption: vLLM recomputes a preempted request from scratch, so the policy ends the
 request (``abort``); nothing is parked on the host for it. Host back-pressure: a
@@ -41,7 +45,6 @@ import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.host_pool import HostBlockPool
-from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
@@ -63,6 +66,10 @@ _POLICY_COUNTERS = {
     "num_promotions": "num_promotions",
     "num_failed_transfers": "num_failed_transfers",
 }
+
+
+#: get_kv_connector_stats reports at most once per this many calls (steps).
+_STATS_EVERY_STEPS = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,6 +100,8 @@ class HiSparseConnectorScheduler:
 
         sched = vllm_config.scheduler_config
         self.max_model_len = vllm_config.model_config.max_model_len
+        self._max_chunk_tokens = sched.max_num_batched_tokens
+        self._num_kv_groups = len(kv_cache_config.kv_cache_groups)
         low, high = self._watermarks(kv_cache_config, sched, hisparse_config)
         self.policy_config = PolicyConfig(
             block_size=self.block_size,
@@ -122,9 +131,19 @@ class HiSparseConnectorScheduler:
         # Host blocks promised to admitted requests and not yet allocated.
         self._host_remaining: dict[str, int] = {}
         self._host_outstanding = 0
-        # Residency bookkeeping for metrics and has_pending_block_frees.
+        # Residency bookkeeping for metrics.
         self._non_full: set[str] = set()
         self._hot_rows: set[int] = set()
+        # R1: requests the policy was told are prefilling (docs/core.md).
+        self.max_decode_query_len = max(1, int(hisparse_config.max_decode_query_len))
+        self._prefilling: set[str] = set()
+        # build_connector_meta: the previous step's scheduled ids and their state rows.
+        self._cached_keys: tuple | None = None
+        self._cached_rows: np.ndarray | None = None
+        # Unmet device demand: the last waiting request offered to us this step.
+        self._offered: tuple[str, int] | None = None
+        # get_kv_connector_stats: report at most every _STATS_EVERY_STEPS calls.
+        self._stats_calls = 0
         # Ack counting across workers (only used with more than one worker).
         self._ack_enqueued: dict[int, int] = {}
         self._ack_completed: dict[int, int] = {}
@@ -138,10 +157,18 @@ class HiSparseConnectorScheduler:
         """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
 
         The policy relieves pressure only at the end of a step, after vLLM allocated
-        (and, failing that, preempted). So the low watermark must cover the most one
-        step can ask for: a full prefill budget of pages plus one page crossing per
-        running request, in every group, converted to bundles of the sparse groups.
-        The high watermark adds one hot region and 5 % of the pool on top (hysteresis).
+        (and, failing that, preempted). So the low watermark covers the most one step
+        can ask for: a full prefill budget of pages plus one page crossing per running
+        request, in every group, converted to bundles of the sparse groups (capped at
+        half the pool). The high watermark adds one hot region and 5 % of the pool on
+        top (hysteresis). On top of that, demand the connector sees is reported each
+        step (``note_device_demand``): the next chunks of prefilling requests, a waiting
+        request vLLM could not admit, an allocation that failed.
+
+        Measured alternative (docs/vllm-integration.md): a low watermark of decode growth
+        only, relying on the reported demand for prefills and admissions, kept about 5 %
+        of the pool less in reserve but took 4 % more steps on one workload, so the
+        worst-case sizing stays.
         """
         num_sparse = len(self.sparse_group_ids)
         num_groups = len(kv_cache_config.kv_cache_groups)
@@ -194,7 +221,29 @@ class HiSparseConnectorScheduler:
         available = self.host_pool.num_allocatable_blocks - self._host_outstanding
         if self._host_pages_for(request) > available:
             return None, False
+        # If vLLM cannot allocate its first chunk, this is unmet device demand
+        # (``_note_unadmitted``): vLLM offers waiting requests in order and stops at the
+        # first one it cannot allocate.
+        first_chunk = min(max(request.num_tokens - num_computed_tokens, 1), self._max_chunk_tokens)
+        self._offered = (request.request_id, _cdiv(first_chunk, self.block_size))
         return 0, False
+
+    def _note_unadmitted(self, scheduled: dict[str, int]) -> None:
+        """Unmet device demand the connector can see, fed to the policy's next decision
+        (``note_device_demand``, in page bundles covering every KV cache group): the last
+        waiting request offered this step that vLLM did not admit."""
+        offered = self._offered
+        if offered is None:
+            return
+        self._offered = None
+        rid, pages = offered
+        if rid not in scheduled and rid not in self._requests:
+            self._require_policy().note_device_demand(self._bundles_for_pages(pages))
+
+    def _bundles_for_pages(self, pages: int) -> int:
+        """Policy blocks (page bundles of the sparse groups) that free the vLLM blocks
+        ``pages`` pages need in every KV cache group."""
+        return _cdiv(pages * self._num_kv_groups, len(self.sparse_group_ids))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Admitted: remember the request and reserve host blocks for its whole length."""
@@ -213,81 +262,115 @@ class HiSparseConnectorScheduler:
 
     # ==================================================================== the step
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
-        """Feed the step to the policy; return its command (``scheduler_output`` untouched)."""
+        """Feed the step to the policy; return its command (``scheduler_output`` untouched).
+
+        Per step: the state rows of the scheduled requests (cached while the scheduled set
+        is unchanged), one vectorised ``schedule_rows`` call in which each request that
+        crosses into new pages adopts vLLM's blocks through ``_adopt_pages``, and the
+        policy's command. Prefilling requests are re-checked first (R1, O(prefilling)).
+        """
         policy = self._require_policy()
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        self._note_unadmitted(scheduled)
+        if self._prefilling:
+            self._update_prefilling(scheduled)
         new_rows: dict[str, int] = {}
         if scheduled:
-            row_of = self._row_of
-            rows = np.fromiter((row_of.get(rid, -1) for rid in scheduled), dtype=np.int64, count=len(scheduled))
-            counts = np.fromiter(scheduled.values(), dtype=np.int64, count=len(scheduled))
-            t = policy.tables
-            known = rows >= 0
-            grows = np.zeros(rows.shape[0], dtype=bool)
-            if known.any():
-                kr = rows[known]
-                grows[known] = _cdiv(t.num_tokens[kr] + counts[known], self.block_size) > t.num_pages[kr]
-            slow = np.nonzero(~known | grows)[0]
-            if slow.shape[0]:
-                ids = list(scheduled)
-                for i in slow.tolist():
-                    rid = ids[i]
-                    if rows[i] < 0:
-                        new_rows[rid] = self._add_request(rid)
-                        num_new = self._requests[rid].num_computed_tokens + int(counts[i])
-                    else:
-                        num_new = int(counts[i])
-                    self._schedule_growing(rid, num_new)
-            fast = known & ~grows
-            if fast.any():
-                outcome = policy.schedule_rows(rows[fast], counts[fast])
-                if outcome.any():  # pragma: no cover - rows in the fast path never allocate
-                    raise RuntimeError(f"{CONNECTOR_NAME}: policy refused rows {rows[fast][outcome != 0][:8]}")
+            n = len(scheduled)
+            keys = tuple(scheduled)
+            counts = np.fromiter(scheduled.values(), dtype=np.int64, count=n)
+            if keys == self._cached_keys:
+                # Same requests as the previous step, in the same order: same rows.
+                rows = self._cached_rows
+            else:
+                row_of = self._row_of
+                rows = np.fromiter((row_of.get(rid, -1) for rid in keys), dtype=np.int64, count=n)
+                for i in (rows < 0).nonzero()[0].tolist():
+                    rid = keys[i]
+                    rows[i] = new_rows[rid] = self._add_request(rid)
+                    # A device prefix-cache hit: vLLM's computed tokens are new to the policy.
+                    counts[i] += self._requests[rid].num_computed_tokens
+                self._cached_keys, self._cached_rows = keys, rows
+            # One vectorised call; requests crossing into new pages adopt vLLM's blocks.
+            outcome = policy.schedule_rows(rows, counts, self._adopt_pages)
+            if np.count_nonzero(outcome):
+                # Admission reserved host blocks for every request and R1 keeps prefilling
+                # requests FULL, so this is an accounting error, not back-pressure; refuse
+                # loudly rather than lose KV.
+                refused = outcome.nonzero()[0][:8].tolist()
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: residency policy refused requests "
+                    f"{[keys[i] for i in refused]} (outcomes "
+                    f"{[Outcome(int(outcome[i])).name for i in refused]}; host pool: "
+                    f"{self.host_pool.num_allocatable_blocks} allocatable, "
+                    f"{self._host_outstanding} reserved; a prefilling request must be fully "
+                    "resident, requirement R1 in docs/core.md)")
         command = policy.build_step()
         self._apply_command(command)
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command)
         )
 
+    # ------------------------------------------------------------------ R1: prefilling
+    def _is_prefilling(self, request: Any) -> bool:
+        """True while the request has prompt tokens to compute, or more than
+        ``max_decode_query_len`` known tokens left (a recompute after vLLM's preemption):
+        any step of it may schedule prefill tokens, which read the whole context (R1)."""
+        computed = request.num_computed_tokens
+        return computed < request.num_prompt_tokens or computed + self.max_decode_query_len < request.num_tokens
+
+    def _update_prefilling(self, scheduled: dict[str, int]) -> None:
+        """Tell the policy which prefilling requests completed their prompt (before this
+        step's schedule, so the admission-window demotion fires at the first decode step),
+        and report the pages the others' next chunks will need as device demand."""
+        policy = self._require_policy()
+        done = []
+        left = 0
+        for rid in self._prefilling:
+            request = self._requests[rid]
+            if not self._is_prefilling(request):
+                done.append(rid)
+                continue
+            left += max(request.num_tokens - request.num_computed_tokens - scheduled.get(rid, 0), 0)
+        for rid in done:
+            self._prefilling.discard(rid)
+            policy.set_prefilling(rid, False)
+        if left:
+            pages = _cdiv(min(left, self._max_chunk_tokens), self.block_size) + 1
+            policy.note_device_demand(self._bundles_for_pages(pages))
+
     def _add_request(self, rid: str) -> int:
         request = self._requests.get(rid)
         if request is None:
             raise RuntimeError(f"{CONNECTOR_NAME}: request {rid!r} scheduled without update_state_after_alloc")
-        result = self._require_policy().add_request(rid)
+        prefilling = self._is_prefilling(request)
+        result = self._require_policy().add_request(rid, prefilling=prefilling)
+        if prefilling:
+            self._prefilling.add(rid)
         self._row_of[rid] = result.row
         self._rid_of_row[result.row] = rid
+        self._cached_keys = None
         return result.row
 
-    def _schedule_growing(self, rid: str, num_new_tokens: int) -> None:
-        """Schedule a request that crosses into new pages, adopting vLLM's blocks for them."""
-        policy = self._require_policy()
-        t = policy.tables
-        row = self._row_of[rid]
-        old_pages = int(t.num_pages[row])
-        new_pages = _cdiv(int(t.num_tokens[row]) + num_new_tokens, self.block_size)
+    def _adopt_pages(self, row: int, first_page: int, num_pages: int) -> list[int]:
+        """``schedule_rows`` callback: a request crosses into ``num_pages`` new pages from
+        ``first_page``; adopt vLLM's blocks for them (one bundle per page) and count the
+        host blocks the policy is about to take against the request's reservation."""
+        rid = self._rid_of_row[row]
         tables = [m.req_to_blocks[rid] for m in self._managers]
-        if len(tables[0]) < new_pages:
+        end = first_page + num_pages
+        if len(tables[0]) < end:
             raise RuntimeError(
-                f"{CONNECTOR_NAME}: request {rid!r} scheduled to {new_pages} pages but vLLM "
+                f"{CONNECTOR_NAME}: request {rid!r} scheduled to {end} pages but vLLM "
                 f"allocated {len(tables[0])} blocks in sparse group {self.sparse_group_ids[0]}"
             )
-        pool = self.device_pool
-        leads = [pool.adopt([table[p] for table in tables]) for p in range(old_pages, new_pages)]
-        outcome = policy.schedule(rid, num_new_tokens, device_block_ids=leads)
-        if outcome != Outcome.OK:
-            # Admission reserved host blocks for the whole request, so this is an
-            # accounting error, not back-pressure; refuse loudly rather than lose KV.
-            raise RuntimeError(
-                f"{CONNECTOR_NAME}: residency policy answered {Outcome(outcome).name} while "
-                f"scheduling {rid!r} into {new_pages - old_pages} new pages (host pool: "
-                f"{self.host_pool.num_allocatable_blocks} allocatable, "
-                f"{self._host_outstanding} reserved)"
-            )
-        grew = new_pages - old_pages
+        adopt = self.device_pool.adopt
+        leads = [adopt([table[p] for table in tables]) for p in range(first_page, end)]
         remaining = self._host_remaining.get(rid, 0)
-        used = min(grew, remaining)
+        used = min(num_pages, remaining)
         self._host_remaining[rid] = remaining - used
         self._host_outstanding -= used
+        return leads
 
     def _apply_command(self, command: StepCommand) -> None:
         """Mirror the command's page losses/restores into vLLM's block tables; track
@@ -328,6 +411,10 @@ class HiSparseConnectorScheduler:
         pool = self.device_pool
         if pool.num_groups == 1:
             return {}
+        if not command.page_device_blocks and not command.hot_leases and len(command.transfers) <= 1:
+            # Typical decode step: no page update, no lease, only the mirror (no blocks).
+            if not command.transfers or not command.transfers[0].device_blocks:
+                return {}
         leads = {b for b in command.page_device_blocks if b >= 0}
         for lease in command.hot_leases:
             leads.update(lease.block_ids)
@@ -370,6 +457,8 @@ class HiSparseConnectorScheduler:
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        self._cached_keys = None
+        self._prefilling.discard(rid)
         self._requests.pop(rid, None)
         self._finishing.discard(rid)
         self._non_full.discard(rid)
@@ -426,39 +515,41 @@ class HiSparseConnectorScheduler:
     def has_pending_block_frees(self) -> bool:
         """True when acks already in flight will release device blocks.
 
-        Pages of Mixed/None requests whose host copy is being completed (a mirror or
-        spill in flight) are released as soon as the ack arrives. Only then is waiting
-        better than preempting; otherwise vLLM must preempt (waiting could stall).
-        Called only when an allocation failed, so the numpy scan is off the hot path.
+        vLLM calls this only when an allocation for a running request failed, so it is
+        also unmet demand: one page in every group is noted for the policy's next
+        decision (``note_device_demand``). Pages whose host copy is being completed
+        (a mirror or spill in flight) are released as soon as the ack arrives, and
+        transfers of ended requests return their leases: only then is waiting better
+        than preempting (``num_device_blocks_pending_release() > 0``); otherwise vLLM
+        must preempt (waiting could stall).
         """
         policy = self.policy
-        if policy is None or not self._non_full or policy.num_open_transfers == 0:
+        if policy is None:
             return False
-        t = policy.tables
-        for rid in self._non_full:
-            row = self._row_of.get(rid)
-            if row is None:
-                continue
-            limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
-            sealed = int(t.num_tokens[row]) // self.block_size
-            limit = min(limit, sealed)
-            if limit <= 0:
-                continue
-            inflight = (t.mirror_inflight[row, :limit] > 0) | (t.pending[row, :limit] >= 0)
-            if np.any(t.pinned[row, :limit] & ~t.host_valid[row, :limit] & inflight):
-                self._stats.add("num_preemptions_avoided", 1)
-                return True
-        return False
+        policy.note_device_demand(self._bundles_for_pages(1))
+        if policy.num_open_transfers == 0 or policy.num_device_blocks_pending_release() <= 0:
+            return False
+        self._stats.add("num_preemptions_avoided", 1)
+        return True
 
     def has_pending_push_work(self) -> bool:
         """Keep the engine stepping while transfers wait for their acks."""
         return self.policy is not None and self.policy.num_open_transfers > 0
 
     def get_kv_connector_stats(self) -> HiSparseConnectorStats | None:
-        """Counters since the previous call plus current gauges; None when nothing to say."""
+        """Counters since the previous report plus current gauges; None when nothing to say.
+
+        vLLM asks every step, and a mirror is always open, so reports are throttled: at
+        most one every ``_STATS_EVERY_STEPS`` calls (counters are deltas, so nothing is
+        lost, only delayed; gauges are levels).
+        """
         policy = self.policy
         if policy is None:
             return None
+        self._stats_calls += 1
+        if self._stats_calls < _STATS_EVERY_STEPS:
+            return None
+        self._stats_calls = 0
         stats = self._stats
         for field_name, key in _POLICY_COUNTERS.items():
             value = getattr(policy.stats, field_name)

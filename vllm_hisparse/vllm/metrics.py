@@ -132,7 +132,7 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm.v1.metrics.utils import create_metric_per_engine
+        from vllm_hisparse.vllm.compat import create_metric_per_engine
 
         self._metrics: dict[str, tuple[str, dict[int, Any]]] = {}
         for key, (name, kind, doc) in PROMETHEUS_METRICS.items():
