@@ -44,7 +44,7 @@ STEPS_PER_RUN = 200
 NUM_RUNS = int(os.environ.get("HS_RUNS", 100))
 MIN_TOTAL_OPERATIONS = 10_000
 
-_operations = {"count": 0, "steps": 0, "completed": 0, "failed": 0, "demotions": 0, "promotions": 0, "reused": 0}
+_operations = {"prefill_toggles": 0, "count": 0, "steps": 0, "completed": 0, "failed": 0, "demotions": 0, "promotions": 0, "reused": 0}
 
 
 class ResidencyMachine(RuleBasedStateMachine):
@@ -75,6 +75,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.host_hog: list[int] = []
         self.imports: dict[str, bool] = {}  # request -> will the import succeed
         self.ops_since_drain = 0
+        self.prefilled: list[str] = []  # scheduled for prefill this step (R1 check)
 
     # -- helpers -------------------------------------------------------------------------
     def _ids(self, *statuses):
@@ -114,12 +115,23 @@ class ResidencyMachine(RuleBasedStateMachine):
             if n <= 0:
                 continue
             out = self.policy.schedule(rid, n)
-            assert out in (Outcome.OK, Outcome.WAIT_DEVICE, Outcome.WAIT_HOST)
+            assert out in (Outcome.OK, Outcome.WAIT_DEVICE, Outcome.WAIT_HOST,
+                           Outcome.WAIT_TRANSFER)
             if out == Outcome.OK:
                 ranges.append((row, start, start + n))
+                if self.policy.is_prefilling(rid):
+                    self.prefilled.append(rid)
             else:
                 assert int(self.policy.tables.num_tokens[row]) == start  # nothing changed
         cmd = self.policy.build_step()
+        # R1: a request scheduled for prefill has every page that holds data on the device
+        # (pinned or still readable) once this step's command is applied.
+        for rid in self.prefilled:
+            if self.policy.has_request(rid):
+                pt = self.policy.page_table(rid)
+                written = (pt.host_blocks >= 0) | (pt.device_blocks >= 0)
+                assert np.all(pt.device_blocks[written] >= 0), (rid, pt)
+        self.prefilled = []
         fail_ids = frozenset(t.transfer_id for t in cmd.transfers if rng.random() < 0.08)
         if not self.policy.config.eager_host_mirror:
             self.worker.forward_rows(ranges)
@@ -163,6 +175,19 @@ class ResidencyMachine(RuleBasedStateMachine):
         else:
             self.policy.abort(rid, publish=(how == "abort"))
         self.imports.pop(rid, None)
+
+    @rule(pick=st.integers(0, 100), prefilling=st.booleans())
+    def set_prefilling(self, pick, prefilling):
+        """The engine says a request (re)starts or ends a prefill (requirement R1)."""
+        self._count()
+        live = self._ids(RequestStatus.ACTIVE, RequestStatus.ACTIVATING)
+        if not live:
+            return
+        rid = live[pick % len(live)]
+        out = self.policy.set_prefilling(rid, prefilling)
+        assert out in (Outcome.OK, Outcome.WAIT_DEVICE, Outcome.WAIT_TRANSFER)
+        _operations["prefill_toggles"] += 1
+        self.synced = False
 
     @rule(pick=st.integers(0, 100))
     def preempt(self, pick):
@@ -318,4 +343,5 @@ def test_residency_state_machine():
     assert done["completed"] > 0 and done["failed"] > 0, done
     assert done["demotions"] > 0 and done["promotions"] > 0, done
     assert done["reused"] > 0, done
+    assert done["prefill_toggles"] > 0, done
     print("stateful operations:", done)
