@@ -12,7 +12,7 @@ outside the timed region. The pool is sized so that every request stays fully re
 in for the host-side work a real engine does between two scheduler steps (measured: it
 slows both runs alike; see docs/vllm-integration.md, "Scheduler overhead").
 
-    /root/.venvs/hisparse/bin/python benchmarks/bench_scheduler_overhead.py --repeats 3
+    python benchmarks/bench_scheduler_overhead.py --repeats 3
 """
 
 from __future__ import annotations
