@@ -51,27 +51,40 @@ struct ResolveParams {
   int num_pages;               // P
   int num_slots;               // D
   int block_size;              // bs
-  int hash_capacity;           // entries of the shared-memory hash (kernel limit)
+  int hash_capacity;           // entries of the shared-memory hash table (physical size)
+  int union_capacity;          // distinct positions one request may insert (the
+                               // kErrUnionCapacity bound, <= hash_capacity)
   int victim_capacity;         // entries of the shared-memory victim list
   int hot_blocks_in_smem;      // D / bs when the hot_blocks row is staged in shared memory
-  int position_bitmap_words;   // words of the shared-memory bitmap of host-backed positions
-                               // (ceil(P * bs / 32)), 0 = none; set by launch_resolve
+  int stage_pages;             // P when the request's residency and host_blocks rows are
+                               // staged in shared memory, else 0; set by launch_resolve
+  int position_bitmap_words;   // (variant 1 only) words of the position bitmap, 0 = none
+  int debug_stop;              // benchmarks: 0 = run; s > 0 = every CTA returns at stop s
+                               // (1 = at entry: the launch floor; see docs/kernels.md)
 };
 
 struct ResolveLaunchInfo {
   int threads;           // threads per CTA
   int slots_per_thread;  // D handled per thread in the LRU pass
   size_t smem_bytes;     // dynamic shared memory per CTA
-  int hash_capacity;
+  int hash_capacity;     // physical hash entries (up to 4 per selection of the bound)
+  int union_capacity;    // kErrUnionCapacity bound: 1.5 entries per selection of the bound
   int victim_capacity;
   int hot_blocks_in_smem;
+  int stage_pages;       // P when residency / host_blocks rows are staged (num_pages given)
 };
 
 // Shared-memory plan for a launch. `max_tokens_per_request` bounds the union that one CTA's
 // hash must hold (the kernel reports kErrUnionCapacity if a request exceeds it).
 // threads: 0 = default (1024), 512 = 512 threads per CTA when D <= 8192.
+// num_pages: P, to decide whether the request's page rows are staged (0 = unknown: not).
 ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int block_size,
-                                      int max_tokens_per_request, int threads = 0);
+                                      int max_tokens_per_request, int threads = 0,
+                                      int num_pages = 0);
+
+// Benchmarks only: variant 0 = the kernel (default), 1 = the previous kernel (kept for
+// same-session comparisons); stop > 0 makes every CTA return at that stop (docs/kernels.md).
+void set_resolve_debug(int variant, int stop);
 
 // Launches one CTA per token (non-leading tokens of a request exit at once). Returns a CUDA
 // error code (cudaSuccess on success); never synchronizes.

@@ -71,16 +71,19 @@ void resolve_py(uint64_t topk, uint64_t token_rows, uint64_t residency, uint64_t
 }
 
 py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
-                         int max_tokens_per_request, int threads) {
+                         int max_tokens_per_request, int threads, int num_pages) {
   const ResolveLaunchInfo info = resolve_launch_info(num_tokens, k, num_slots, block_size,
-                                                     max_tokens_per_request, threads);
+                                                     max_tokens_per_request, threads,
+                                                     num_pages);
   py::dict d;
   d["threads"] = info.threads;
   d["slots_per_thread"] = info.slots_per_thread;
   d["smem_bytes"] = info.smem_bytes;
   d["hash_capacity"] = info.hash_capacity;
+  d["union_capacity"] = info.union_capacity;
   d["victim_capacity"] = info.victim_capacity;
   d["hot_blocks_in_smem"] = info.hot_blocks_in_smem;
+  d["stage_pages"] = info.stage_pages;
   return d;
 }
 
@@ -168,7 +171,11 @@ void register_ops(py::module_& m) {
         py::arg("max_tokens_per_request"), py::arg("stream"), py::arg("debug_times") = 0, py::arg("threads") = 0);
   m.def("resolve_launch_info", &resolve_info_py, py::arg("num_tokens"), py::arg("k"),
         py::arg("num_slots"), py::arg("block_size"), py::arg("max_tokens_per_request"),
-        py::arg("threads") = 0);
+        py::arg("threads") = 0, py::arg("num_pages") = 0);
+  m.def("set_resolve_debug", &set_resolve_debug,
+        "Benchmarks only: kernel variant (0 = current, 1 = previous) and stop point (0 = none) "
+        "of later resolve launches.",
+        py::arg("variant") = 0, py::arg("stop") = 0);
   m.def("copy_rows", &copy_rows_py, "Launch a multi-layer row copy (plan, pairs or blocks).",
         py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("row_bytes"),
         py::arg("src_rows"), py::arg("dst_rows"), py::arg("a"), py::arg("b"), py::arg("count"),

@@ -1,22 +1,24 @@
 // resolve (DESIGN.md §4.1): one CTA per request maps its logical top-k positions to device
 // rows, updates the hot-slot LRU and writes the miss plan. See docs/kernels.md.
 //
-// Phases of the leading CTA of a request (the CTA of its first token; the CTAs of its other
-// tokens exit at once, the CTA of a padding token writes -1 / 0 and exits):
-//   0  run length + contiguity scan of token_rows; lru chunk -> registers; L2 prefetch of
-//      the request's table rows
-//   1  init the shared-memory hash (only the part this request needs)
-//   2  classify every reference: padding, resident (row written now), host-backed (insert
-//      position into the hash, first reference via atomicMin); errors become candidates
-//   -  no host-backed position: write counts and return (the LRU is never touched)
-//   3a hit marking in slot order: slot_pos -> hash lookup; warp ballots build a hit bitmask
-//   3b LRU order: count hits per thread, one CTA scan, victims = first M evictables;
-//      every check is done before the first write of hot state
-//   4  misses in first-reference order (CTA scan per round): take victims, write slot_pos
-//      and the compact miss plan
-//   5  out_rows of every host-backed reference, miss_count, stats
-// A request that fails a check writes out_rows = -1 and miss_count = 0 for its tokens and
-// leaves slot_pos, lru and stats untouched; the first error of the launch is recorded.
+// resolve_kernel (the kernel) of the leading CTA of a request (the CTA of its first token; the
+// CTAs of its other tokens exit at once, the CTA of a padding token writes -1 / 0 and exits):
+//   entry  two dependent global round trips: (1) selections (8 per thread in registers),
+//          token_rows around t; (2) slot_pos and the lru chunk into registers, the hot_blocks,
+//          residency and host_blocks rows into shared memory by cp.async; hash part cleared
+//   B1     classify every selection and insert host-backed positions (64-bit entries:
+//          position | first reference); the hash index stays in a register
+//   B2     errors / fully resident exit; hit marking in slot order (ballots -> hit bitmask)
+//   B3     hits get their rows; hits per LRU chunk and first-reference misses: one barrier for
+//          both scans
+//   B4     victims = first M evictables; miss ranks stored in the hash
+//   B5     misses' rows, slot_pos, miss plan; LRU rewrite from registers; counts, stats
+// Every check is done before the first write of hot state. A request that fails a check
+// writes out_rows = -1 and miss_count = 0 for its tokens and leaves slot_pos, lru and stats
+// untouched; the first error of the launch is recorded.
+//
+// resolve_kernel_v1 is the previous kernel, kept only so that benchmarks can measure both in
+// one session (set_resolve_debug(1, 0)); it is instantiated for D 4096 / 8192 at 1024 threads.
 #include <climits>
 #include <cstdint>
 
@@ -38,6 +40,9 @@ constexpr int kMaxHotBlocksSmem = 4096;  // hot_blocks row staged in shared memo
 constexpr long long kMaxBitmapPositions = 1 << 18;
 constexpr long long kSmemBudget = 227LL * 1024 - 1024;  // dynamic smem per CTA (Hopper opt-in)  // position bitmap (32 KiB) up to this
 constexpr int kHashSpread = 4;  // a request's hash part: up to 4 entries per reference (<= C)
+// Dynamic smem of the fast kernel: its static control block is ~2.3 KiB.
+constexpr long long kSmemBudget2 = 227LL * 1024 - 3 * 1024;
+constexpr int kMaxStagePages = 8192;  // residency + host_blocks rows staged up to this P
 
 // Error candidates of one CTA: atomicMin over (priority, key, detail) picks the error the
 // reference twin would raise first (its check order, then first-reference order).
@@ -206,7 +211,7 @@ __device__ __forceinline__ void report_candidate(const ResolveParams& p, const C
 }
 
 template <int SPT, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams p) {
+__global__ void __launch_bounds__(THREADS, 1) resolve_kernel_v1(const ResolveParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ Ctl s;
 
@@ -689,108 +694,987 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams
   mark_time(p, 8);
 }
 
+// =========================================================================================
+// resolve_kernel: two dependent global round trips, then shared memory and registers only.
+// =========================================================================================
+
+constexpr int kRefsInRegs = 8;   // selections per thread kept in registers (one "chunk")
+constexpr int kLookahead = 4;    // tokens after t read at entry to size the run without a scan
+constexpr unsigned long long kEmptyEntry = ~0ull;
+constexpr unsigned kResidentRef = 0x80000000u;  // in an entry's ref word (stats mode only)
+
+// Control block of the fast kernel. Per-warp partials instead of counters that need an
+// initialising barrier; the scan buffers are double-buffered across chunk rounds.
+struct Ctl2 {
+  int run[3][kMaxWarps];  // per warp: run end, first earlier token, last later token
+  int n_host;
+  int n_res;
+  int n_hit_slots;
+  int n_hit_pos;
+  int cap_flag;
+  int corrupt_flag;
+  int victim_flag;
+  unsigned long long err;   // classify errors (position, host block)
+  unsigned long long err2;  // hit / victim errors (duplicate slot, hot block)
+  int hits[kMaxWarps];                          // LRU hit counts per warp
+  int misses[2][kRefsInRegs][kMaxWarps];        // first-reference misses per (u, warp)
+};
+
+// Hash entry: position (high word) | first reference (low word, atomicMin). Inserting is one
+// CAS for a new key; a later reference of a present key lowers the first reference only when
+// it is earlier (64-bit min; a CAS loop in hardware, taken only by duplicates).
+__device__ __forceinline__ int tab_insert(unsigned long long* tab, int cap, unsigned key,
+                                          unsigned ref, bool& inserted) {
+  const unsigned long long mine = (static_cast<unsigned long long>(key) << 32) | ref;
+  int h = hash_index(static_cast<int>(key), cap);
+  for (int probes = 0; probes < cap; ++probes) {
+    // Every access of a table being filled is atomic (no plain read racing another
+    // thread's CAS): the CAS either claims the empty entry or returns its occupant.
+    const unsigned long long cur = atomicCAS(&tab[h], kEmptyEntry, mine);
+    if (cur == kEmptyEntry) {
+      inserted = true;
+      return h;
+    }
+    if (static_cast<unsigned>(cur >> 32) == key) {
+      inserted = false;
+      // The ref word only decreases, so a stale read is never lower than the current one.
+      if (static_cast<unsigned>(cur) > ref) atomicMin(&tab[h], mine);
+      return h;
+    }
+    if (++h == cap) h = 0;
+  }
+  inserted = false;
+  return -1;
+}
+
+// Index of `key` (its entry in `entry`), or -1. Only after the inserting phase's barrier.
+__device__ __forceinline__ int tab_find(const unsigned long long* tab, int cap, unsigned key,
+                                        unsigned long long& entry) {
+  int h = hash_index(static_cast<int>(key), cap);
+  for (int probes = 0; probes < cap; ++probes) {
+    const unsigned long long e = tab[h];
+    if (static_cast<unsigned>(e >> 32) == key) {
+      entry = e;
+      return h;
+    }
+    if (e == kEmptyEntry) return -1;
+    if (++h == cap) h = 0;
+  }
+  return -1;
+}
+
+__device__ __forceinline__ void submit_err(unsigned long long* err, unsigned prio, int key,
+                                           int detail) {
+  const unsigned long long v = (static_cast<unsigned long long>(prio) << 60) |
+                               (static_cast<unsigned long long>(key & 0x0FFFFFFF) << 32) |
+                               static_cast<unsigned>(detail);
+  atomicMin(err, v);
+}
+
+// Thread 0: turn the CTA's best error candidate into the launch's error record.
+__device__ __forceinline__ void report_err(const ResolveParams& p, unsigned long long v,
+                                           int row, long long base) {
+  if (threadIdx.x != 0) return;
+  const unsigned prio = static_cast<unsigned>(v >> 60);
+  const int key = static_cast<int>((v >> 32) & 0x0FFFFFFF);
+  const int detail = static_cast<int>(static_cast<unsigned>(v));
+  const int bs = p.block_size;
+  switch (prio) {
+    case kPrioPosition:
+      record_error(p.error, kErrPositionOutOfRange, row, detail, p.num_pages * bs);
+      break;
+    case kPrioNoHost:
+      record_error(p.error, kErrNoHostBlock, row, detail, detail / bs);
+      break;
+    case kPrioDuplicate:
+      record_error(p.error, kErrDuplicateSlot, row, __ldg(&p.topk[base + key]), detail);
+      break;
+    case kPrioHotBlock:
+      record_error(p.error, kErrHotBlockMissing, row, detail, __ldg(&p.topk[base + key]));
+      break;
+    default:
+      break;
+  }
+}
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// Copy n int32 from global to shared without registers (16-byte pieces when both sides allow).
+__device__ __forceinline__ void stage_row(int* dst, const int32_t* src, int n) {
+  if ((n & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0 &&
+      (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) cp_async16(dst + i, src + i);
+  } else {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) cp_async4(dst + i, src + i);
+  }
+}
+
+// Debug timing (benchmarks only): thread 0 of CTA 0 stamps %globaltimer (ns) at phase ends
+// 0..6, and clock64 at stamps 0 and 6 into [7] and [8] (the SM clock during the launch).
+__device__ __forceinline__ void mark_time2(const ResolveParams& p, int phase) {
+  if (p.debug_times != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    p.debug_times[phase] = t;
+    if (phase == 0) p.debug_times[7] = clock64();
+    if (phase == 6) p.debug_times[8] = clock64();
+  }
+}
+
+template <int SPT, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ Ctl2 s;
+  constexpr int nwarps = THREADS >> 5;
+  constexpr int CH = kRefsInRegs * THREADS;  // selections per chunk
+  // slot_pos values for hit marking are loaded at entry when they fit in registers
+  constexpr bool kEarlySlots = SPT <= 8;
+  constexpr int kSlotRegs = kEarlySlots ? SPT : 1;
+  const int t = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int K = p.k;
+  const int T = p.num_tokens;
+  const int D = p.num_slots;
+  const int bs = p.block_size;
+  const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
+  const long long base = static_cast<long long>(t) * K;
+  if (p.debug_stop == 1) return;
+
+  // ---- round trip 1: everything that does not depend on the state row -------------------
+  // This token's selections (chunk 0, registers), the state row, the previous token's row,
+  // the next kLookahead rows (run length without a scan) and the first slice of token_rows
+  // for the contiguity scan.
+  int ref[kRefsInRegs];  // selection, then (after classify) its hash index or -1
+  const int k_first = K < CH ? K : CH;
+#pragma unroll
+  for (int u = 0; u < kRefsInRegs; ++u) {
+    const int i = u * THREADS + tid;
+    ref[u] = i < k_first ? __ldg(&p.topk[base + i]) : -1;
+  }
+  const int row = __ldg(&p.token_rows[t]);
+  const int prev = t > 0 ? __ldg(&p.token_rows[t - 1]) : 0;
+  int ahead[kLookahead];
+#pragma unroll
+  for (int j = 0; j < kLookahead; ++j)
+    ahead[j] = t + 1 + j < T ? __ldg(&p.token_rows[t + 1 + j]) : INT_MIN;
+  int scan_v = tid < T ? __ldg(&p.token_rows[tid]) : 0;
+
+  if (row == -1) {  // padding token
+    for (int i = tid; i < K; i += THREADS) p.out_rows[base + i] = -1;
+    if (tid == 0) p.miss_count[t] = 0;
+    return;
+  }
+  if (t > 0 && prev == row) return;  // not the first token of its run
+
+  // ---- round trip 2: the request's rows -----------------------------------------------------
+  mark_time2(p, 0);
+  const bool row_ok = row >= 0 && row < p.num_rows;
+  const long long row_p = static_cast<long long>(row) * p.num_pages;
+  const long long row_d = static_cast<long long>(row) * D;
+  const long long row_hb = bs > 0 ? static_cast<long long>(row) * (D / bs) : 0;
+  int ntok_ahead = 1;  // run length, exact when <= kLookahead
+#pragma unroll
+  for (int j = 0; j < kLookahead; ++j)
+    if (ntok_ahead == j + 1 && t + 1 + j < T && ahead[j] == row) ntok_ahead = j + 2;
+  const bool big = ntok_ahead > kLookahead;  // 5+ tokens: the scan gives the length
+  const long long n_ahead_l = static_cast<long long>(ntok_ahead) * K;
+  const int n_pre = static_cast<int>(n_ahead_l < CH ? n_ahead_l : CH);  // chunk-0 refs known
+
+  unsigned long long* tab = reinterpret_cast<unsigned long long*>(smem_raw);
+  const int cap_phys = p.hash_capacity;
+  int* slot_of = reinterpret_cast<int*>(tab + cap_phys);
+  uint16_t* victims = reinterpret_cast<uint16_t*>(slot_of + cap_phys);
+  uint32_t* hitmask = reinterpret_cast<uint32_t*>(
+      smem_raw + ((static_cast<size_t>(cap_phys) * 12 +
+                   static_cast<size_t>(p.victim_capacity) * 2 + 15) & ~static_cast<size_t>(15)));
+  const int hitmask_words = (D + 31) >> 5;
+  int* hotb = reinterpret_cast<int*>(hitmask + ((hitmask_words + 3) & ~3));
+  const int n_hotb = p.hot_blocks_in_smem;
+  int* sres = hotb + ((n_hotb + 3) & ~3);
+  const int n_stage = p.stage_pages;
+  int* shb = sres + ((n_stage + 3) & ~3);
+
+  uint32_t lru_w[(SPT + 1) / 2];
+  int qv[kSlotRegs];
+  const int j0 = tid * SPT;
+  if (row_ok) {
+    if constexpr (kEarlySlots) {
+#pragma unroll
+      for (int k = 0; k < SPT; ++k) {
+        const int slot = (k * nwarps + warp) * 32 + lane;
+        qv[k] = slot < D ? p.slot_pos[row_d + slot] : -1;
+      }
+    }
+    const int16_t* lrow = p.lru + row_d;
+    bool vec = (D % SPT) == 0;
+    if constexpr (SPT >= 8) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 15) == 0;
+    else if constexpr (SPT == 4) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 7) == 0;
+    else if constexpr (SPT == 2) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 3) == 0;
+    if (vec && SPT >= 2) {
+      if constexpr (SPT >= 8) {
+#pragma unroll
+        for (int q = 0; q < SPT / 8; ++q) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (j0 + q * 8 < D) v = *reinterpret_cast<const uint4*>(lrow + j0 + q * 8);
+          lru_w[q * 4 + 0] = v.x;
+          lru_w[q * 4 + 1] = v.y;
+          lru_w[q * 4 + 2] = v.z;
+          lru_w[q * 4 + 3] = v.w;
+        }
+      } else if constexpr (SPT == 4) {
+        uint2 v = make_uint2(0, 0);
+        if (j0 < D) v = *reinterpret_cast<const uint2*>(lrow + j0);
+        lru_w[0] = v.x;
+        lru_w[1] = v.y;
+      } else if constexpr (SPT == 2) {
+        lru_w[0] = j0 < D ? *reinterpret_cast<const uint32_t*>(lrow + j0) : 0u;
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < SPT; k += 2) {
+        const uint32_t lo = j0 + k < D ? static_cast<uint16_t>(lrow[j0 + k]) : 0u;
+        const uint32_t hi =
+            (k + 1 < SPT && j0 + k + 1 < D) ? static_cast<uint16_t>(lrow[j0 + k + 1]) : 0u;
+        lru_w[k / 2] = lo | (hi << 16);
+      }
+    }
+    // Selections of the run's next tokens that fall into chunk 0.
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      const int i = u * THREADS + tid;
+      if (i >= k_first && i < n_pre) ref[u] = __ldg(&p.topk[base + i]);
+    }
+    // Rows staged in shared memory by cp.async (no registers, one wait before the barrier).
+    if (n_hotb) stage_row(hotb, p.hot_blocks + row_hb, n_hotb);
+    if (n_stage) {
+      stage_row(sres, p.residency + row_p, n_stage);
+      stage_row(shb, p.host_blocks + row_p, n_stage);
+    } else {
+      prefetch_l2(p.residency + row_p, static_cast<long long>(p.num_pages) * 4);
+      prefetch_l2(p.host_blocks + row_p, static_cast<long long>(p.num_pages) * 4);
+    }
+  }
+  // Hash part of this request (while the loads are in flight): up to kHashSpread entries per
+  // selection, never more than the table. A 5+-token request takes the whole table.
+  int cap;
+  {
+    long long c = big ? static_cast<long long>(cap_phys) : kHashSpread * n_ahead_l;
+    if (c > cap_phys) c = cap_phys;
+    cap = static_cast<int>((c + 31) & ~31LL);
+    if (cap < 32) cap = 32;
+    if (cap > cap_phys) cap = cap_phys;
+  }
+  for (int i = tid * 2; i < cap; i += THREADS * 2)
+    *reinterpret_cast<ulonglong2*>(tab + i) = make_ulonglong2(kEmptyEntry, kEmptyEntry);
+  for (int i = tid * 4; i < cap; i += THREADS * 4)
+    *reinterpret_cast<int4*>(slot_of + i) = make_int4(-1, -1, -1, -1);
+  if (tid == 0) {
+    s.n_host = 0;
+    s.n_res = 0;
+    s.n_hit_slots = 0;
+    s.n_hit_pos = 0;
+    s.cap_flag = 0;
+    s.corrupt_flag = 0;
+    s.victim_flag = 0;
+    s.err = kNoError;
+    s.err2 = kNoError;
+  }
+  // Contiguity scan of token_rows (per-warp partials; reduced after the barrier).
+  {
+    int run_end = INT_MAX, first_other = INT_MAX, last_same = -1;
+    for (int i = tid; i < T; i += THREADS) {
+      const int v = i == tid ? scan_v : __ldg(&p.token_rows[i]);
+      if (i > t && v != row) run_end = min(run_end, i);
+      if (v == row && i < t) first_other = min(first_other, i);
+      if (v == row && i > t) last_same = max(last_same, i);
+    }
+    run_end = __reduce_min_sync(0xffffffffu, run_end);
+    first_other = __reduce_min_sync(0xffffffffu, first_other);
+    last_same = __reduce_max_sync(0xffffffffu, last_same);
+    if (lane == 0) {
+      s.run[0][warp] = run_end;
+      s.run[1][warp] = first_other;
+      s.run[2][warp] = last_same;
+    }
+  }
+  cp_async_wait_all();
+  mark_time2(p, 1);
+  __syncthreads();  // ---- B1: staged rows, hash part, control block, run partials ---------
+
+  int run_end, first_other, last_same;
+  {
+    const bool w = lane < nwarps;
+    run_end = __reduce_min_sync(0xffffffffu, w ? s.run[0][lane] : INT_MAX);
+    first_other = __reduce_min_sync(0xffffffffu, w ? s.run[1][lane] : INT_MAX);
+    last_same = __reduce_max_sync(0xffffffffu, w ? s.run[2][lane] : -1);
+    if (run_end == INT_MAX) run_end = T;
+  }
+  const int ntok = run_end - t;
+  const int N = ntok * K;
+  if (!row_ok) {
+    fail_request(p, base, N, t, ntok);
+    if (tid == 0) record_error(p.error, kErrStateRowOutOfRange, -1, row, p.num_rows);
+    return;
+  }
+  if (first_other != INT_MAX || last_same >= run_end) {
+    fail_request(p, base, N, t, ntok);
+    if (tid == 0 && first_other != INT_MAX)
+      record_error(p.error, kErrNotContiguous, row, t, first_other);
+    return;
+  }
+  const int n0 = N < CH ? N : CH;  // selections of chunk 0
+  const int nchunks = (N + CH - 1) / CH;
+  if (n0 > n_pre) {  // only a 5+-token request with small K: the rest of chunk 0
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      const int i = u * THREADS + tid;
+      if (i >= n_pre && i < n0) ref[u] = __ldg(&p.topk[base + i]);
+    }
+  }
+  if (p.debug_stop == 2) return;
+
+  // ---- classify and insert ------------------------------------------------------------------
+  const long long npos = static_cast<long long>(p.num_pages) * bs;
+  const bool with_stats = p.stats != nullptr;
+  auto page_of = [&](int q) { return bs_shift >= 0 ? (q >> bs_shift) : q / bs; };
+  auto residency_of = [&](int page) {
+    return n_stage ? sres[page] : __ldg(&p.residency[row_p + page]);
+  };
+  auto host_block_of = [&](int page) {
+    return n_stage ? shb[page] : __ldg(&p.host_blocks[row_p + page]);
+  };
+  auto hot_block = [&](int slot) -> int {
+    const int b = bs_shift >= 0 ? (slot >> bs_shift) : slot / bs;
+    return n_hotb ? hotb[b] : __ldg(&p.hot_blocks[row_hb + b]);
+  };
+  auto slot_row = [&](int slot) -> int {
+    const int off = bs_shift >= 0 ? (slot & (bs - 1)) : slot % bs;
+    return static_cast<int>(static_cast<unsigned>(hot_block(slot)) * bs +
+                            static_cast<unsigned>(off));
+  };
+  int my_host = 0, my_res = 0;
+  // Page rows of a selection (host block read even for resident pages, so that without
+  // staging both gathers are in flight together).
+  auto lookup = [&](int q, int& rb, int& hb) {
+    rb = -1;
+    hb = -1;
+    if (q >= 0 && q < npos) {
+      const int page = page_of(q);
+      rb = residency_of(page);
+      hb = host_block_of(page);
+    }
+  };
+  // Classify selection i (value q, page rows rb / hb): writes padding / resident rows,
+  // inserts host-backed positions; returns the hash index of a host-backed selection, else -1.
+  auto classify = [&](int i, int q, int rb, int hb) -> int {
+    if (q == -1) {
+      p.out_rows[base + i] = -1;
+      return -1;
+    }
+    if (q < -1 || q >= npos) {
+      submit_err(&s.err, kPrioPosition, i, q);
+      return -1;
+    }
+    const int page = page_of(q);
+    const int off = q - page * bs;
+    if (rb >= 0) {
+      p.out_rows[base + i] = static_cast<int>(static_cast<unsigned>(rb) * bs + off);
+      if (with_stats) {
+        bool ins;
+        const int h = tab_insert(tab, cap, static_cast<unsigned>(q),
+                                 static_cast<unsigned>(i) | kResidentRef, ins);
+        if (h < 0) atomicExch(&s.cap_flag, 1);
+        my_res += ins;
+      }
+      return -1;
+    }
+    if (hb < 0) {
+      submit_err(&s.err, kPrioNoHost, i, q);
+      return -1;
+    }
+    bool ins;
+    const int h = tab_insert(tab, cap, static_cast<unsigned>(q), static_cast<unsigned>(i), ins);
+    if (h < 0) atomicExch(&s.cap_flag, 1);
+    my_host += ins;
+    return h;
+  };
+  const int nu0 = (n0 + THREADS - 1) / THREADS;  // register slots in use (uniform)
+  if (n_stage) {
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      if (u >= nu0) break;  // uniform: jump past the unused copies of the code
+      const int i = u * THREADS + tid;
+      int rb, hb;
+      lookup(ref[u], rb, hb);
+      ref[u] = i < n0 ? classify(i, ref[u], rb, hb) : -1;
+    }
+  } else {  // global gathers: a group's loads in flight before its first insert
+    constexpr int G = kRefsInRegs / 2;
+#pragma unroll
+    for (int g = 0; g < kRefsInRegs; g += G) {
+      int rb[G], hb[G];
+#pragma unroll
+      for (int u = 0; u < G; ++u)
+        lookup((g + u) * THREADS + tid < n0 ? ref[g + u] : -1, rb[u], hb[u]);
+#pragma unroll
+      for (int u = 0; u < G; ++u) {
+        const int i = (g + u) * THREADS + tid;
+        ref[g + u] = i < n0 ? classify(i, ref[g + u], rb[u], hb[u]) : -1;
+      }
+    }
+  }
+  for (int c = 1; c < nchunks; ++c) {  // selections past chunk 0 (5+ tokens): not kept
+    constexpr int G = kRefsInRegs / 2;
+#pragma unroll 1
+    for (int g = 0; g < kRefsInRegs; g += G) {
+      const int cb = c * CH + g * THREADS;
+      int qc[G], rb[G], hb[G];
+#pragma unroll
+      for (int u = 0; u < G; ++u) {
+        const int i = cb + u * THREADS + tid;
+        qc[u] = i < N ? __ldg(&p.topk[base + i]) : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < G; ++u) lookup(qc[u], rb[u], hb[u]);
+#pragma unroll
+      for (int u = 0; u < G; ++u) {
+        const int i = cb + u * THREADS + tid;
+        if (i < N) classify(i, qc[u], rb[u], hb[u]);
+      }
+    }
+  }
+  my_host = __reduce_add_sync(0xffffffffu, my_host);
+  my_res = __reduce_add_sync(0xffffffffu, my_res);
+  if (lane == 0) {
+    if (my_host) atomicAdd(&s.n_host, my_host);
+    if (my_res) atomicAdd(&s.n_res, my_res);
+  }
+  mark_time2(p, 2);
+  __syncthreads();  // ---- B2: the hash is complete --------------------------------------------
+
+  {
+    const int n_host = s.n_host;
+    if (s.cap_flag || n_host + s.n_res > p.union_capacity) {
+      fail_request(p, base, N, t, ntok);
+      if (tid == 0) record_error(p.error, kErrUnionCapacity, row, N, p.union_capacity);
+      return;
+    }
+    if (s.err != kNoError) {
+      fail_request(p, base, N, t, ntok);
+      report_err(p, s.err, row, base);
+      return;
+    }
+    if (n_host > D) {
+      fail_request(p, base, N, t, ntok);
+      if (tid == 0) record_error(p.error, kErrHotOverflow, row, n_host, D);
+      return;
+    }
+    if (n_host == 0) {  // fully resident (or empty): the hot state is never touched
+      for (int j = tid; j < ntok; j += THREADS) p.miss_count[t + j] = 0;
+      if (tid == 0 && with_stats && s.n_res > 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.stats),
+                  static_cast<unsigned long long>(s.n_res));
+      return;
+    }
+  }
+  if (p.debug_stop == 3) return;
+
+  // ---- hit marking in slot order -----------------------------------------------------------
+  {
+    int warp_hit_slots = 0, warp_hit_pos = 0;
+    auto mark = [&](int sb, int q) {
+      const int slot = sb + lane;
+      bool hit = false, first = false;
+      if (q >= 0) {
+        unsigned long long e;
+        const int h = tab_find(tab, cap, static_cast<unsigned>(q), e);
+        if (h >= 0 && !(static_cast<unsigned>(e) & kResidentRef)) {
+          const int v = static_cast<int>(static_cast<unsigned>(e));
+          hit = true;
+          const int old = atomicCAS(&slot_of[h], -1, slot);
+          if (old == -1) {
+            first = true;
+          } else {
+            submit_err(&s.err2, kPrioDuplicate, v, old);
+            submit_err(&s.err2, kPrioDuplicate, v, slot);
+          }
+          if (hot_block(slot) < 0) submit_err(&s.err2, kPrioHotBlock, v, slot);
+        }
+      }
+      const unsigned bits = __ballot_sync(0xffffffffu, hit);
+      const unsigned firsts = __ballot_sync(0xffffffffu, first);
+      if (lane == 0) hitmask[sb >> 5] = bits;
+      warp_hit_slots += __popc(bits);
+      warp_hit_pos += __popc(firsts);
+    };
+    if constexpr (kEarlySlots) {
+#pragma unroll
+      for (int k = 0; k < SPT; ++k) {
+        const int sb = (k * nwarps + warp) * 32;
+        if (sb < D) mark(sb, qv[k]);  // uniform per warp
+      }
+    } else {
+      constexpr int kBatch = 4;
+#pragma unroll
+      for (int k0 = 0; k0 < SPT; k0 += kBatch) {
+        int qb[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int slot = ((k0 + u) * nwarps + warp) * 32 + lane;
+          qb[u] = slot < D ? p.slot_pos[row_d + slot] : -1;
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int sb = ((k0 + u) * nwarps + warp) * 32;
+          if (sb < D) mark(sb, qb[u]);
+        }
+      }
+    }
+    if (lane == 0) {
+      if (warp_hit_slots) atomicAdd(&s.n_hit_slots, warp_hit_slots);
+      if (warp_hit_pos) atomicAdd(&s.n_hit_pos, warp_hit_pos);
+    }
+  }
+  mark_time2(p, 3);
+  __syncthreads();  // ---- B3: hitmask, slot_of of hits, counts --------------------------------
+  if (s.err2 != kNoError && static_cast<unsigned>(s.err2 >> 60) == kPrioDuplicate) {
+    fail_request(p, base, N, t, ntok);
+    report_err(p, s.err2, row, base);
+    return;
+  }
+  if (p.debug_stop == 4) return;
+
+  const int H = s.n_hit_slots;
+  const int E = D - H;
+  const int M = s.n_host - s.n_hit_pos;  // <= E: n_host <= D and no slot is duplicated
+  auto is_hit_slot = [&](int slot) { return (hitmask[slot >> 5] >> (slot & 31)) & 1u; };
+  auto lru_slot = [&](int k) {
+    return static_cast<int>((lru_w[k / 2] >> ((k & 1) * 16)) & 0xFFFFu);
+  };
+
+  // LRU order: hits per thread (its SPT consecutive LRU entries).
+  int my_hits = 0;
+  {
+    bool corrupt = false;
+#pragma unroll
+    for (int k = 0; k < SPT; ++k) {
+      if (j0 + k < D) {
+        const int slot = lru_slot(k);
+        if (slot >= D) corrupt = true;
+        else my_hits += is_hit_slot(slot);
+      }
+    }
+    if (corrupt) atomicExch(&s.corrupt_flag, 1);
+  }
+  // Selections: hits get their row now; first references of misses are flagged for the scan.
+  const unsigned lt_mask = (1u << lane) - 1u;
+  auto hit_or_flag = [&](int i, int h) -> bool {
+    const int so = slot_of[h];
+    if (so >= 0) {
+      p.out_rows[base + i] = slot_row(so);
+      return false;
+    }
+    return static_cast<int>(static_cast<unsigned>(tab[h])) == i;
+  };
+  unsigned flags = 0;
+#pragma unroll
+  for (int u = 0; u < kRefsInRegs; ++u) {
+    if (u >= nu0) break;
+    const int i = u * THREADS + tid;
+    if (ref[u] >= 0 && hit_or_flag(i, ref[u])) flags |= 1u << u;
+  }
+  // One barrier for two scans: hit ranks in LRU order, miss ranks in first-reference order.
+  int incl_h = my_hits;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, incl_h, d);
+    if (lane >= d) incl_h += n;
+  }
+  if (lane == 31) s.hits[warp] = incl_h;
+#pragma unroll
+  for (int u = 0; u < kRefsInRegs; ++u) {
+    if (u >= nu0) break;
+    const unsigned bal = __ballot_sync(0xffffffffu, (flags >> u) & 1u);
+    if (lane == 0) s.misses[0][u][warp] = __popc(bal);
+  }
+  mark_time2(p, 4);
+  __syncthreads();  // ---- B4: scan partials, corrupt flag ----------------------------------------
+  if (s.corrupt_flag) {
+    fail_request(p, base, N, t, ntok);
+    if (tid == 0) {
+      int bad = 0;
+      for (int j = 0; j < D; ++j) {
+        const int v = static_cast<uint16_t>(p.lru[row_d + j]);
+        if (v >= D) {
+          bad = static_cast<int16_t>(v);
+          break;
+        }
+      }
+      record_error(p.error, kErrCorruptLru, row, bad, D);
+    }
+    return;
+  }
+  // Warp-level second step of a scan over `nwarps` partials: (exclusive prefix of this
+  // thread's warp, total).
+  auto warp_prefix = [&](const int* parts, int& total) -> int {
+    const int wt = lane < nwarps ? parts[lane] : 0;
+    int incl = wt;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int n = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += n;
+    }
+    total = __shfl_sync(0xffffffffu, incl, 31);
+    return __shfl_sync(0xffffffffu, incl - wt, warp);
+  };
+  int total_hits;
+  const int hit_base = warp_prefix(s.hits, total_hits) + incl_h - my_hits;
+  const int first_j = j0 < D ? j0 : D;
+  const int ev_base = first_j - hit_base;
+  // Victims: the first M evictable slots in LRU order.
+  {
+    int e = ev_base;
+    bool no_block = false;
+#pragma unroll
+    for (int k = 0; k < SPT; ++k) {
+      if (j0 + k < D) {
+        const int slot = lru_slot(k);
+        if (!is_hit_slot(slot)) {
+          if (e < M) {
+            victims[e] = static_cast<uint16_t>(slot);
+            if (hot_block(slot) < 0) no_block = true;
+          }
+          ++e;
+        }
+      }
+    }
+    if (no_block) atomicExch(&s.victim_flag, 1);
+  }
+  // Miss ranks of chunk 0; slot_of of a missed position becomes -2 - rank.
+  int carry = 0;
+  auto rank_flags = [&](unsigned fl, int nu, int buf, auto&& on_rank) {
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      if (u >= nu) break;
+      int tot;
+      const int wex = warp_prefix(s.misses[buf][u], tot);
+      const unsigned bal = __ballot_sync(0xffffffffu, (fl >> u) & 1u);
+      if ((fl >> u) & 1u) on_rank(u, carry + wex + __popc(bal & lt_mask));
+      carry += tot;
+    }
+  };
+  rank_flags(flags, nu0, 0, [&](int u, int m) { slot_of[ref[u]] = -2 - m; });
+  // Chunks past 0 (5+ tokens): reload, look up, flag and rank with one barrier each.
+  for (int c = 1; c < nchunks; ++c) {
+    // The previous chunk's miss ranks (slot_of stores) before this chunk reads slot_of.
+    __syncthreads();
+    const int cb = c * CH;
+    const int nc = N - cb < CH ? N - cb : CH;
+    const int nu = (nc + THREADS - 1) / THREADS;
+    int hc[kRefsInRegs];
+    unsigned fl = 0;
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      const int i = cb + u * THREADS + tid;
+      hc[u] = -1;
+      if (i < N) {
+        const int q = __ldg(&p.topk[base + i]);
+        unsigned long long e;
+        const int h = q >= 0 ? tab_find(tab, cap, static_cast<unsigned>(q), e) : -1;
+        if (h >= 0 && !(static_cast<unsigned>(e) & kResidentRef)) {
+          hc[u] = h;
+          if (hit_or_flag(i, h)) fl |= 1u << u;
+        }
+      }
+    }
+    const int buf = c & 1;
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      if (u < nu) {
+        const unsigned bal = __ballot_sync(0xffffffffu, (fl >> u) & 1u);
+        if (lane == 0) s.misses[buf][u][warp] = __popc(bal);
+      }
+    }
+    __syncthreads();
+    rank_flags(fl, nu, buf, [&](int u, int m) { slot_of[hc[u]] = -2 - m; });
+  }
+  mark_time2(p, 5);
+  __syncthreads();  // ---- B5: victims, miss ranks -----------------------------------------------
+  if (p.debug_stop == 5) return;
+
+  // Walk the host-backed selections that missed: (selection, hash index) -> f(i, h, m).
+  auto for_misses = [&](auto&& f) {
+#pragma unroll
+    for (int u = 0; u < kRefsInRegs; ++u) {
+      if (u >= nu0) break;
+      const int h = ref[u];
+      if (h >= 0) {
+        const int so = slot_of[h];
+        if (so <= -2) f(u * THREADS + tid, h, -2 - so);
+      }
+    }
+    for (int c = 1; c < nchunks; ++c) {
+      const int cb = c * CH;
+#pragma unroll
+      for (int u = 0; u < kRefsInRegs; ++u) {
+        const int i = cb + u * THREADS + tid;
+        if (i < N) {
+          const int q = __ldg(&p.topk[base + i]);
+          unsigned long long e;
+          const int h = q >= 0 ? tab_find(tab, cap, static_cast<unsigned>(q), e) : -1;
+          if (h >= 0 && !(static_cast<unsigned>(e) & kResidentRef)) {
+            const int so = slot_of[h];
+            if (so <= -2) f(i, h, -2 - so);
+          }
+        }
+      }
+    }
+  };
+  if (s.victim_flag || s.err2 != kNoError) {
+    // A hit or a victim has no hot block: find the error the reference reports first
+    // (hits were submitted during hit marking), write nothing.
+    for_misses([&](int i, int h, int m) {
+      if (static_cast<int>(static_cast<unsigned>(tab[h])) == i) {
+        const int slot = victims[m];
+        if (hot_block(slot) < 0) submit_err(&s.err2, kPrioHotBlock, i, slot);
+      }
+    });
+    __syncthreads();
+    fail_request(p, base, N, t, ntok);
+    report_err(p, s.err2, row, base);
+    return;
+  }
+
+  // ---- writes: misses (rows, slot_pos, plan), LRU, counts, stats ----------------------------
+  for_misses([&](int i, int h, int m) {
+    const int slot = victims[m];
+    const int r = slot_row(slot);
+    p.out_rows[base + i] = r;
+    const unsigned long long e = tab[h];
+    if (static_cast<int>(static_cast<unsigned>(e)) == i) {
+      const int q = static_cast<int>(e >> 32);
+      const int page = page_of(q);
+      const int off = q - page * bs;
+      p.slot_pos[row_d + slot] = q;
+      p.miss_src[base + m] =
+          static_cast<int>(static_cast<unsigned>(host_block_of(page)) * bs + off);
+      p.miss_dst[base + m] = r;
+    }
+  });
+  {  // [evictable not taken] + [taken, miss order] + [hits, old order]
+    int hh = hit_base;
+    int e = ev_base;
+    int16_t* lrow = p.lru + row_d;
+#pragma unroll
+    for (int k = 0; k < SPT; ++k) {
+      if (j0 + k < D) {
+        const int slot = lru_slot(k);
+        int newpos;
+        if (is_hit_slot(slot)) {
+          newpos = E + hh++;
+        } else {
+          newpos = e < M ? E - M + e : e - M;
+          ++e;
+        }
+        lrow[newpos] = static_cast<int16_t>(slot);
+      }
+    }
+  }
+  for (int j = tid; j < ntok; j += THREADS) {
+    const long long c = static_cast<long long>(M) - static_cast<long long>(j) * K;
+    p.miss_count[t + j] = static_cast<int>(c < 0 ? 0 : (c > K ? K : c));
+  }
+  if (tid == 0 && with_stats) {
+    auto* st = reinterpret_cast<unsigned long long*>(p.stats);
+    if (s.n_res) atomicAdd(st + 0, static_cast<unsigned long long>(s.n_res));
+    if (s.n_hit_pos) atomicAdd(st + 1, static_cast<unsigned long long>(s.n_hit_pos));
+    if (M) atomicAdd(st + 2, static_cast<unsigned long long>(M));
+  }
+  mark_time2(p, 6);
+}
+
 int pow2_at_least(int x) {
   int v = 1;
   while (v < x) v <<= 1;
   return v;
 }
 
-template <int SPT, int THREADS>
-cudaError_t launch_spt(const ResolveParams& p, const ResolveLaunchInfo& info,
-                       cudaStream_t stream) {
-  if (info.threads != THREADS) return cudaErrorInvalidConfiguration;
-  if (info.smem_bytes > 48 * 1024) {
+// Benchmarks only (set_resolve_debug): kernel variant and stop point of the next launches.
+int g_debug_variant = 0;
+int g_debug_stop = 0;
+
+template <int SPT, int THREADS, int VARIANT>
+cudaError_t launch_spt(const ResolveParams& p, size_t smem_bytes, cudaStream_t stream) {
+  void (*kernel)(const ResolveParams);
+  if constexpr (VARIANT == 1) kernel = resolve_kernel_v1<SPT, THREADS>;
+  else kernel = resolve_kernel<SPT, THREADS>;
+  if (smem_bytes > 48 * 1024) {
     // The opt-in is per device and per function; raise it once to the largest size seen so
     // that steady-state (and graph-captured) launches make no extra runtime call.
     static int configured[kMaxDevices] = {0};
     int device = 0;
     cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    const int bytes = static_cast<int>(info.smem_bytes);
+    const int bytes = static_cast<int>(smem_bytes);
     if (device >= kMaxDevices || configured[device] < bytes) {
-      err = cudaFuncSetAttribute(resolve_kernel<SPT, THREADS>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
       if (err != cudaSuccess) return err;
       if (device < kMaxDevices) configured[device] = bytes;
     }
   }
-  resolve_kernel<SPT, THREADS><<<p.num_tokens, THREADS, info.smem_bytes, stream>>>(p);
+  kernel<<<p.num_tokens, THREADS, smem_bytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <int VARIANT = 0>
+cudaError_t launch_variant(const ResolveParams& p, int threads, int spt, size_t smem_bytes,
+                           cudaStream_t stream) {
+  if (threads == 1024) {
+    switch (spt) {
+      case 1: return launch_spt<1, 1024, VARIANT>(p, smem_bytes, stream);
+      case 2: return launch_spt<2, 1024, VARIANT>(p, smem_bytes, stream);
+      case 4: return launch_spt<4, 1024, VARIANT>(p, smem_bytes, stream);
+      case 8: return launch_spt<8, 1024, VARIANT>(p, smem_bytes, stream);
+      case 16: return launch_spt<16, 1024, VARIANT>(p, smem_bytes, stream);
+      case 32: return launch_spt<32, 1024, VARIANT>(p, smem_bytes, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (spt) {
+    case 1: return launch_spt<1, 512, VARIANT>(p, smem_bytes, stream);
+    case 2: return launch_spt<2, 512, VARIANT>(p, smem_bytes, stream);
+    case 4: return launch_spt<4, 512, VARIANT>(p, smem_bytes, stream);
+    case 8: return launch_spt<8, 512, VARIANT>(p, smem_bytes, stream);
+    case 16: return launch_spt<16, 512, VARIANT>(p, smem_bytes, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// Shared-memory plan of variant 1 (the previous kernel): hash of 12 B entries sized for the
+// union bound, victims, hit mask, hot blocks, then the position bitmap when it fits.
+cudaError_t launch_v1(const ResolveParams& params, int max_tokens_per_request, int threads,
+                      cudaStream_t stream) {
+  ResolveParams p = params;
+  const int D = p.num_slots;
+  const int nthreads = (D > 8192 || threads != 512) ? 1024 : 512;
+  int spt = (D + nthreads - 1) / nthreads;
+  spt = pow2_at_least(spt < 1 ? 1 : spt);
+  int tok = max_tokens_per_request < 1 ? 1 : max_tokens_per_request;
+  if (tok > p.num_tokens) tok = p.num_tokens;
+  const long long n = static_cast<long long>(tok) * p.k;
+  long long cap = (3 * n + 1) / 2;
+  cap = (cap + 31) & ~31LL;
+  if (cap < 32) cap = 32;
+  const int hot_blocks = p.block_size > 0 ? D / p.block_size : 0;
+  p.hot_blocks_in_smem = hot_blocks <= kMaxHotBlocksSmem ? hot_blocks : 0;
+  const long long hitmask_bytes =
+      ((D + 31) / 32) * 4LL + static_cast<long long>(p.hot_blocks_in_smem) * 4;
+  auto bytes_for = [&](long long c) {
+    const long long vc = c < D ? c : D;
+    return ((c * 12 + vc * 2 + 15) & ~15LL) + hitmask_bytes;
+  };
+  while (cap > 32 && bytes_for(cap) > kSmemBudget) cap -= 32;
+  p.hash_capacity = static_cast<int>(cap);
+  p.victim_capacity = static_cast<int>(cap < D ? cap : D);
+  size_t smem = static_cast<size_t>(bytes_for(cap));
+  p.position_bitmap_words = 0;
+  const long long npos = static_cast<long long>(p.num_pages) * p.block_size;
+  if (npos > 0 && npos <= kMaxBitmapPositions) {
+    const long long words = (npos + 31) / 32;
+    if (static_cast<long long>(smem) + words * 4 <= kSmemBudget) {
+      p.position_bitmap_words = static_cast<int>(words);
+      smem += static_cast<size_t>(words) * 4;
+    }
+  }
+  // Only the benchmarked shapes (D 4096 / 8192, 1024 threads) are instantiated.
+  if (nthreads != 1024) return cudaErrorInvalidConfiguration;
+  if (spt == 4) return launch_spt<4, 1024, 1>(p, smem, stream);
+  if (spt == 8) return launch_spt<8, 1024, 1>(p, smem, stream);
+  return cudaErrorInvalidConfiguration;
 }
 
 }  // namespace
 
+void set_resolve_debug(int variant, int stop) {
+  g_debug_variant = variant;
+  g_debug_stop = stop;
+}
+
 ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int block_size,
-                                      int max_tokens_per_request, int threads) {
+                                      int max_tokens_per_request, int threads, int num_pages) {
   ResolveLaunchInfo info{};
-  // 1024 threads measured 18-20 % faster than 512 at every batch (docs/kernels.md); 512 is
-  // kept selectable for D <= 8192.
+  // 1024 threads measured faster than 512 at every batch (docs/kernels.md); 512 is kept
+  // selectable for D <= 8192.
   info.threads = (num_slots > 8192 || threads != 512) ? 1024 : 512;
   int spt = (num_slots + info.threads - 1) / info.threads;
   spt = pow2_at_least(spt < 1 ? 1 : spt);
   info.slots_per_thread = spt;
   int tok = max_tokens_per_request < 1 ? 1 : max_tokens_per_request;
   if (num_tokens > 0 && tok > num_tokens) tok = num_tokens;
-  long long n = static_cast<long long>(tok) * k;
-  long long cap = (3 * n + 1) / 2;
-  cap = (cap + 31) & ~31LL;
-  if (cap < 32) cap = 32;
-  // Keep within the opt-in shared memory of Hopper (227 KiB) with the other arrays.
+  const long long n = static_cast<long long>(tok) * k;
+  auto round32 = [](long long c) { return c < 32 ? 32LL : (c + 31) & ~31LL; };
+  // The union bound: 1.5 entries per selection of max_tokens_per_request tokens.
+  long long bound = round32((3 * n + 1) / 2);
   const int hot_blocks = block_size > 0 ? num_slots / block_size : 0;
   info.hot_blocks_in_smem = hot_blocks <= kMaxHotBlocksSmem ? hot_blocks : 0;
-  const long long hitmask_bytes =
-      ((num_slots + 31) / 32) * 4LL + static_cast<long long>(info.hot_blocks_in_smem) * 4;
-  const long long budget = kSmemBudget;
-  auto bytes_for = [&](long long c) {
-    const long long vc = c < num_slots ? c : num_slots;
-    return ((c * 12 + vc * 2 + 15) & ~15LL) + hitmask_bytes;
+  auto words4 = [](long long w) { return (w + 3) & ~3LL; };
+  const long long fixed_bytes = words4((num_slots + 31) / 32) * 4 +
+                                words4(info.hot_blocks_in_smem) * 4;
+  auto bytes_for = [&](long long phys, long long bnd, long long stage) {
+    const long long vc = bnd < num_slots ? bnd : num_slots;
+    return ((phys * 12 + vc * 2 + 15) & ~15LL) + fixed_bytes + words4(stage) * 8;
   };
-  while (cap > 32 && bytes_for(cap) > budget) cap -= 32;
-  info.hash_capacity = static_cast<int>(cap);
-  info.victim_capacity = static_cast<int>(cap < num_slots ? cap : num_slots);
-  info.smem_bytes = static_cast<size_t>(bytes_for(cap));
+  const long long budget = kSmemBudget2;
+  // Priorities: the bound itself, then the staged page rows, then spare hash entries (up to
+  // kHashSpread per selection) that keep the probe chains short.
+  while (bound > 32 && bytes_for(bound, bound, 0) > budget) bound -= 32;
+  long long stage = 0;
+  if (num_pages > 0 && num_pages <= kMaxStagePages &&
+      bytes_for(bound, bound, num_pages) <= budget)
+    stage = num_pages;
+  long long phys = round32(kHashSpread * n);
+  if (phys < bound) phys = bound;
+  while (phys > bound && bytes_for(phys, bound, stage) > budget) phys -= 32;
+  info.hash_capacity = static_cast<int>(phys);
+  info.union_capacity = static_cast<int>(bound);
+  info.victim_capacity = static_cast<int>(bound < num_slots ? bound : num_slots);
+  info.stage_pages = static_cast<int>(stage);
+  info.smem_bytes = static_cast<size_t>(bytes_for(phys, bound, stage));
   return info;
 }
 
 cudaError_t launch_resolve(const ResolveParams& params, int max_tokens_per_request,
                            int threads, cudaStream_t stream) {
   if (params.num_tokens == 0) return cudaSuccess;
-  ResolveLaunchInfo info = resolve_launch_info(params.num_tokens, params.k, params.num_slots,
-                                               params.block_size, max_tokens_per_request,
-                                               threads);
+  if (g_debug_variant == 1) {
+    ResolveParams p = params;
+    p.debug_stop = 0;
+    return launch_v1(p, max_tokens_per_request, threads, stream);
+  }
+  const ResolveLaunchInfo info =
+      resolve_launch_info(params.num_tokens, params.k, params.num_slots, params.block_size,
+                          max_tokens_per_request, threads, params.num_pages);
   ResolveParams p = params;
   p.hash_capacity = info.hash_capacity;
+  p.union_capacity = info.union_capacity;
   p.victim_capacity = info.victim_capacity;
   p.hot_blocks_in_smem = info.hot_blocks_in_smem;
-  // Position bitmap (after the staged hot_blocks row) when P * bs is small enough and fits.
+  p.stage_pages = info.stage_pages;
   p.position_bitmap_words = 0;
-  const long long npos = static_cast<long long>(p.num_pages) * p.block_size;
-  if (npos > 0 && npos <= kMaxBitmapPositions) {
-    const long long words = (npos + 31) / 32;
-    if (static_cast<long long>(info.smem_bytes) + words * 4 <= kSmemBudget) {
-      p.position_bitmap_words = static_cast<int>(words);
-      info.smem_bytes += static_cast<size_t>(words) * 4;
-    }
-  }
-  if (info.threads == 1024) {
-    switch (info.slots_per_thread) {
-      case 1: return launch_spt<1, 1024>(p, info, stream);
-      case 2: return launch_spt<2, 1024>(p, info, stream);
-      case 4: return launch_spt<4, 1024>(p, info, stream);
-      case 8: return launch_spt<8, 1024>(p, info, stream);
-      case 16: return launch_spt<16, 1024>(p, info, stream);
-      case 32: return launch_spt<32, 1024>(p, info, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  switch (info.slots_per_thread) {
-    case 1: return launch_spt<1, 512>(p, info, stream);
-    case 2: return launch_spt<2, 512>(p, info, stream);
-    case 4: return launch_spt<4, 512>(p, info, stream);
-    case 8: return launch_spt<8, 512>(p, info, stream);
-    case 16: return launch_spt<16, 512>(p, info, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  p.debug_stop = g_debug_stop;
+  return launch_variant<0>(p, info.threads, info.slots_per_thread, info.smem_bytes, stream);
 }
 
 }  // namespace hisparse

@@ -59,13 +59,16 @@ if has worker; then
 fi
 
 if has capacity; then
-  # the default (position-major) host pool, then the layer-major one for comparison
-  timeout 240 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
+  # the default (position-major) host pool, then (CAPACITY_LAYER=1, the default) the
+  # layer-major one for comparison
+  timeout 300 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
     ${CAPACITY_ARGS:-} > "$OUT/capacity.log" 2>&1
   note "bench_decode_capacity rc=$?"
-  timeout 240 $PY benchmarks/bench_decode_capacity.py --layout layer ${CAPACITY_ARGS:-} \
-    > "$OUT/capacity_layer.log" 2>&1
-  note "bench_decode_capacity --layout layer rc=$?"
+  if [[ "${CAPACITY_LAYER:-1}" == 1 ]]; then
+    timeout 240 $PY benchmarks/bench_decode_capacity.py --layout layer ${CAPACITY_ARGS:-} \
+      > "$OUT/capacity_layer.log" 2>&1
+    note "bench_decode_capacity --layout layer rc=$?"
+  fi
 fi
 
 if has bench; then
@@ -91,7 +94,10 @@ if has bench; then
 fi
 if has capacity; then
   echo "---------------- decode capacity (position-major host pool) ----------------"
-  tail -n 6 "$OUT/capacity.log"
-  echo "---------------- decode capacity (layer-major host pool) ----------------"
-  tail -n 4 "$OUT/capacity_layer.log"
+  sed -n '/ layers x /,$p' "$OUT/capacity.log" | grep -q . \
+    && sed -n '/ layers x /,$p' "$OUT/capacity.log" || tail -n 30 "$OUT/capacity.log"
+  if [[ "${CAPACITY_LAYER:-1}" == 1 ]]; then
+    echo "---------------- decode capacity (layer-major host pool) ----------------"
+    sed -n '/ layers x /,$p' "$OUT/capacity_layer.log" | grep -v "^|---" | head -n 12
+  fi
 fi

@@ -32,10 +32,23 @@ def test_bench_decode_capacity_runs_on_cpu(tmp_path):
     r = run("bench_decode_capacity.py", "--contexts", "256", "2048", "--hbm-gib", "0.01",
             "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
             "--block-size", "16", "--steps", "2", "--warmup", "1",
-            "--weights-gib-per-layer", "0.001", "--json", str(out))
+            "--weights-gib-per-layer", "0.001", "--index-group-layers", "0", "1",
+            "--gather-modes", "single", "side", "side:1,99@0", "noio", "--json", str(out))
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())["results"]
-    assert [x["context"] for x in results] == [256, 2048]
+    assert [x["context"] for x in results] == [256, 2048, 256, 2048]
+    assert [x["index_group_layers"] for x in results] == [[2], [2], [1, 1], [1, 1]]
     # Same HBM: short requests stay fully resident, long ones fit more in hybrid mode.
     assert results[0]["hybrid_batch"] == results[0]["full_batch"]
     assert results[1]["hybrid_batch"] > results[1]["full_batch"]
+    modes = results[1]["modes"]
+    assert list(modes) == ["single", "side", "side:1,99@0", "noio"]
+    assert modes["single"]["chunks"] == [[2]] and modes["side"]["chunks"] == [[2]]
+    assert modes["side:1,99@0"]["chunks"] == [[1, 1]]
+    # Every mode replays the same selections from fresh hot regions: same misses.
+    assert len({m["miss_rate"] for m in modes.values()}) == 1
+
+
+def test_bench_decode_capacity_rejects_a_bad_gather_mode():
+    r = run("bench_decode_capacity.py", "--gather-modes", "side:0")
+    assert r.returncode == 2 and "expected side[:C1,C2,...][@N][~P]" in r.stderr

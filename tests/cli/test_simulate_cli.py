@@ -97,9 +97,9 @@ def _assert_loud_mismatch(capsys, argv):
 
 
 def test_skipped_miss_gather_fails_naming_request_step_and_layer(monkeypatch, tmp_path, capsys):
-    from vllm_hisparse.worker.hot_state import HotState
+    from vllm_hisparse.worker.hot_state import GroupGather
 
-    monkeypatch.setattr(HotState, "gather", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(GroupGather, "launch", lambda self, *args, **kwargs: None)
     out = tmp_path / "bad.json"
     err = _assert_loud_mismatch(capsys, TINY + ["--json", str(out)])
     assert "read row" in err and "[request residency MIXED]" in err
@@ -150,7 +150,8 @@ def test_prompts_longer_than_one_step_are_prefilled_in_chunks(capsys):
     (["--prompt-len", "x"], "invalid int value: 'x'"),
     (["--device-buffer-size", "100"], "device_buffer_size=100 is invalid"),
     (["--device-blocks", "10"], "--device-blocks=10 cannot hold one request"),
-    (["--host-pool-gib", "0.001"], "host_pool_gib=0.001 buys 6 host blocks"),
+    (["--host-pool-gib", "0.001"], "host_pool_gib=0.001 buys 5 host blocks"),
+    (["--shared-prefix-len", "-1"], "--shared-prefix-len=-1 is invalid"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
     with pytest.raises(SystemExit) as info:

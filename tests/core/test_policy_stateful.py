@@ -44,7 +44,7 @@ STEPS_PER_RUN = 200
 NUM_RUNS = int(os.environ.get("HS_RUNS", 100))
 MIN_TOTAL_OPERATIONS = 10_000
 
-_operations = {"prefill_toggles": 0, "count": 0, "steps": 0, "completed": 0, "failed": 0, "demotions": 0, "promotions": 0, "reused": 0}
+_operations = {"prefix_loads": 0, "prefill_toggles": 0, "count": 0, "steps": 0, "completed": 0, "failed": 0, "demotions": 0, "promotions": 0, "reused": 0}
 
 
 class ResidencyMachine(RuleBasedStateMachine):
@@ -76,6 +76,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.imports: dict[str, bool] = {}  # request -> will the import succeed
         self.ops_since_drain = 0
         self.prefilled: list[str] = []  # scheduled for prefill this step (R1 check)
+        self.prefix_loads: dict[int, str] = {}  # host-prefix load transfer -> request
 
     # -- helpers -------------------------------------------------------------------------
     def _ids(self, *statuses):
@@ -98,6 +99,38 @@ class ResidencyMachine(RuleBasedStateMachine):
         if result.num_host_hit_tokens:
             assert self.policy.status(rid) in (RequestStatus.ACTIVE, RequestStatus.ACTIVATING, RequestStatus.PARKED)
             self.synced = False
+
+    @precondition(lambda self: self.policy.num_requests < NUM_ROWS)
+    @rule(family=st.integers(0, 3), hashed=st.integers(1, 6), local=st.integers(0, 3))
+    def add_with_host_prefix(self, family, hashed, local):
+        """An engine that allocates its own blocks loads a published host prefix
+        (``adopt_host_prefix``); its own prefix cache already holds the first ``local``
+        pages. Identities of later pages are given as they are written."""
+        policy = self.policy
+        hits = policy.acquire_host_prefix(hashes_for(family, hashed))
+        if not hits or len(hits) > policy.device_pool.get_num_free_blocks():
+            policy.release_host_prefix(hits)
+            return
+        self._count()
+        rid = f"q{self.next_id}"
+        self.next_id += 1
+        self.families[rid] = family
+        result = policy.add_request(rid, prefilling=True)
+        self.worker.row_family[result.row] = family
+        blocks = policy.device_pool.get_new_blocks(len(hits))
+        # The engine's own prefix cache holds the first pages. Model it only when every
+        # command so far reached the worker: an undelivered hot lease of a block freed
+        # since would otherwise scribble over what we write here (in an engine, cached
+        # pages were written by earlier forwards, in stream order).
+        first = min(local, len(hits)) if self.synced else 0
+        for page in range(first):
+            self.worker.device_mem[blocks[page]] = self.worker.host_mem[hits[page]]
+        load = policy.adopt_host_prefix(rid, blocks, hits, first)
+        policy.set_block_hashes(rid, 0, hashes_for(family, MAX_PAGES))
+        if load >= 0:
+            self.prefix_loads[load] = rid
+        _operations["prefix_loads"] += 1
+        self.synced = False
 
     @rule(seed=st.integers(0, 2**32 - 1), max_new=st.sampled_from([1, 1, 1, 3, 9]))
     def step(self, seed, max_new):
@@ -136,6 +169,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         if not self.policy.config.eager_host_mirror:
             self.worker.forward_rows(ranges)
         self.worker.run(cmd, fail_ids)
+        # A failed host-prefix load was read by this forward: the engine fails the request.
+        for tid in fail_ids & set(self.prefix_loads):
+            rid = self.prefix_loads.pop(tid)
+            if self.policy.has_request(rid):
+                self.policy.abort(rid, publish=False)
         self.synced = True
 
     # Hypothesis picks rules uniformly; steps and acks are what grow state, so give them
@@ -272,6 +310,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         for rid in self.policy.request_ids():
             self.policy.abort(rid)
         self.imports.clear()
+        self.prefix_loads.clear()
         self.policy.apply_acks(self.worker.ack())
         self._release_hogs()
         self.worker.run(self.policy.build_step())
@@ -344,4 +383,5 @@ def test_residency_state_machine():
     assert done["demotions"] > 0 and done["promotions"] > 0, done
     assert done["reused"] > 0, done
     assert done["prefill_toggles"] > 0, done
+    assert done["prefix_loads"] > 0, done
     print("stateful operations:", done)

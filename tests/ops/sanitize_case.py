@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python tests/ops/sanitize_case.py
     compute-sanitizer --tool racecheck python tests/ops/sanitize_case.py
 
-Resolves a batch with spec-decode requests, hits, misses, duplicates, padding, a fully
+Resolves a batch with spec-decode requests (2 and 6 tokens of K = 2048), hits, misses, duplicates, padding, a fully
 resident request and stats, then runs gather_rows (pinned host -> device), copy_blocks (both
 directions), mirror_rows and a gather from row-strided (position-major) host layers, and checks every result against the reference twins. Also
 exercises the error path (one failing request). Exits non-zero on any mismatch.
@@ -42,6 +42,18 @@ def main() -> int:
         cuda_ops.check_errors(DEV)
         assert_same(ref.state(), gpu.state(), f"resolve step {step}")
         case = ref
+
+    # Spec-decode requests of 6 tokens of K = 2048: past one register chunk of selections
+    # per thread, the kernel's multi-chunk path (barriers between chunks).
+    long_case = cap_distinct(big_case(rng, num_requests=2, tokens_per_request=6, k=2048,
+                                      num_slots=8192, block_size=64, num_pages=512,
+                                      resident_fraction=0.3, hit_fraction=0.5, dup=0.1))
+    ref = long_case.clone()
+    gpu_long = long_case.clone(DEV)
+    reference.resolve(*ref.args())
+    cuda_ops.resolve(*gpu_long.args())
+    cuda_ops.check_errors(DEV)
+    assert_same(ref.state(), gpu_long.state(), "resolve, 6-token requests")
 
     # gather the last plan into device rows
     L, row_bytes = 2, 656

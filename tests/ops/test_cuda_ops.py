@@ -2,7 +2,8 @@
 
 resolve: >= 1,000 random cases plus adversarial ones (duplicates, padding, empty batch, all
 resident, all miss, D = 32,768 with an int16 lru, K = 2048, block 64, 4-token spec-decode
-requests, multi-step state evolution) and every error code; gather_rows / copy_blocks /
+requests, requests past the kernel's register chunk of 8 selections per thread, multi-step
+state evolution) and every error code (also first referenced past that chunk); gather_rows / copy_blocks /
 mirror_rows byte for byte with untouched destination rows checked; a CUDA-graph capture and
 replay of resolve + gather.
 """
@@ -359,6 +360,62 @@ def test_resolve_five_token_requests_fit():
                     block_size=64, num_pages=64, resident_fraction=0.2, hit_fraction=0.6,
                     dup=0.3)
     check_case(cap_distinct(case))
+
+
+def test_resolve_requests_past_one_register_chunk():
+    """The kernel keeps 8 selections per thread in registers (8,192 per request at 1,024
+    threads, 4,096 at 512); later ones are reloaded and looked up again. Requests of 4, 5
+    and 6 tokens of K = 2048 cross that boundary (5+ tokens also end the 4-token lookahead),
+    and 200 tokens of K = 64 load the rest of the first chunk after the run scan."""
+    rng = random.Random(41)
+    for tokens in (4, 5, 6):
+        case = big_case(rng, num_requests=3, tokens_per_request=tokens, k=2048,
+                        num_slots=8192, block_size=64, num_pages=512, resident_fraction=0.2,
+                        hit_fraction=0.5, dup=0.3, padding=0.01)
+        case = cap_distinct(case)
+        check_case(case, what=f"{tokens} tokens")
+        check_case(case, with_stats=False, what=f"{tokens} tokens, no stats")
+    case = big_case(rng, num_requests=2, tokens_per_request=200, k=64, num_slots=256,
+                    block_size=64, num_pages=4, resident_fraction=0.25, hit_fraction=0.5,
+                    dup=0.2)
+    check_case(cap_distinct(case), what="200 tokens of K = 64")
+
+
+def chunk_boundary_case() -> ResolveCase:
+    """One request of 6 tokens x 2048: selections before 8,192 (4,096 at 512 threads) use
+    positions 0..63, the later ones also 64..127. No hits, lru = identity, so miss m takes
+    slot m and misses 64.. fall into hot block 1."""
+    bs, k, tokens = 64, 2048, 6
+    g = torch.Generator().manual_seed(43)
+    topk = torch.randint(0, 64, (tokens, k), generator=g, dtype=torch.int32)
+    late = torch.randint(0, 128, (2, k), generator=g, dtype=torch.int32)
+    topk[4:] = late
+    topk[4, 0:64] = torch.arange(64, 128, dtype=torch.int32)  # first references of 64..127
+    topk[:2, :64] = torch.arange(64, dtype=torch.int32)  # ... of 0..63 in token 0
+    return ResolveCase(topk=topk.contiguous(), token_rows=i32([0] * tokens),
+                       residency=i32([[-1, -1]]), host_blocks=i32([[7, 9]]),
+                       hot_blocks=i32([[30, 31]]), slot_pos=torch.full((1, 128), -1,
+                                                                       dtype=torch.int32),
+                       lru=torch.arange(128, dtype=torch.int16).reshape(1, 128),
+                       block_size=bs)
+
+
+def test_resolve_chunk_boundary_case_and_its_errors():
+    case = chunk_boundary_case()
+    check_case(case, what="chunk boundary")
+    # the miss of rank 64 (first referenced in the 5th token) needs hot block 1
+    bad = chunk_boundary_case()
+    bad.hot_blocks = i32([[30, -1]])
+    e = expect_error(bad, ResolveErrorCode.HOT_BLOCK_MISSING)
+    assert (e.detail_a, e.detail_b) == (64, 64)
+    # a position out of range in the last token
+    bad = chunk_boundary_case()
+    bad.topk[5, 100] = 2 * 64 + 3
+    expect_error(bad, ResolveErrorCode.POSITION_OUT_OF_RANGE)
+    # a host block missing for a page first referenced in the 5th token
+    bad = chunk_boundary_case()
+    bad.host_blocks = i32([[7, -1]])
+    expect_error(bad, ResolveErrorCode.NO_HOST_BLOCK)
 
 
 # --------------------------------------------------------------------------------------

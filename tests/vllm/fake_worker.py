@@ -95,7 +95,7 @@ class FakeWorker:
     def flush(self) -> KVConnectorOutput | None:
         """Everything still owed, as one report (used when the workload drained)."""
         for due in self._due:
-            due.step = min(due.step, self.step)
+            due.step = min(due.step, self.step - 1)
         return self._report()
 
     def has_pending(self) -> bool:

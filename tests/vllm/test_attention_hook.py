@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vllm_hisparse.vllm.attention_hook import (
@@ -20,7 +21,7 @@ from vllm_hisparse.worker.synthetic import kv_rows
 BS, K, S, ROW = 4, 4, 8, 16  # block size, top-k, block stride rows (2 layers per block), bytes
 
 
-def setup():
+def setup(gather_mode="side"):
     """Two requests: batch row 0 = state row 3 (FULL), batch row 1 = state row 1 (MIXED)."""
     state = HotState(4, 4, 2 * BS, BS, ops_backend="reference")
     layout = DeviceRowLayout(BS, S)
@@ -35,7 +36,10 @@ def setup():
         host[l][2 * BS:3 * BS] = kv_rows(1, torch.arange(0, 4), l, ROW)
         dev[l][5 * S:5 * S + BS] = kv_rows(1, torch.arange(4, 8), l, ROW)
     step = StepView(4, "cpu")
-    binding = IndexGroupResidency(state, host, dev, layout, step)
+    # Side mode with the follower in its own launch (the default schedule would put both
+    # layers of this two-layer group in the leader's launch).
+    binding = IndexGroupResidency(state, host, dev, layout, step, gather_mode=gather_mode,
+                                  gather_chunks=(1,) if gather_mode == "side" else None)
     return state, binding, step, dev
 
 
@@ -49,8 +53,9 @@ def test_all_full_conversion_is_vllms():
     assert counts.tolist() == [3, 3] and compacted[0].tolist() == [6 * S + 1, 2 * S, 6 * S + 3, -1]
 
 
-def test_mixed_batch_rows_equal_ground_truth_after_gather():
-    state, binding, step, dev = setup()
+@pytest.mark.parametrize("gather_mode", ["side", "single"])
+def test_mixed_batch_rows_equal_ground_truth_after_gather(gather_mode):
+    state, binding, step, dev = setup(gather_mode)
     step.begin(0, [-1, 1])  # batch row 0 FULL, batch row 1 -> state row 1
     topk = torch.tensor([[1, 2, 3, 0], [6, 1, 2, -1]], dtype=torch.int32)
     req = torch.tensor([0, 1], dtype=torch.int32)
@@ -63,13 +68,16 @@ def test_mixed_batch_rows_equal_ground_truth_after_gather():
     # Mixed token: resident position 6 -> block 5; host positions 1, 2 -> hot slots 0, 1
     # (hot block 7 = flat rows 56.. ).
     assert rows[1, :3].tolist() == [5 * S + 2, 7 * S + 0, 7 * S + 1]
-    for l in range(2):
-        got = dev[l][rows[1, :3].long()]
-        assert torch.equal(got, kv_rows(1, torch.tensor([6, 1, 2]), l, ROW))
+    want = [kv_rows(1, torch.tensor([6, 1, 2]), l, ROW) for l in range(2)]
+    assert torch.equal(dev[0][rows[1, :3].long()], want[0])  # the leader's rows are in place
+    # The follower's misses: already copied in single mode; in side mode still queued (on CPU
+    # the side stream runs at the latest moment allowed) until the follower's conversion.
+    assert torch.equal(dev[1][rows[1, :3].long()], want[1]) == (gather_mode == "single")
     # A follower layer reuses the leader's rows; dense row space for page-tensor kernels.
     dense = convert_with_residency(binding, 1, topk, req, 2, vllm_rows, block_stride_rows=None,
                                    return_valid_counts=False)
     assert dense[1].tolist() == [5 * BS + 2, 7 * BS + 0, 7 * BS + 1, -1]
+    assert torch.equal(dev[1][rows[1, :3].long()], want[1])
     # Next step: position 2 is a hot hit, 3 a miss; no copy of 2 again.
     step.begin(1, [1])
     topk2 = torch.tensor([[2, 3, -1, -1]], dtype=torch.int32)
@@ -91,3 +99,63 @@ def test_padding_tokens_keep_vllm_rows():
     rows = convert_with_residency(binding, 0, topk, req, 1, vllm_rows, block_stride_rows=S,
                                   return_valid_counts=False)
     assert rows[0, 0].item() == 5 * S + 2 and rows[1].tolist() == [-1, -1, -1, -1]
+
+
+def test_next_resolve_fences_followers_that_did_not_convert():
+    """Step 0's follower never converts (its side-stream copy stays queued); step 1 hits a slot
+    that copy fills. The resolve of step 1 must run it first, or the follower reads stale."""
+    state, binding, step, dev = setup("side")
+    req = torch.tensor([0], dtype=torch.int32)
+    step.begin(0, [1])
+    topk = torch.tensor([[1, 2, -1, -1]], dtype=torch.int32)  # misses 1, 2 -> slots 0, 1
+    convert_with_residency(binding, 0, topk, req, 1, torch.full_like(topk, -1),
+                           block_stride_rows=S, return_valid_counts=False)
+    step.begin(1, [1])
+    topk2 = torch.tensor([[2, 3, -1, -1]], dtype=torch.int32)  # hit 2, miss 3
+    rows = None
+    for layer in range(2):
+        rows = convert_with_residency(binding, layer, topk2, req, 1, torch.full_like(topk2, -1),
+                                      block_stride_rows=S, return_valid_counts=False)
+        assert torch.equal(dev[layer][rows[0, :2].long()],
+                           kv_rows(1, torch.tensor([2, 3]), layer, ROW)), f"layer {layer}"
+    assert state._side_work is None  # the follower's wait joined the side work
+
+
+def test_all_full_step_adds_no_work():
+    """A step without tracked requests takes vLLM's conversion as is: no resolve, no gather
+    launch, no wait, whatever the layer."""
+    from vllm_hisparse.vllm.attention_hook import BINDING_ATTR, hooked_conversion
+
+    state, binding, step, dev = setup("side")
+    group = SimpleNamespace(**{BINDING_ATTR: binding})
+    calls = []
+
+    def original(layer_index, topk, md, *, block_stride_rows, return_valid_counts):
+        calls.append(layer_index)
+        return "vllm"
+
+    resolves = []
+    state.resolve = lambda *a, **k: resolves.append(a)
+    step.begin(0, None)
+    md = SimpleNamespace(req_id_per_token=torch.zeros(1, dtype=torch.int32), num_actual_tokens=1)
+    topk = torch.zeros((1, K), dtype=torch.int32)
+    for layer in range(2):
+        assert hooked_conversion(group, original, layer, topk, md, block_stride_rows=S,
+                                 return_valid_counts=True) == "vllm"
+    assert calls == [0, 1] and resolves == [] and binding.gather.launches == 0
+
+
+def test_gather_mode_is_checked_at_bind_time():
+    state = HotState(4, 4, 2 * BS, BS, ops_backend="reference")
+    layers = [torch.zeros((8 * BS, ROW), dtype=torch.uint8) for _ in range(2)]
+    step = StepView(4, "cpu")
+    with pytest.raises(ValueError, match="mode must be one of side, single; got 'eager'"):
+        IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step,
+                            gather_mode="eager")
+    default = IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step)
+    assert default.gather.mode == "single" and default.gather.chunks == (2,)
+    binding = IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step,
+                                  gather_mode="side", gather_chunks=(1,))
+    assert binding.gather.chunks == (1, 1)
+    with pytest.raises(RuntimeError, match="layer 2 of an index group bound with 2 layers"):
+        binding.wait_for_layer(2)

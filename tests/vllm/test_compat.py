@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 
 import pytest
 
@@ -191,6 +192,20 @@ def test_kv_cache_manager_exposes_coordinator_managers():
     assert "self.single_type_managers = tuple(" in inspect.getsource(KVCacheCoordinator.__init__)
 
 
+def test_prefix_cache_geometry_and_load_failure_policy():
+    from vllm.config import KVTransferConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    assert "self.enable_caching = enable_caching" in inspect.getsource(KVCacheManager.__init__)
+    assert "self.hash_block_size = hash_block_size" in inspect.getsource(BlockPool.__init__)
+    field = KVTransferConfig.__dataclass_fields__["kv_load_failure_policy"]
+    assert field.default == "fail"
+    manager = types.SimpleNamespace(enable_caching=True,
+                                    block_pool=types.SimpleNamespace(hash_block_size=64))
+    assert compat.prefix_cache_geometry(manager) == (True, 64)
+
+
 def test_multi_connector_types_and_connector_output():
     multi, multi_meta, multi_worker_meta = compat.multi_connector_types()
     assert {f.name for f in dataclasses.fields(multi_meta)} >= {"metadata"}
@@ -208,3 +223,42 @@ def test_simulator_internals_exist():
     import inspect
     assert "block_size" in inspect.signature(compat.get_request_block_hasher).parameters or \
         len(inspect.signature(compat.get_request_block_hasher).parameters) >= 1
+
+
+def test_parallel_layout_accessors(dsa_model_dir):
+    """What the host-pool sharing decision reads (vllm/host_sharing.py)."""
+    import copy
+    import pickle
+
+    from vllm.config import ParallelConfig
+    from vllm.distributed import parallel_state
+    from vllm.v1.worker import gpu_worker, worker_base
+
+    from tests.vllm.vllm_configs import make_vllm_config
+
+    assert {"data_parallel_rank", "distributed_executor_backend", "nnodes", "rank",
+            "tensor_parallel_size"} <= set(ParallelConfig.__dataclass_fields__)
+    assert isinstance(ParallelConfig.nnodes_within_dp, property)
+    config = make_vllm_config(dsa_model_dir)
+    # The instance id is set when the config is built and survives the pickling that ships
+    # the config to the engine core and to every worker: all ranks derive the same name.
+    assert compat.instance_id(config)
+    assert compat.instance_id(pickle.loads(pickle.dumps(config))) == compat.instance_id(config)
+    assert compat.instance_id(copy.deepcopy(config)) == compat.instance_id(config)
+    assert compat.data_parallel_rank(config) == 0
+    assert compat.nodes_per_replica(config) == 1
+    assert compat.executor_backend_name(config) in ("uni", "mp", None)
+    tp2 = ParallelConfig(tensor_parallel_size=2)
+    assert tp2.distributed_executor_backend == "mp"  # single node, world size 2
+    # Without vLLM's TP group the rank comes from ParallelConfig.rank, set per worker by
+    # WorkerBase; the worker builds the TP group before the connector binds KV caches.
+    assert not parallel_state.model_parallel_is_initialized()
+    assert params(parallel_state.get_tensor_model_parallel_rank) == []
+    assert "self.parallel_config.rank = rank" in inspect.getsource(worker_base.WorkerBase.__init__)
+    assert compat.tensor_parallel_rank(config) == 0
+    config.parallel_config.rank = 3
+    config.parallel_config.tensor_parallel_size = 2
+    assert compat.tensor_parallel_rank(config) == 1
+    source = inspect.getsource(gpu_worker.Worker)
+    assert source.index("init_worker_distributed_environment(") < source.index(
+        "ensure_kv_transfer_initialized(")

@@ -35,6 +35,7 @@ from vllm_hisparse.vllm.kv_planning import (
     classify_layers,
     engine_capacity_report,
     format_capacity_table,
+    host_page_bytes,
     index_units,
     sparse_group_ids,
     split_kv_cache_groups,
@@ -219,8 +220,10 @@ def test_engine_capacity_report(configured):
     report = engine_capacity_report(configured, config)
     assert (report.device_blocks, report.bytes_per_block) == (20_000, 545_792)
     assert (report.num_sparse_groups, report.num_indexer_groups) == (5, 1)
-    assert report.host_block_bytes == 61 * MLA_PAGE == 2_561_024
-    assert report.host_blocks == (64 << 30) // 2_561_024
+    # A host block holds a page of every sparse-MLA layer and of every indexer layer.
+    assert report.host_block_bytes == 61 * (MLA_PAGE + INDEXER_PAGE) == 3_076_352
+    assert host_page_bytes(config) == (61 * MLA_PAGE, 61 * INDEXER_PAGE)
+    assert report.host_blocks == (64 << 30) // 3_076_352
     # 128 pages per 8192-token request; 6 groups -> 768 blocks without residency.
     assert report.max_concurrency_without_residency == 19_999 // 768
     assert report.max_concurrency_steady > report.max_concurrency_without_residency

@@ -44,6 +44,9 @@ def add_parser(sub) -> None:
     w.add_argument("--length-jitter", type=float, default=DEFAULTS["length_jitter"],
                    metavar="F", help="draw each length uniformly within +-F of it "
                    "(default: %(default)s)")
+    w.add_argument("--shared-prefix-len", type=int, default=0, metavar="TOKENS",
+                   help="leading prompt tokens every request shares (prefix-cache hits, on "
+                   "the device or from the host tier; default: %(default)s)")
     w.add_argument("--arrival", choices=("burst", "poisson"), default="burst",
                    help="burst: every request at step 0; poisson: exponential gaps of mean "
                    "1/--arrival-rate steps (default: %(default)s)")
@@ -110,7 +113,8 @@ def _spec(args):
         host_pool_gib=args.host_pool_gib, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_requests=args.requests,
         prompt_len=args.prompt_len, output_len=args.output_len,
-        length_jitter=args.length_jitter, arrival=args.arrival, arrival_rate=args.arrival_rate,
+        length_jitter=args.length_jitter, shared_prefix_len=args.shared_prefix_len,
+        arrival=args.arrival, arrival_rate=args.arrival_rate,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
         attention=args.attention,
         max_steps=args.max_steps)
@@ -181,12 +185,15 @@ def format_table(results: dict) -> str:
          lambda r: _fmt_bytes(r.bytes_h2d) if r.with_connector else "-"),
         ("bytes D2H (mirrors + spills)",
          lambda r: _fmt_bytes(r.bytes_d2h) if r.with_connector else "-"),
+        ("tokens loaded from host (prefix hits, resumes)",
+         lambda r: f"{r.host_prefix_hit_tokens:,}" if r.with_connector else "-"),
         ("demotions / promotions",
          lambda r: f"{r.demotions} / {r.promotions}" if r.with_connector else "-"),
         ("peak device blocks in use", lambda r: f"{r.peak_blocks_in_use:,}"),
         ("peak device blocks saved", lambda r: f"{r.peak_blocks_saved:,}" if r.with_connector
          else "-"),
         ("rows checked", lambda r: f"{r.rows_checked:,}"),
+        ("indexer rows checked (prefix starts)", lambda r: f"{r.indexer_rows_checked:,}"),
         ("wall time", lambda r: f"{r.wall_s:.1f} s"),
     ]
     out = ["| | " + " | ".join(labels) + " |", "|---" + "|---:" * len(labels) + "|"]
@@ -246,8 +253,9 @@ def run(args) -> int:
                 json.dump(report, f, indent=2)
     if results:
         jitter = f" (+-{spec.length_jitter:.0%})" if spec.length_jitter else ""
-        print(f"workload: {spec.num_requests} requests, prompt {spec.prompt_len} + output "
-              f"{spec.output_len} tokens{jitter}, "
+        shared = (f", {spec.shared_prefix_len} shared" if spec.shared_prefix_len else "")
+        print(f"workload: {spec.num_requests} requests, prompt {spec.prompt_len}{shared} + "
+              f"output {spec.output_len} tokens{jitter}, "
               f"{spec.arrival} arrival; model: {spec.num_layers} sparse layers "
               f"({spec.layers_per_indexer} per indexer), block {spec.block_size}, top-k "
               f"{spec.top_k}; {spec.device_blocks} device blocks; device {spec.device}")

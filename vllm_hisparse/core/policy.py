@@ -160,6 +160,8 @@ class PolicyStats:
     num_failed_transfers: int = 0
     num_host_prefix_hit_pages: int = 0
     num_published_pages: int = 0
+    num_prefix_load_pages: int = 0
+    num_failed_prefix_load_pages: int = 0
 
 
 @dataclass
@@ -392,6 +394,153 @@ class ResidencyPolicy:
     def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Pages of ``block_hashes`` published in the host pool (no lease taken)."""
         return len(self.host_pool.lookup(block_hashes[: self.config.max_pages_per_request]))
+
+    def acquire_host_prefix(self, block_hashes: Sequence[Hashable], max_pages: int | None = None) -> list[int]:
+        """Lease the longest published host prefix of ``block_hashes`` (at most ``max_pages``).
+
+        Returns its host blocks, one lease each, owned by the caller until it hands them to
+        :meth:`adopt_host_prefix` or gives them back with :meth:`release_host_prefix`.
+        The lease keeps the blocks from being evicted between the engine's lookup and
+        its allocation."""
+        limit = self.config.max_pages_per_request
+        if max_pages is not None:
+            limit = min(limit, max(0, int(max_pages)))
+        hits = self.host_pool.lookup(block_hashes[:limit])
+        if hits:
+            self.host_pool.touch(hits)
+        return hits
+
+    def release_host_prefix(self, host_block_ids: Sequence[int]) -> None:
+        """Give back leases taken by :meth:`acquire_host_prefix` and never adopted."""
+        self.host_pool.free(host_block_ids)
+
+    def adopt_host_prefix(
+        self,
+        request_id: str,
+        device_block_ids: Sequence[int],
+        host_block_ids: Sequence[int],
+        first_load_page: int,
+    ) -> int:
+        """A new request starts with ``n = len(device_block_ids)`` full pages of host prefix.
+
+        The engine allocated (and pins) ``device_block_ids[p]`` for page ``p``; the policy
+        takes over one lease of each, as for growth. ``host_block_ids`` are the pages'
+        published host blocks, leased by :meth:`acquire_host_prefix` (the leases pass to
+        the request). Pages ``[0, first_load_page)`` already hold their KV on the device
+        (the engine's own prefix cache); pages ``[first_load_page, n)`` are loaded by one
+        RESTORE into their pinned blocks, planned before this step's forward, which reads
+        them (the worker fences the forward behind it). The request is FULL at once, and
+        every page is clean, so nothing is mirrored.
+
+        Call it on a request just added, before it is scheduled. Returns the RESTORE's
+        transfer id (-1 when every page is already on the device).
+        """
+        req = self._req(request_id)
+        t = self.tables
+        row = req.row
+        n = len(device_block_ids)
+        if req.status != RequestStatus.ACTIVE or req.residency != Residency.FULL or t.num_tokens[row] != 0:
+            raise ProtocolError(f"request {request_id!r}: a host prefix is adopted by a new, empty request")
+        if len(host_block_ids) != n or not 0 <= first_load_page <= n:
+            raise ProtocolError(
+                f"request {request_id!r}: {n} device blocks, {len(host_block_ids)} host blocks and "
+                f"first load page {first_load_page} do not describe one prefix"
+            )
+        if n > self.config.max_pages_per_request:
+            raise ProtocolError(f"request {request_id!r}: prefix of {n} pages exceeds max_pages_per_request")
+        if n == 0:
+            return -1
+        device = [int(b) for b in device_block_ids]
+        host = [int(b) for b in host_block_ids]
+        t.device_block[row, :n] = device
+        t.pinned[row, :n] = True
+        t.num_pinned[row] = n
+        t.host_block[row, :n] = host
+        t.host_mask[row, :n] = t.full_mask
+        t.host_valid[row, :n] = True
+        t.num_clean_pinned[row] = n
+        t.num_pages[row] = n
+        t.num_tokens[row] = n * self.block_size
+        for page in range(n):
+            self._emit_page(row, page, device[page], host[page])
+        pages = list(range(first_load_page, n))
+        if not pages:
+            return -1
+        held = host[first_load_page:]
+        self.host_pool.touch(held)
+        txn = self._txns.open(
+            TransferKind.RESTORE,
+            self._step_id,
+            rows=np.full(len(pages), row, dtype=np.int64),
+            serials=np.full(len(pages), req.serial, dtype=np.int64),
+            pages=np.array(pages, dtype=np.int64),
+            device_blocks=np.array(device[first_load_page:], dtype=np.int64),
+            host_blocks=np.array(held, dtype=np.int64),
+            into_pinned=True,
+        )
+        txn.held_host_until_done = list(held)
+        t.pending[row, pages] = txn.transfer_id
+        self.stats.num_prefix_load_pages += len(pages)
+        self.stats.num_restore_pages += len(pages)
+        self._transfers.append(
+            TransferSpec(
+                transfer_id=txn.transfer_id,
+                kind=int(TransferKind.RESTORE),
+                after_forward=False,
+                device_blocks=device[first_load_page:],
+                host_blocks=held,
+            )
+        )
+        return txn.transfer_id
+
+    def set_block_hashes(self, request_id: str, first_page: int, block_hashes: Sequence[Hashable | None]) -> int:
+        """Give pages ``first_page ..`` their prefix identity (``None`` = unknown).
+
+        A page is published in the host pool once it has an identity and is clean
+        (whichever comes last), so the engine hands identities over only when the host
+        holds everything a later hit must load (e.g. the indexer's page too). Returns
+        how many pages this call published."""
+        req = self._req(request_id)
+        end = int(first_page) + len(block_hashes)
+        if first_page < 0 or end > self.config.max_pages_per_request:
+            raise ProtocolError(f"request {request_id!r}: block hashes for pages [{first_page}, {end})")
+        if len(req.block_hashes) < end:
+            req.block_hashes.extend([None] * (end - len(req.block_hashes)))
+        t = self.tables
+        row = req.row
+        published = 0
+        for i, block_hash in enumerate(block_hashes):
+            page = int(first_page) + i
+            req.block_hashes[page] = block_hash
+            if block_hash is None or page >= t.num_pages[row] or not t.host_valid[row, page]:
+                continue
+            if self.host_pool.publish(int(t.host_block[row, page]), block_hash):
+                published += 1
+        self.stats.num_published_pages += published
+        return published
+
+    def revoke_block_hashes(self, transfer_id: int, pages: Sequence[tuple[str, int, int, int]]) -> None:
+        """Withdraw identities given with :meth:`set_block_hashes` before their host copy
+        was known to be complete (the engine learned that part of it failed).
+
+        ``pages``: ``(request id, serial, page, host block)``; the serial (see
+        :meth:`serial_of`) ignores a request id reused by a later incarnation. Pages of
+        ended requests are no longer published by transfer ``transfer_id``'s completion.
+        Revoke before applying the acks that complete the transfer."""
+        txn = self._txns.get(int(transfer_id)) if int(transfer_id) in self._txns else None
+        for request_id, serial, page, host_block in pages:
+            req = self._requests.get(request_id)
+            if req is not None and req.serial == serial and page < len(req.block_hashes):
+                req.block_hashes[page] = None
+            if txn is not None:
+                txn.publish_on_completion.pop(int(host_block), None)
+
+    def serial_of(self, request_id: str) -> int:
+        """The incarnation number of a live request (unique over the policy's life)."""
+        return self._req(request_id).serial
+
+    def _hash_of(self, req: _Request, page: int) -> Hashable | None:
+        return req.block_hashes[page] if page < len(req.block_hashes) else None
 
     def can_admit(self, num_prompt_tokens: int, num_host_hit_pages: int = 0, hot_rows: int | None = None) -> Outcome:
         """Whether a new request fits device, host and hot capacity together.
@@ -934,8 +1083,9 @@ class ResidencyPolicy:
         t.mirror_failed[row, page] = False
         if t.pinned[row, page]:
             t.num_clean_pinned[row] += 1
-        if page < len(req.block_hashes):
-            if self.host_pool.publish(int(t.host_block[row, page]), req.block_hashes[page]):
+        block_hash = self._hash_of(req, page)
+        if block_hash is not None:
+            if self.host_pool.publish(int(t.host_block[row, page]), block_hash):
                 self.stats.num_published_pages += 1
         if req.status == RequestStatus.PARKED:
             self._settle_parked_page(req, page)
@@ -1174,6 +1324,10 @@ class ResidencyPolicy:
                 self._on_mirror_completed(txn, live)
             else:
                 self._on_mirror_completed_repeated(txn, live)
+            # Pages of requests that ended while this mirror completed them.
+            for host_block, block_hash in txn.publish_on_completion.items():
+                if self.host_pool.publish(host_block, block_hash):
+                    self.stats.num_published_pages += 1
             return
         for i in np.nonzero(live)[0]:
             row, page = int(txn.rows[i]), int(txn.pages[i])
@@ -1189,6 +1343,9 @@ class ResidencyPolicy:
                     self._settle_parked_page(req, page)
                 elif t.host_valid[row, page] and req.residency != Residency.FULL and not req.promoting:
                     self._try_release(req, page)
+            elif txn.into_pinned:  # a host-prefix load: the page already owns its block
+                if req.status == RequestStatus.PARKED:
+                    self._settle_parked_page(req, page)
             else:  # RESTORE: the transfer's device lease becomes the page's.
                 block = int(txn.device_blocks[i])
                 txn.held_device_until_done.remove(block)
@@ -1311,6 +1468,10 @@ class ResidencyPolicy:
                 if not t.host_valid[row, page]:
                     t.host_mask[row, page] = 0
                 self._spill_queue[(row, req.serial, page)] = None
+            elif txn.into_pinned:
+                # A host-prefix load the forward already read: the engine learns of it from
+                # the same ack (it fails the request); the host copy itself is still good.
+                self.stats.num_failed_prefix_load_pages += 1
             else:
                 req.num_restores_inflight -= 1
                 if req.promoting:
@@ -1514,12 +1675,14 @@ class ResidencyPolicy:
         row, serial = req.row, req.serial
         n = int(t.num_pages[row])
         # 1. Mirrors in flight over this row: they take over leases on what they touch.
+        mirrors_of_page: dict[int, list[tuple[Transaction, int]]] = {}
         for txn in self._txns.values():
             if txn.kind != TransferKind.MIRROR:
                 continue
             hits = np.nonzero((txn.rows == row) & (txn.serials == serial))[0]
             for i in hits:
                 page = int(txn.pages[i])
+                mirrors_of_page.setdefault(page, []).append((txn, int(i)))
                 if txn.phase == TransferPhase.PLANNED and t.pinned[row, page]:
                     block = int(t.device_block[row, page])
                     self.device_pool.touch([block])
@@ -1531,15 +1694,23 @@ class ResidencyPolicy:
         if publish and req.block_hashes:
             for page in range(min(n, len(req.block_hashes))):
                 host_block = int(t.host_block[row, page])
-                if host_block < 0:
+                block_hash = req.block_hashes[page]
+                if host_block < 0 or block_hash is None:
                     continue
                 if t.host_valid[row, page]:
-                    if self.host_pool.publish(host_block, req.block_hashes[page]):
+                    if self.host_pool.publish(host_block, block_hash):
                         self.stats.num_published_pages += 1
                 elif t.pending[row, page] >= 0 and t.pending[row, page] in self._txns:
                     txn = self._txns.get(int(t.pending[row, page]))
                     if txn.kind == TransferKind.SPILL:
-                        txn.publish_on_completion[host_block] = req.block_hashes[page]
+                        txn.publish_on_completion[host_block] = block_hash
+                elif len(mirrors_of_page.get(page, ())) == 1:
+                    # The page's last rows are on their way (the request ended right after
+                    # writing them): publish if that one mirror completes the page.
+                    txn, i = mirrors_of_page[page][0]
+                    rows = range_mask(int(txn.starts[i]), int(txn.ends[i]), t.num_mask_words)
+                    if np.all((t.host_mask[row, page] | rows) == t.full_mask):
+                        txn.publish_on_completion[host_block] = block_hash
         # 3. Device leases of pages; forget released copies.
         pinned_blocks = [int(b) for b in t.device_block[row, :n][t.pinned[row, :n]]]
         if pinned_blocks:

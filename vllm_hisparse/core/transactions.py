@@ -75,6 +75,9 @@ class Transaction:
     held_host_until_done: list[int] = field(default_factory=list)
     # Pages of ended requests to publish on completion: host block -> block hash.
     publish_on_completion: dict[int, Hashable] = field(default_factory=dict)
+    # RESTORE into pages the engine already allocated and pinned (a host-prefix load):
+    # completion only clears ``pending``; the page owns its device block throughout.
+    into_pinned: bool = False
 
 
 class TransactionTable:

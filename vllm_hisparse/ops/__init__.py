@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks, _extension, reference
+from vllm_hisparse.ops import _checks, _extension, host_ranges, reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 
 __all__ = [
@@ -50,9 +50,10 @@ def _kernels(device: torch.device, backend: str):
 
 def _check_zero_copy_sources(layers: Sequence[torch.Tensor], device: torch.device,
                              name: str) -> None:
-    """CUDA copies read host layers over UVA: they must be pinned."""
+    """CUDA copies read host layers over UVA: they must be pinned (or registered by us,
+    ``host_ranges``)."""
     for i, t in enumerate(layers):
-        if t.device.type == "cpu" and not t.is_pinned():
+        if t.device.type == "cpu" and not (t.is_pinned() or host_ranges.covers(t)):
             raise ValueError(f"{name}[{i}] is a CPU tensor that is not pinned; the CUDA copy "
                              f"reads host memory directly and needs pinned memory")
         if t.device.type == "cuda" and t.device != device:

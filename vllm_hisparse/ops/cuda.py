@@ -204,7 +204,7 @@ def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
 def _resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
              out_rows, miss_src, miss_dst, miss_count, stats=None, debug_times=None) -> None:
     """resolve; ``debug_times`` (int64 [9] on the device) receives %globaltimer stamps of the
-    phase ends of CTA 0 (benchmarks)."""
+    phase ends of CTA 0 (benchmarks; stamps 0-6, see docs/kernels.md)."""
     device = topk.device
     state = _error_state(device)
     with state.lock:
@@ -227,10 +227,23 @@ def _resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru
             0 if debug_times is None else debug_times.data_ptr(), _resolve_threads)
 
 
-def resolve_launch_info(num_tokens: int, k: int, num_slots: int, block_size: int) -> dict:
-    """Threads, shared memory and hash capacity that :func:`resolve` would launch with."""
+def resolve_launch_info(num_tokens: int, k: int, num_slots: int, block_size: int,
+                        num_pages: int = 0) -> dict:
+    """Threads, shared memory, hash capacity (physical entries), union capacity (the
+    UNION_CAPACITY bound) and staged page rows that :func:`resolve` would launch with;
+    ``num_pages`` = P of the launch (0: unknown, no staging)."""
     return _module().resolve_launch_info(num_tokens, k, num_slots, block_size,
-                                         _max_tokens_per_request, _resolve_threads)
+                                         _max_tokens_per_request, _resolve_threads, num_pages)
+
+
+def _set_resolve_debug(variant: int = 0, stop: int = 0) -> None:
+    """Benchmarks only: ``variant`` 1 launches the previous resolve kernel (same-session
+    comparisons); ``stop`` > 0 makes every CTA of later launches return at that stop point
+    (1 = at entry, the launch floor; 2 = after the row loads; 3 = after classify; 4 = after
+    hit marking; 5 = after the scans and victims). Outputs are then incomplete."""
+    if variant not in (0, 1) or stop not in range(6):
+        raise ValueError(f"variant must be 0 or 1 and stop in 0..5, got {variant!r}, {stop!r}")
+    _module().set_resolve_debug(variant, stop)
 
 
 # --------------------------------------------------------------------------------------

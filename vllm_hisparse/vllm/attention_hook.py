@@ -17,10 +17,14 @@ vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residen
 * vLLM's conversion still produces the rows of FULL requests' tokens (their pages are all
   resident and vLLM's block table names them);
 * tokens of MIXED / NONE requests get their rows from ``HotState.resolve`` (resident page →
-  its row; hot hit → the slot's row; miss → an LRU victim slot) and the misses are copied
-  from the pinned host pool by ``HotState.gather`` for **every layer of the index group** in
-  one call, at the leader layer (``layer_index == 0``); followers reuse the leader's rows,
-  exactly as vLLM's own group conversion shares one result;
+  its row; hot hit → the slot's row; miss → an LRU victim slot) at the leader layer
+  (``layer_index == 0``); followers reuse the leader's rows, exactly as vLLM's own group
+  conversion shares one result. The misses are copied from the pinned host pool by the
+  binding's ``GroupGather``: by default every layer of the group in one launch at the leader
+  (``gather_mode="single"``); with ``gather_mode="side"`` (IndexShare prefetch) the leader's
+  launch runs on the compute stream before its attention and the followers' on a side
+  stream, each follower's conversion making the compute stream wait on that layer's own
+  ready event (a stream wait, no host sync; a no-op in single mode);
 * rows are translated to the index space the kernel asked for (``block_stride_rows``) and,
   when ``return_valid_counts``, compacted to the front with per-row counts.
 
@@ -54,7 +58,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
-from vllm_hisparse.worker.hot_state import HotState
+from vllm_hisparse.worker.hot_state import DEFAULT_GATHER_MODE, GroupGather, HotState
 
 #: Attribute under which a vLLM index group object carries its binding.
 BINDING_ATTR = "_vllm_hisparse_residency"
@@ -123,6 +127,11 @@ class IndexGroupResidency:
         step: the worker's per-step view.
         record: optional callback ``(state_rows int32 [T], topk int32 [T, K])`` called at
             the leader for tracing (syncs; only when tracing is on).
+        gather_mode: ``"single"`` (every layer in one launch at the leader; the default,
+            ``hot_state.DEFAULT_GATHER_MODE`` says why) or ``"side"`` (followers' gathers on
+            a side stream, each follower waiting on its own event); see
+            :class:`~vllm_hisparse.worker.hot_state.GroupGather`.
+        gather_chunks: side-mode launch schedule (``None`` = the default).
     """
 
     hot_state: HotState
@@ -131,21 +140,35 @@ class IndexGroupResidency:
     layout: DeviceRowLayout
     step: StepView
     record: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    gather_mode: str = DEFAULT_GATHER_MODE
+    gather_chunks: tuple[int, ...] | None = None
     _leader_rows: torch.Tensor | None = None
     _leader_token_rows: torch.Tensor | None = None
     _leader_step: int = -1
+    _gather: GroupGather | None = None
+
+    def __post_init__(self):
+        # Built now so that a bad mode or schedule fails at bind time, not in a forward.
+        self._gather = GroupGather(self.hot_state, self.host_layers, self.device_layers,
+                                   mode=self.gather_mode, chunks=self.gather_chunks)
 
     @property
     def num_layers(self) -> int:
         return len(self.device_layers)
 
+    @property
+    def gather(self) -> GroupGather:
+        """The executor of this group's miss plans."""
+        return self._gather
+
     def resolve_leader(self, logical_topk: torch.Tensor, token_rows: torch.Tensor) -> None:
-        """Resolve the group's top-k and gather its misses for every layer (leader layer).
+        """Resolve the group's top-k and launch its miss copies (leader layer): the leader's
+        layer before this returns (in stream order), the followers' per ``gather_mode``.
 
         ``token_rows``: int32 ``[T]`` state row per token, -1 for tokens the resolver must
         skip (FULL requests, padding, workspace-mapped prefill tokens)."""
         result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
-        self.hot_state.gather(result, self.host_layers, self.device_layers)
+        self._gather.launch(result)
         self._leader_rows = result.out_rows
         self._leader_token_rows = token_rows
         self._leader_step = self.step.step_id
@@ -161,6 +184,14 @@ class IndexGroupResidency:
             raise RuntimeError(f"residency hook: follower converts {num_tokens} tokens but the "
                                f"leader resolved {self._leader_rows.shape[0]}")
         return self._leader_rows, self._leader_token_rows
+
+    def wait_for_layer(self, layer_index: int) -> None:
+        """Order the current stream (the layer's attention) after the copy of layer
+        ``layer_index``'s misses (a stream wait on that layer's event; no host sync)."""
+        if layer_index >= self.num_layers:
+            raise RuntimeError(f"residency hook: layer {layer_index} of an index group bound "
+                               f"with {self.num_layers} layers")
+        self._gather.wait(layer_index)
 
 
 def compact_valid_to_front(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +222,7 @@ def convert_with_residency(
     Args:
         binding: the index group's residency binding.
         layer_index: position of the layer in its index group (0 = leader: resolves and
-            gathers for every layer of the group).
+            launches the group's gathers; a follower waits for its own layer's rows).
         logical_topk: int32 ``[T, K]`` request-relative positions, -1 = padding.
         req_id_per_token: int32 ``[T]`` batch row of each token.
         num_actual_tokens: tokens ``>=`` this are padding.
@@ -218,6 +249,8 @@ def convert_with_residency(
                                      torch.full_like(token_rows, -1), token_rows)
         binding.resolve_leader(logical_topk, token_rows)
     flat_rows, token_rows = binding.leader_rows(num_tokens)
+    if layer_index > 0:
+        binding.wait_for_layer(layer_index)
     ours = binding.layout.to_kernel_rows(flat_rows, block_stride_rows)
     rows = torch.where((token_rows >= 0)[:, None], ours, vllm_rows).to(torch.int32)
     if return_valid_counts:

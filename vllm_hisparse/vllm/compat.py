@@ -74,6 +74,8 @@ __all__ = [
     "RESIDENCY_GROUP_ROLE",
     "assign_group_role",
     "group_managers",
+    "kv_load_failure_policy",
+    "prefix_cache_geometry",
     "multi_connector_types",
     "register_residency_manager",
     "residency_manager_registered",
@@ -297,6 +299,19 @@ def group_managers(kv_cache_manager: Any, group_ids: tuple[int, ...]) -> list[An
     """The single-type managers of ``group_ids`` inside a ``KVCacheManager``."""
     managers = kv_cache_manager.coordinator.single_type_managers
     return [managers[i] for i in group_ids]
+
+
+def prefix_cache_geometry(kv_cache_manager: Any) -> tuple[bool, int]:
+    """``(enable_caching, hash_block_size)`` of a ``KVCacheManager``: whether requests'
+    ``block_hashes`` are maintained, and how many tokens one hash covers."""
+    return bool(kv_cache_manager.enable_caching), int(kv_cache_manager.block_pool.hash_block_size)
+
+
+def kv_load_failure_policy(vllm_config: VllmConfig) -> str:
+    """``kv_transfer_config.kv_load_failure_policy``: ``"fail"`` (vLLM fails a request
+    whose connector load failed) or ``"recompute"`` (vLLM rewinds its computed tokens)."""
+    kv = vllm_config.kv_transfer_config
+    return str(getattr(kv, "kv_load_failure_policy", "fail")) if kv is not None else "fail"
 
 
 def multi_connector_types() -> tuple[type, type, type]:
@@ -576,6 +591,50 @@ def forward_context_attn_metadata() -> Any:
     if not is_forward_context_available():
         return None
     return getattr(get_forward_context(), "attn_metadata", None)
+
+
+# --------------------------------------------------------------------------------------
+# Parallel layout: whether the tensor-parallel ranks of a replica can share one host pool
+# (vllm_hisparse/vllm/host_sharing.py). Checked by
+# tests/vllm/test_compat.py::test_parallel_layout_accessors.
+# --------------------------------------------------------------------------------------
+
+
+def instance_id(vllm_config: VllmConfig) -> str:
+    """``VllmConfig.instance_id``: set when the config is built (``config/vllm.py``
+    ``__post_init__``) and shipped, pickled, to the engine core and every worker of it."""
+    return str(vllm_config.instance_id or "")
+
+
+def data_parallel_rank(vllm_config: VllmConfig) -> int:
+    """``ParallelConfig.data_parallel_rank``: this engine's data-parallel replica."""
+    return int(vllm_config.parallel_config.data_parallel_rank)
+
+
+def executor_backend_name(vllm_config: VllmConfig) -> str | None:
+    """``ParallelConfig.distributed_executor_backend`` as a name (``"mp"``, ``"ray"``,
+    ``"uni"``, ``"external_launcher"``; an executor class gives its class name)."""
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend is None or isinstance(backend, str):
+        return backend
+    return getattr(backend, "__name__", str(backend))
+
+
+def nodes_per_replica(vllm_config: VllmConfig) -> int:
+    """``ParallelConfig.nnodes_within_dp``: nodes one data-parallel replica spans."""
+    return int(vllm_config.parallel_config.nnodes_within_dp)
+
+
+def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank in its tensor-parallel group: vLLM's TP group once it exists (the
+    worker initialises it before the connector binds the KV caches), else
+    ``ParallelConfig.rank`` (set per worker by ``WorkerBase``) modulo the TP size."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    pc = vllm_config.parallel_config
+    return int(pc.rank) % max(1, int(pc.tensor_parallel_size))
 
 
 # ======================================================================================

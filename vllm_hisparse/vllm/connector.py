@@ -82,7 +82,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.offer(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -136,6 +136,9 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_worker_meta()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -30,10 +30,19 @@ Requirement R1 (docs/core.md): the policy is told which requests are prefilling 
 prompt not fully computed, or a recompute), so it never demotes them or releases their
 pages; vLLM's prefill reads the whole context through the block table.
 
-Preemption: vLLM recomputes a preempted request from scratch, so the policy ends the
-request (``abort``); nothing is parked on the host for it. Host back-pressure: a
-request is admitted only when the host pool can back its whole length
-(``get_num_new_matched_tokens`` returns ``None`` otherwise, which keeps it waiting).
+Host tier as a prefix cache (docs/vllm-integration.md, "Host-prefix hits"): a full page
+is published in the host pool under vLLM's block hash once both its sparse-MLA rows
+(the mirror) and its indexer page (saved with the step's mirror, ``IndexerPages``) are
+on the host. ``get_num_new_matched_tokens`` reports published pages past vLLM's own
+prefix-cache hit as external tokens (a synchronous load); vLLM allocates blocks for
+them, and the policy adopts those blocks and restores the pages into them before the
+step's forward (``ResidencyPolicy.adopt_host_prefix``), indexer pages included.
+
+Preemption: vLLM recomputes a preempted request, so the policy ends it (``abort``),
+which publishes its clean pages; when vLLM re-admits it, they are host-prefix hits, so
+only its partial last page is recomputed. Host back-pressure: a request is admitted
+only when the host pool can back its whole length (``get_num_new_matched_tokens``
+returns ``None`` otherwise, which keeps it waiting).
 """
 
 from __future__ import annotations
@@ -43,15 +52,20 @@ from typing import Any
 
 import numpy as np
 
-from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
+from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.host_pool import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
 from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
-from vllm_hisparse.vllm.kv_planning import engine_capacity_report, format_capacity_table, sparse_group_ids
-from vllm_hisparse.vllm.managers import ResidencyAwareManager
-from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from vllm_hisparse.vllm.kv_planning import (
+    engine_capacity_report,
+    format_capacity_table,
+    indexer_group_ids,
+    sparse_group_ids,
+)
+from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
+from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -88,10 +102,15 @@ class HiSparseConnectorScheduler:
         self.hisparse_config = hisparse_config
         self.block_size = hisparse_config.block_size
         self.sparse_group_ids = sparse_group_ids(kv_cache_config)
+        self.indexer_group_ids = indexer_group_ids(kv_cache_config)
+        self._load_failure_policy = compat.kv_load_failure_policy(vllm_config)
         # Our manager for the sparse groups, chosen by group role. This must happen
         # before the scheduler builds its KVCacheManager, i.e. here (see compat).
         compat.register_residency_manager(ResidencyAwareManager)
-        compat.assign_group_role(kv_cache_config, self.sparse_group_ids)
+        # The other full-attention groups get it too, unbound: one manager class keeps
+        # vLLM's per-group call sites fast (managers.residency_manager_group_ids).
+        compat.assign_group_role(
+            kv_cache_config, residency_manager_group_ids(kv_cache_config, self.sparse_group_ids))
 
         report = engine_capacity_report(vllm_config, kv_cache_config)
         logger.info("%s", format_capacity_table(report))
@@ -120,6 +139,20 @@ class HiSparseConnectorScheduler:
         self.policy: ResidencyPolicy | None = None
         self.device_pool: BlockPoolDevicePool | None = None
         self._managers: list[ResidencyAwareManager] = []
+        self._indexer_managers: list[Any] = []
+
+        # Host tier as a prefix cache (decided in bind_kv_cache_manager).
+        self.host_prefix_cache = False
+        # The last request get_num_new_matched_tokens offered a host hit: (id, local pages).
+        self._offered_hit: tuple[str, int] | None = None
+        # Admitted requests with a leased host prefix: id -> (host blocks, local pages).
+        self._host_hits: dict[str, tuple[list[int], int]] = {}
+        # This step's indexer page copies, by the transfer they ride with.
+        self._step_indexer_pages: dict[int, IndexerPages] = {}
+        # MIRROR id -> pages (request id, serial, page, host block) whose indexer pages
+        # it carries, and whether their identity was already given to the policy.
+        self._identity_pending: dict[int, list[tuple[str, int, int, int, bool]]] = {}
+        self._adopted_tokens = 0  # set by _add_request for build_connector_meta
 
         # Requests known to the policy.
         self._row_of: dict[str, int] = {}
@@ -142,6 +175,10 @@ class HiSparseConnectorScheduler:
         self._cached_rows: np.ndarray | None = None
         # Unmet device demand: the last waiting request offered to us this step.
         self._offered: tuple[str, int] | None = None
+        # Device headroom gate (offer): requests let through this step (id -> pages they
+        # will need) and whether one was deferred (then later offers wait too, FCFS).
+        self._let_through: dict[str, int] = {}
+        self._admission_closed = False
         # get_kv_connector_stats: report at most every _STATS_EVERY_STEPS calls.
         self._stats_calls = 0
         # Ack counting across workers (only used with more than one worker).
@@ -196,8 +233,32 @@ class HiSparseConnectorScheduler:
         for index, manager in enumerate(managers):
             manager.bind_residency(self, index)
         self._managers = managers
+        self._indexer_managers = compat.group_managers(kv_cache_manager, self.indexer_group_ids)
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
         self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
+        self.host_prefix_cache = self._host_prefix_cache_usable(kv_cache_manager)
+
+    def _host_prefix_cache_usable(self, kv_cache_manager: Any) -> bool:
+        """Whether host pages can be published and served as prefix hits (logged)."""
+        caching, hash_block_size = compat.prefix_cache_geometry(kv_cache_manager)
+        why = None
+        if not caching:
+            why = "vLLM prefix caching is disabled"
+        elif hash_block_size != self.block_size:
+            why = f"vLLM hashes {hash_block_size}-token blocks, pages are {self.block_size} tokens"
+        elif not self.hisparse_config.eager_host_mirror:
+            why = "eager_host_mirror is false (indexer pages are saved with the mirror)"
+        elif not self.indexer_group_ids:
+            why = "the plan has no indexer group"
+        elif self._load_failure_policy != "fail":
+            why = (f"kv_load_failure_policy={self._load_failure_policy!r} (a failed host load "
+                   "would rewind tokens the policy already holds; accepted: 'fail')")
+        if why is not None:
+            logger.info("%s: host-prefix hits off: %s", CONNECTOR_NAME, why)
+            return False
+        logger.info("%s: host-prefix hits on (pages published once mirrored, indexer page "
+                    "included)", CONNECTOR_NAME)
+        return True
 
     def _require_policy(self) -> ResidencyPolicy:
         if self.policy is None:
@@ -211,22 +272,40 @@ class HiSparseConnectorScheduler:
         return _cdiv(max(total, 1), self.block_size)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """No external tokens; ``None`` (wait) when the host pool cannot back the request.
+        """Host-prefix hit past vLLM's own (``num_computed_tokens``, block aligned), as
+        external tokens loaded synchronously; ``None`` (wait) when the host pool cannot
+        back the request.
 
-        Host-prefix hits are not served yet (see docs/vllm-integration.md): a DSA page
-        also needs its indexer KV, which this connector does not hold.
+        The hit is the longest published prefix of the request's block hashes, in whole
+        pages, leaving at least one token to compute; it counts only past the local hit.
         """
-        if request.request_id in self._requests:
+        rid = request.request_id
+        if rid in self._requests:
             return 0, False
-        available = self.host_pool.num_allocatable_blocks - self._host_outstanding
-        if self._host_pages_for(request) > available:
+        local_pages = num_computed_tokens // self.block_size
+        hit_pages = self._host_hit_pages(request, local_pages)
+        prefix_pages = local_pages + hit_pages if hit_pages else 0
+        # Hit pages need no new host block; they may sit among the evictable ones.
+        available = self.host_pool.num_allocatable_blocks - self._host_outstanding - prefix_pages
+        if self._host_pages_for(request) - prefix_pages > available:
             return None, False
+        self._offered_hit = (rid, local_pages) if hit_pages else None
         # If vLLM cannot allocate its first chunk, this is unmet device demand
         # (``_note_unadmitted``): vLLM offers waiting requests in order and stops at the
         # first one it cannot allocate.
         first_chunk = min(max(request.num_tokens - num_computed_tokens, 1), self._max_chunk_tokens)
-        self._offered = (request.request_id, _cdiv(first_chunk, self.block_size))
-        return 0, False
+        self._offered = (rid, _cdiv(first_chunk, self.block_size))
+        return hit_pages * self.block_size, False
+
+    def _host_hit_pages(self, request: Any, local_pages: int) -> int:
+        """Published host pages of ``request`` past its first ``local_pages`` pages."""
+        if not self.host_prefix_cache:
+            return 0
+        max_pages = (request.num_tokens - 1) // self.block_size  # leave a token to compute
+        if max_pages <= local_pages:
+            return 0
+        hits = self._require_policy().lookup_host_prefix(request.block_hashes[:max_pages])
+        return max(0, hits - local_pages)
 
     def _note_unadmitted(self, scheduled: dict[str, int]) -> None:
         """Unmet device demand the connector can see, fed to the policy's next decision
@@ -246,12 +325,30 @@ class HiSparseConnectorScheduler:
         return _cdiv(pages * self._num_kv_groups, len(self.sparse_group_ids))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        """Admitted: remember the request and reserve host blocks for its whole length."""
+        """Admitted: remember the request, lease its host-prefix hit (if vLLM took it) and
+        reserve host blocks for the rest of its length."""
         rid = request.request_id
         if rid in self._requests:
             return
+        offered, self._offered_hit = self._offered_hit, None
+        prefix_pages = 0
+        if num_external_tokens:
+            if offered is None or offered[0] != rid or num_external_tokens % self.block_size:
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: request {rid!r} allocated with {num_external_tokens} "
+                    "external tokens this connector did not offer in whole pages")
+            local_pages = offered[1]
+            prefix_pages = local_pages + num_external_tokens // self.block_size
+            policy = self._require_policy()
+            hits = policy.acquire_host_prefix(request.block_hashes, max_pages=prefix_pages)
+            if len(hits) != prefix_pages:
+                policy.release_host_prefix(hits)
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: request {rid!r}: a host prefix of {prefix_pages} pages "
+                    f"was offered but only {len(hits)} are still published")
+            self._host_hits[rid] = (hits, local_pages)
         self._requests[rid] = request
-        need = self._host_pages_for(request)
+        need = self._host_pages_for(request) - prefix_pages
         self._host_remaining[rid] = need
         self._host_outstanding += need
 
@@ -259,6 +356,59 @@ class HiSparseConnectorScheduler:
         """Finish or abort (not preemption): the free that follows ends it as finished."""
         self._finishing.add(request.request_id)
         return False, None
+
+    # ==================================================================== device headroom
+    def offer(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM offers a waiting request (the connector's ``get_num_new_matched_tokens``):
+        the host-side answer (:meth:`get_num_new_matched_tokens`), then the device
+        headroom gate (:meth:`_lacks_device_headroom`). ``(None, False)`` keeps the request
+        waiting. Once one request is deferred, the later offers of the step wait too, as
+        after a failed allocation in vLLM (first come, first served)."""
+        if self._admission_closed and request.request_id not in self._requests:
+            self._stats.add("num_admissions_deferred", 1)
+            return None, False
+        matched = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        if matched[0] is None or request.request_id in self._requests:
+            return matched
+        if self._lacks_device_headroom(request):
+            self._admission_closed = True
+            self._stats.add("num_admissions_deferred", 1)
+            return None, False
+        return matched
+
+    def _lacks_device_headroom(self, request: Any) -> bool:
+        """Whether admitting ``request`` now would leave too few free device blocks for
+        the requests already running (docs/vllm-integration.md, "Admission headroom").
+
+        vLLM admits a request when its first chunk fits. Without the connector a pool
+        that full is full of resident pages, and vLLM's greedy admission over-commits it
+        by at most one request. With the connector part of the pool is free because MIXED
+        requests released their pages; admitting into that space leaves nothing for the
+        running requests' next pages (which, after a burst, all cross a page boundary in
+        the same step), so vLLM preempts, re-admits the request from its prefix-cache
+        hits, and preempts again at the next boundary. Measured with ``vllm-hisparse
+        simulate``: 3 preemptions against 1 without the connector. The gate admits a
+        request only if the free blocks cover, in every KV cache group: its whole prompt
+        (prefilling requests stay resident, R1), the rest of the prompt of every
+        prefilling request (and of those let through earlier this step), and one page
+        for every decoding request. Cost: O(prefilling requests) per offer.
+        """
+        if self.device_pool is None:
+            return False
+        bs = self.block_size
+        need = _cdiv(request.num_tokens + 1, bs)
+        pages = need + sum(self._let_through.values())
+        num_decoding = len(self._requests) - len(self._prefilling)
+        num_decoding -= sum(1 for rid in self._let_through if rid in self._requests)
+        pages += max(num_decoding, 0)
+        requests = self._requests
+        for rid in self._prefilling:
+            r = requests[rid]
+            pages += max(_cdiv(r.num_tokens + 1, bs) - _cdiv(r.num_computed_tokens, bs), 0)
+        if pages * self._num_kv_groups > self.device_pool.block_pool.get_num_free_blocks():
+            return True
+        self._let_through[request.request_id] = need
+        return False
 
     # ==================================================================== the step
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
@@ -271,6 +421,10 @@ class HiSparseConnectorScheduler:
         """
         policy = self._require_policy()
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        # The admission pass of this step is over (offer).
+        if self._let_through:
+            self._let_through.clear()
+        self._admission_closed = False
         self._note_unadmitted(scheduled)
         if self._prefilling:
             self._update_prefilling(scheduled)
@@ -288,8 +442,10 @@ class HiSparseConnectorScheduler:
                 for i in (rows < 0).nonzero()[0].tolist():
                     rid = keys[i]
                     rows[i] = new_rows[rid] = self._add_request(rid)
-                    # A device prefix-cache hit: vLLM's computed tokens are new to the policy.
-                    counts[i] += self._requests[rid].num_computed_tokens
+                    # A prefix hit: vLLM's computed tokens not adopted as a host prefix are
+                    # new to the policy (a device prefix-cache hit).
+                    counts[i] += self._requests[rid].num_computed_tokens - self._adopted_tokens
+                    self._adopted_tokens = 0
                 self._cached_keys, self._cached_rows = keys, rows
             # One vectorised call; requests crossing into new pages adopt vLLM's blocks.
             outcome = policy.schedule_rows(rows, counts, self._adopt_pages)
@@ -307,9 +463,103 @@ class HiSparseConnectorScheduler:
                     "resident, requirement R1 in docs/core.md)")
         command = policy.build_step()
         self._apply_command(command)
+        indexer_pages, self._step_indexer_pages = self._step_indexer_pages, {}
+        if self.host_prefix_cache and scheduled:
+            self._plan_indexer_saves(keys, rows, counts, command, indexer_pages)
         return HiSparseConnectorMetadata(
-            command=command, new_rows=new_rows, bundles=self._bundles_of(command)
+            command=command, new_rows=new_rows, bundles=self._bundles_of(command),
+            indexer_pages=indexer_pages,
         )
+
+    # ------------------------------------------------------------------ host-prefix cache
+    def _plan_indexer_saves(self, keys: tuple, rows: np.ndarray, counts: np.ndarray,
+                            command: StepCommand, indexer_pages: dict[int, IndexerPages]) -> None:
+        """Indexer pages of the pages this step's forward completes ride with its MIRROR.
+
+        The forward writes a completed page's last rows, so that MIRROR is what makes the
+        page clean, and the worker saves the indexer pages ahead of it on the same stream:
+        a page is clean only once its indexer page is on the host too. The policy gets
+        the pages' identities (vLLM's block hashes) now and publishes each page when it
+        is clean, even if its request ended meanwhile; identities not known yet (a token
+        still a placeholder under async scheduling) are given when the mirror completes,
+        if the request still runs. A failed mirror or indexer save revokes them
+        (``update_connector_output``). Cost: O(scheduled) numpy, plus the pages completed."""
+        policy = self._require_policy()
+        t = policy.tables
+        bs = self.block_size
+        after = t.num_tokens[rows]
+        full_after = after // bs
+        full_before = (after - counts) // bs
+        done = np.nonzero(full_after > full_before)[0]
+        if done.shape[0] == 0:
+            return
+        mirror = next((x for x in command.transfers if x.kind == TransferKind.MIRROR), None)
+        if mirror is None:
+            return
+        idx_tables = [m.req_to_blocks for m in self._indexer_managers]
+        device: list[list[int]] = [[] for _ in idx_tables]
+        host: list[int] = []
+        pending: list[tuple[str, int, int, int, bool]] = []
+        for i in done.tolist():
+            rid, row = keys[i], int(rows[i])
+            serial = int(t.serial[row])
+            first, end = int(full_before[i]), int(full_after[i])
+            hashes = self._requests[rid].block_hashes
+            known = min(end, len(hashes))
+            if known > first:
+                policy.set_block_hashes(rid, first, hashes[first:known])
+            for page in range(first, end):
+                host_block = int(t.host_block[row, page])
+                if host_block < 0:
+                    continue
+                for g, table in enumerate(idx_tables):
+                    device[g].append(table[rid][page].block_id)
+                host.append(host_block)
+                pending.append((rid, serial, page, host_block, page < known))
+        if pending:
+            indexer_pages[mirror.transfer_id] = IndexerPages(device, host, to_host=True)
+            self._identity_pending[mirror.transfer_id] = pending
+
+    def _give_late_identities(self, entries: list[tuple[str, int, int, int, bool]]) -> None:
+        """Identities not known when the pages' mirror was planned, now that it completed
+        (the policy publishes each page once it is also clean). Pages of requests that
+        ended or restarted since are skipped."""
+        policy = self._require_policy()
+        serial_of = policy.tables.serial
+        for rid, serial, page, _, given in entries:
+            if given:
+                continue
+            row = self._row_of.get(rid)
+            if row is None or int(serial_of[row]) != serial:
+                continue
+            hashes = self._requests[rid].block_hashes
+            if page < len(hashes):
+                policy.set_block_hashes(rid, page, [hashes[page]])
+
+    def _revoke_identities(self, tid: int) -> None:
+        entries = self._identity_pending.pop(tid, None)
+        if entries:
+            self._require_policy().revoke_block_hashes(
+                tid, [(rid, serial, page, host) for rid, serial, page, host, _ in entries])
+
+    def _adopt_host_prefix(self, rid: str) -> int:
+        """A new request with a leased host prefix: the policy adopts vLLM's blocks for
+        its pages and loads those not already on the device (sparse-MLA rows through
+        the policy's RESTORE, indexer pages with it). Returns the tokens adopted."""
+        hits, local_pages = self._host_hits.pop(rid)
+        policy = self._require_policy()
+        n = len(hits)
+        tables = [m.req_to_blocks[rid] for m in self._managers]
+        adopt = self.device_pool.adopt
+        leads = [adopt([table[p] for table in tables]) for p in range(n)]
+        load_id = policy.adopt_host_prefix(rid, leads, hits, local_pages)
+        policy.set_block_hashes(rid, 0, self._requests[rid].block_hashes[:n])
+        if load_id >= 0:
+            self._step_indexer_pages[load_id] = IndexerPages(
+                [[m.req_to_blocks[rid][p].block_id for p in range(local_pages, n)]
+                 for m in self._indexer_managers],
+                hits[local_pages:], to_host=False)
+        return n * self.block_size
 
     # ------------------------------------------------------------------ R1: prefilling
     def _is_prefilling(self, request: Any) -> bool:
@@ -350,6 +600,8 @@ class HiSparseConnectorScheduler:
         self._row_of[rid] = result.row
         self._rid_of_row[result.row] = rid
         self._cached_keys = None
+        if rid in self._host_hits:
+            self._adopted_tokens = self._adopt_host_prefix(rid)
         return result.row
 
     def _adopt_pages(self, row: int, first_page: int, num_pages: int) -> list[int]:
@@ -457,6 +709,9 @@ class HiSparseConnectorScheduler:
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        hit = self._host_hits.pop(rid, None)
+        if hit is not None:  # freed before it was ever scheduled
+            self._require_policy().release_host_prefix(hit[0])
         self._cached_keys = None
         self._prefilling.discard(rid)
         self._requests.pop(rid, None)
@@ -474,14 +729,25 @@ class HiSparseConnectorScheduler:
             raise TypeError(
                 f"{CONNECTOR_NAME}: expected HiSparseWorkerMetadata from the workers, got {type(meta).__name__}"
             )
+        # Before the acks that make pages clean (a clean page with an identity is
+        # published): a worker that failed to save indexer pages reports it no later
+        # than its own completion of the mirror.
+        for tid in meta.failed_indexer_saves:
+            self._revoke_identities(tid)
         acks = meta.acks
         if acks.is_empty():
             return
         policy = self._require_policy()
-        if self.num_workers == 1:
-            policy.apply_acks(acks)
-            return
-        policy.apply_acks(self._count_acks(acks))
+        if self.num_workers > 1:
+            acks = self._count_acks(acks)
+        if self._identity_pending:
+            for tid in acks.failed:  # the pages may become clean later, by a spill
+                self._revoke_identities(tid)
+            for tid in acks.completed:
+                entries = self._identity_pending.pop(tid, None)
+                if entries:
+                    self._give_late_identities(entries)
+        policy.apply_acks(acks)
 
     def _count_acks(self, acks: WorkerAcks) -> WorkerAcks:
         """Turn per-worker reports into transfer-level outcomes (N workers)."""

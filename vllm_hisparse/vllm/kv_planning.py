@@ -396,7 +396,9 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
             # again at construction, after auto-fit.
             check_host_pool_holds_one_request(
                 resolve_config(vllm_config),
-                host_block_bytes=host_block_bytes(split.groups[i] for i in split.sparse_group_ids),
+                host_block_bytes=host_block_bytes(
+                    split.groups[i] for i in split.sparse_group_ids + split.indexer_group_ids
+                ),
                 host_copies=host_copies_per_replica(vllm_config),
                 max_model_len=vllm_config.model_config.max_model_len,
             )
@@ -404,18 +406,48 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
 
 
 def host_block_bytes(sparse_groups: Iterable[KVCacheGroupSpec]) -> int:
-    """Bytes one host block holds: one page of every sparse-MLA layer."""
+    """Bytes of one page of every layer of ``sparse_groups`` (any groups, summed)."""
     return sum(group.kv_cache_spec.page_size_bytes for group in sparse_groups)
 
 
+def indexer_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """Ids of the planned groups that hold only DSA indexer layers (always resident)."""
+    sparse = set(sparse_group_ids(kv_cache_config))
+    return tuple(
+        i
+        for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        if i not in sparse
+        and all(
+            isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.INDEXER
+            for s in _layer_specs(group)
+        )
+    )
+
+
+def host_page_bytes(kv_cache_config: KVCacheConfig) -> tuple[int, int]:
+    """``(sparse_mla_bytes, indexer_bytes)`` of one host block.
+
+    A host block holds one page of every sparse-MLA layer (the rows residency moves)
+    and one page of every indexer layer: a host-prefix hit must load both, since the
+    indexer scores every position of a request's context."""
+    groups = kv_cache_config.kv_cache_groups
+    return (
+        host_block_bytes(groups[i] for i in sparse_group_ids(kv_cache_config)),
+        host_block_bytes(groups[i] for i in indexer_group_ids(kv_cache_config)),
+    )
+
+
 def host_copies_per_replica(vllm_config: VllmConfig) -> int:
-    """How many ranks of a DP replica pin their own copy of the host pool.
+    """How many copies of the host pool a DP replica pins.
 
     Sparse-MLA KV is not sharded across TP ranks (``max_tp_shards=1``), so every rank
-    holds the same rows. Until the worker shares one pinned pool between the ranks
-    of a node, each rank pins its own copy and ``host_pool_gib`` is divided by TP.
+    holds the same rows. The ranks of a replica on one node (multiprocess executor) share
+    one pool: 1 copy. Otherwise each rank pins its own copy and ``host_pool_gib`` is
+    divided by TP (``host_sharing.plan_host_pool_sharing``).
     """
-    return vllm_config.parallel_config.tensor_parallel_size
+    from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
+
+    return plan_host_pool_sharing(vllm_config).host_copies
 
 
 def select_builder(vllm_config: VllmConfig) -> str | None:
@@ -543,16 +575,8 @@ def engine_capacity_report(
     config = resolve_config(vllm_config)
     groups = kv_cache_config.kv_cache_groups
     sparse_ids = sparse_group_ids(kv_cache_config)
-    indexer_ids = [
-        i
-        for i, group in enumerate(groups)
-        if i not in sparse_ids
-        and all(
-            isinstance(s, MLAAttentionSpec) and s.cache_role is SparseCacheRole.INDEXER
-            for s in _layer_specs(group)
-        )
-    ]
-    block_bytes = host_block_bytes(groups[i] for i in sparse_ids)
+    indexer_ids = indexer_group_ids(kv_cache_config)
+    block_bytes = sum(host_page_bytes(kv_cache_config))
     copies = host_copies_per_replica(vllm_config)
     max_model_len = vllm_config.model_config.max_model_len
     host_blocks = check_host_pool_holds_one_request(

@@ -17,6 +17,21 @@ from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMeta
 
 
 @dataclass
+class IndexerPages:
+    """Whole indexer pages that ride with one of the command's transfers.
+
+    ``device_blocks[g][i]`` is page ``i``'s block in the ``g``-th indexer KV cache group
+    and ``host_blocks[i]`` its host block. ``to_host``: saved after the forward, before
+    the step's ``MIRROR`` (so the mirror's completion implies theirs); otherwise loaded
+    before the forward, with the ``RESTORE`` of a host-prefix hit.
+    """
+
+    device_blocks: list[list[int]]
+    host_blocks: list[int]
+    to_host: bool
+
+
+@dataclass
 class HiSparseConnectorMetadata(KVConnectorMetadata):
     """The step's command for every worker.
 
@@ -31,6 +46,8 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     command: StepCommand
     new_rows: dict[str, int] = field(default_factory=dict)
     bundles: dict[int, list[int]] = field(default_factory=dict)
+    # Transfer id -> indexer pages copied with it (host-prefix publication and loads).
+    indexer_pages: dict[int, IndexerPages] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,6 +56,9 @@ class HiSparseWorkerMetadata(KVConnectorWorkerMetadata):
 
     acks: WorkerAcks = field(default_factory=WorkerAcks)
     num_workers: int = 1
+    # Ids of MIRROR transfers whose indexer page saves failed on this worker: their
+    # pages must not be published (a later hit could not load their indexer KV).
+    failed_indexer_saves: list[int] = field(default_factory=list)
 
     def aggregate(self, other: "HiSparseWorkerMetadata") -> "HiSparseWorkerMetadata":
         """Combine two workers' reports.
@@ -53,4 +73,5 @@ class HiSparseWorkerMetadata(KVConnectorWorkerMetadata):
             acks=WorkerAcks(enqueued=self.acks.enqueued + other.acks.enqueued,
                             completed=self.acks.completed + other.acks.completed,
                             failed=self.acks.failed + other.acks.failed),
-            num_workers=self.num_workers + other.num_workers)
+            num_workers=self.num_workers + other.num_workers,
+            failed_indexer_saves=self.failed_indexer_saves + other.failed_indexer_saves)

@@ -36,6 +36,7 @@ SCHEDULER_COUNTERS = (
     "num_failed_transfers",
     "num_preemptions",
     "num_preemptions_avoided",
+    "num_admissions_deferred",
 )
 
 #: Scheduler-side gauges (level at report time; the later report wins).
@@ -68,6 +69,9 @@ PROMETHEUS_METRICS: dict[str, tuple[str, str, str]] = {
     "num_preemptions_avoided": ("vllm:hisparse_residency_preemptions_avoided", "counter",
                                 "Allocation failures answered by waiting for in-flight "
                                 "transfers that free device blocks instead of preempting."),
+    "num_admissions_deferred": ("vllm:hisparse_residency_admissions_deferred", "counter",
+                                "Offers of waiting requests deferred because admitting them "
+                                "would leave running requests no free blocks to grow into."),
     "num_hot_leases": ("vllm:hisparse_residency_hot_leases", "gauge",
                        "Requests holding a hot region (Mixed or None residency)."),
     "num_host_blocks_used": ("vllm:hisparse_residency_host_blocks_used", "gauge",

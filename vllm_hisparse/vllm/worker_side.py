@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from vllm_hisparse.core.commands import Residency, StepCommand
+from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.attention_hook import (
@@ -50,13 +50,16 @@ from vllm_hisparse.vllm.attention_hook import (
     routed_direct_conversion,
 )
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig, check_host_pool_holds_one_request
-from vllm_hisparse.vllm.kv_planning import host_block_bytes, host_copies_per_replica, sparse_group_ids
+from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
+from vllm_hisparse.vllm.kv_planning import (host_copies_per_replica, host_page_bytes,
+                                            indexer_group_ids, sparse_group_ids)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.ack_merger import AckMerger
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
+from vllm_hisparse.worker.indexer_pages import IndexerPageStore, page_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")
 
@@ -104,19 +107,28 @@ class HiSparseWorkerRole:
         self.kv_cache_config = kv_cache_config
         self.block_size = hisparse_config.block_size
         self.sparse_group_ids = sparse_group_ids(kv_cache_config)
-        groups = kv_cache_config.kv_cache_groups
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_pages = _cdiv(self.max_model_len, self.block_size)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = check_host_pool_holds_one_request(
             hisparse_config,
-            host_block_bytes=host_block_bytes(groups[i] for i in self.sparse_group_ids),
+            host_block_bytes=sum(host_page_bytes(kv_cache_config)),
             host_copies=host_copies_per_replica(vllm_config),
             max_model_len=self.max_model_len,
         )
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages
+        self.writes_host = True  # False on TP ranks that map another rank's shared host pool
+        self.indexer_group_ids = indexer_group_ids(kv_cache_config)
+        self.indexer_pages: IndexerPageStore | None = None
+        # This step's indexer page copies (metadata), by the transfer they ride with.
+        self._step_indexer_pages: dict[int, Any] = {}
+        # Host-prefix loads in flight: RESTORE id -> every vLLM block it fills (all groups).
+        self._prefix_loads: dict[int, list[int]] = {}
+        self._load_errors: set[int] = set()
+        self._failed_indexer_saves: list[int] = []
+        self._pending_acks: list[WorkerAcks] = []
         self.host_pool: HostPool | None = None
         self.lanes: list[_Lane] = []
         self.step_view: StepView | None = None
@@ -174,9 +186,15 @@ class HiSparseWorkerRole:
             layout = DeviceRowLayout(self.block_size, strides.pop())
             per_group.append((group_id, names, self._index_units(group_id, names), layout, views))
         num_layers = sum(len(names) for _, names, _, _, _ in per_group)
+        # TP ranks of one node share one pool; only the writer rank copies device -> host.
+        sharing = plan_host_pool_sharing(self.vllm_config)
+        tp_rank = compat.tensor_parallel_rank(self.vllm_config)
+        self.writes_host = sharing.writes_host(tp_rank)
+        logger.info("%s worker: %s", CONNECTOR_NAME, sharing.describe(tp_rank))
         self.host_pool = HostPool(num_layers, self.host_num_blocks, self.block_size, row_bytes,
                                   huge_pages=self._huge_pages,
-                                  pin=device.type == "cuda")
+                                  pin=device.type == "cuda", shared=sharing.segment(tp_rank))
+        self._indexer_segment = sharing.segment(tp_rank, suffix="-indexer")
         self.step_view = StepView(self.max_num_seqs, device)
         first_host_layer = 0
         for sparse_index, (group_id, names, units, layout, views) in enumerate(per_group):
@@ -184,6 +202,7 @@ class HiSparseWorkerRole:
             first_host_layer += len(names)
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
+        self._bind_indexer_pages(kv_caches, self._indexer_segment)
         compat.install_topk_conversion_hook(hooked_conversion)
         compat.install_direct_conversion_routing(routed_direct_conversion)
         self._counter_reader = AsyncCounterReader(
@@ -193,6 +212,28 @@ class HiSparseWorkerRole:
                     "%d host blocks, block stride %s rows", CONNECTOR_NAME, num_layers,
                     len(self.lanes), sum(len(l.units) for l in self.lanes), self.host_num_blocks,
                     [l.layout.block_stride_rows for l in self.lanes])
+
+    def _bind_indexer_pages(self, kv_caches: dict[str, torch.Tensor], segment: Any) -> None:
+        """Page views of the indexer layers and their host store (host-prefix hits); shared
+        by the TP ranks of a node like the sparse-MLA pool (``segment``), saved by the
+        writer rank only."""
+        groups = self.kv_cache_config.kv_cache_groups
+        views: list[list[torch.Tensor]] = []
+        for group_id in self.indexer_group_ids:
+            names = list(groups[group_id].layer_names)
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise ValueError(f"{CONNECTOR_NAME}: register_kv_caches got no tensor for "
+                                 f"indexer layer {missing[0]!r} (KV cache group {group_id})")
+            views.append([page_view(kv_caches[n]) for n in names])
+        if views:
+            self.indexer_pages = IndexerPageStore(views, self.host_num_blocks,
+                                                  ops_backend=self.config.ops_backend,
+                                                  huge_pages=self._huge_pages, shared=segment,
+                                                  writes_host=self.writes_host)
+            logger.info("%s worker: %d indexer layers, %d B pages, %.2f GiB of host indexer "
+                        "pages", CONNECTOR_NAME, self.indexer_pages.num_layers,
+                        self.indexer_pages.page_bytes, self.indexer_pages.host_pool.logical_gib)
 
     def _index_units(self, group_id: int, names: list[str]) -> list[list[int]]:
         """Index units of a group: each leader with the followers after it (per-layer specs)."""
@@ -214,7 +255,7 @@ class HiSparseWorkerRole:
                     device) -> _Lane:
         engine = TransferEngine(views, host_layers, self.block_size,
                                 ops_backend=self.config.ops_backend,
-                                fail_transfer=self._fail_transfer)
+                                fail_transfer=self._fail_transfer, writes_host=self.writes_host)
         hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.device_buffer_size,
                                self.block_size, device, ops_backend=self.config.ops_backend)
                       for _ in units]
@@ -311,6 +352,9 @@ class HiSparseWorkerRole:
         self._check_rows(cmd)
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
+        self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
+        if self._step_indexer_pages:
+            self._load_indexer_pages(cmd)
         if batch_rows is not None:
             prefill = self._tracked_prefills(request_ids, batch_rows,
                                              step_inputs.get("scheduler_output"))
@@ -328,6 +372,9 @@ class HiSparseWorkerRole:
         """After the forward: launch sealed-page spills and the mirror of written rows."""
         if not self._in_step:
             return  # no forward this step (vLLM may call it on idle steps)
+        if self._step_indexer_pages:
+            # Before the mirrors: a mirror's completion then implies its pages' saves.
+            self._save_indexer_pages()
         for lane in self.lanes:
             lane.executor.after_forward()
         self.step_view.end()
@@ -337,9 +384,78 @@ class HiSparseWorkerRole:
         """Transfer acks since the last call (every lane merged); None when there are none."""
         if not self.lanes:
             return None
+        self._poll_acks()
+        parts, self._pending_acks = self._pending_acks, []
+        acks = WorkerAcks(enqueued=[t for a in parts for t in a.enqueued],
+                          completed=[t for a in parts for t in a.completed],
+                          failed=[t for a in parts for t in a.failed])
+        failed_saves, self._failed_indexer_saves = self._failed_indexer_saves, []
+        if acks.is_empty() and not failed_saves:
+            return None
+        return HiSparseWorkerMetadata(acks=acks, failed_indexer_saves=failed_saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids of host-prefix loads that failed (vLLM then fails the requests:
+        the forward already read them). Cleared by the call."""
+        if self.lanes:
+            self._poll_acks()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _poll_acks(self) -> None:
+        """Merge the lanes' acks into the pending report; note failed host-prefix loads."""
         acks = self._merger.merge([lane.executor.acks() for lane in self.lanes])
+        if acks.is_empty():
+            return
         self._stats.add(failed_transfers=len(acks.failed))
-        return None if acks.is_empty() else HiSparseWorkerMetadata(acks=acks)
+        if self._prefix_loads:
+            for tid in acks.completed:
+                self._prefix_loads.pop(tid, None)
+            for tid in acks.failed:
+                self._load_errors.update(self._prefix_loads.pop(tid, ()))
+        self._pending_acks.append(acks)
+
+    # ================================================================== indexer pages
+
+    def _load_indexer_pages(self, cmd: StepCommand) -> None:
+        """Host-prefix loads: indexer pages next to the RESTOREs the lanes just launched
+        (on the compute stream, so the forward reads them)."""
+        restores = {t.transfer_id: t for t in cmd.transfers
+                    if TransferKind(t.kind) is TransferKind.RESTORE}
+        for tid, pages in self._step_indexer_pages.items():
+            if pages.to_host:
+                continue
+            spec = restores.get(tid)
+            if spec is None:
+                raise ValueError(f"{CONNECTOR_NAME}: step {cmd.step_id} carries indexer pages "
+                                 f"for transfer {tid}, which is not one of its RESTOREs")
+            blocks = [b for lead in spec.device_blocks
+                      for b in (self._bundles.get(lead, [lead]) if len(self.lanes) > 1 else [lead])]
+            blocks += [b for group in pages.device_blocks for b in group]
+            self._prefix_loads[tid] = blocks
+            try:
+                if self.indexer_pages is None:
+                    raise RuntimeError("no indexer page store (no indexer layer registered)")
+                self.indexer_pages.load(pages.device_blocks, pages.host_blocks)
+            except Exception as exc:  # the forward would read garbage: vLLM fails the request
+                logger.warning("%s: indexer page load of transfer %d failed: %s",
+                               CONNECTOR_NAME, tid, exc)
+                self._load_errors.update(self._prefix_loads.pop(tid))
+
+    def _save_indexer_pages(self) -> None:
+        """Indexer pages completed by this forward, device → host, ahead of the mirror."""
+        for tid, pages in self._step_indexer_pages.items():
+            if not pages.to_host:
+                continue
+            try:
+                if self.indexer_pages is None:
+                    raise RuntimeError("no indexer page store (no indexer layer registered)")
+                self.indexer_pages.save(pages.device_blocks, pages.host_blocks)
+            except Exception as exc:  # those pages are then never published
+                logger.warning("%s: indexer page save with transfer %d failed: %s",
+                               CONNECTOR_NAME, tid, exc)
+                self._failed_indexer_saves.append(tid)
+        self._step_indexer_pages = {}
 
     def get_stats(self, *, sync: bool = False) -> HiSparseWorkerStats | None:
         """Counters since the previous call (None when nothing happened).
@@ -386,6 +502,8 @@ class HiSparseWorkerRole:
             lane.host_layers = []
         if self.host_pool is not None:
             self.host_pool.close()
+        if self.indexer_pages is not None:
+            self.indexer_pages.close()
 
     # ================================================================== helpers
 

@@ -26,18 +26,29 @@ Backing memory, best first (the choice is logged with logical and physical GiB):
 2 MiB pages matter for scattered zero-copy reads: with 4 KiB pages, GPU reads of random rows
 over a multi-GB buffer lose bandwidth to host-side address translation (DESIGN.md §8).
 
-Tensor-parallel ranks each map a private pool (logical = physical per rank); a shared pool
-across ranks is not implemented yet.
+**Shared pools** (``shared=SharedSegment(...)``): the tensor-parallel ranks of one replica on
+one node hold identical sparse-MLA rows, so they map one pool. The backing memory is a named
+file in a memory file system mapped ``MAP_SHARED`` (:mod:`~vllm_hisparse.worker.shm_segment`:
+a 2 MiB ``hugetlbfs`` mount first, then ``/dev/shm`` with ``MADV_HUGEPAGE``); the writer rank
+creates it, the others open it (bounded wait), every process registers its own mapping with
+``cudaHostRegister``. Page modes are the same names: ``hugetlb``, ``thp`` (measured from
+``/proc/self/smaps``), ``pinned`` (registered, 4 KiB pages) or ``pageable`` (not registered).
+The creator counts the physical memory; the openers map it (``physical_gib == 0``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import threading
-from typing import Literal
+import weakref
+from typing import Literal, Sequence
 
 import torch
+
+from vllm_hisparse.ops import host_ranges
+from vllm_hisparse.worker import shm_segment
 
 logger = logging.getLogger("vllm_hisparse.worker")
 
@@ -49,6 +60,34 @@ HUGE_PAGE_BYTES = 2 << 20
 _MAP_HUGETLB = 0x40000  # Linux, all architectures we build for
 _CUDA_HOST_REGISTER_PORTABLE = 1
 GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedSegment:
+    """How a :class:`HostPool` shares its memory with the other ranks of one node.
+
+    Args:
+        name: segment name every rank derives without communication (``[A-Za-z0-9_.-]``);
+            the file is ``vllm-hisparse-pool-<name>``.
+        create: True for the one rank that creates (and later unlinks) the segment; the others
+            open it.
+        num_ranks: processes that map it (for the log).
+        open_timeout_s: how long an opening rank waits for the creator's segment.
+        dirs: directories to create it in / look for it in; None = every writable 2 MiB
+            hugetlbfs mount, then ``/dev/shm``.
+    """
+
+    name: str
+    create: bool
+    num_ranks: int = 2
+    open_timeout_s: float = 600.0
+    dirs: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        shm_segment.segment_file_name(self.name)  # validates the name
+        if self.open_timeout_s <= 0:
+            raise ValueError(f"SharedSegment: open_timeout_s must be > 0, got "
+                             f"{self.open_timeout_s!r}")
 
 
 class HostPool:
@@ -66,12 +105,14 @@ class HostPool:
             up and logs (unpinning hundreds of GiB takes seconds; shutdown must not hang).
         layout: ``"position"`` (position-major, the default: layer views are row-strided) or
             ``"layer"`` (layer-major: each layer view is contiguous). See the module docstring.
+        shared: map a pool shared with other processes of this node (see
+            :class:`SharedSegment`); None = a private pool.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, row_bytes: int, *,
                  huge_pages: Literal["auto", "never", "require"] = "auto",
                  pin: bool | None = None, unpin_timeout_s: float = 30.0,
-                 layout: Layout = DEFAULT_LAYOUT):
+                 layout: Layout = DEFAULT_LAYOUT, shared: SharedSegment | None = None):
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("block_size", block_size), ("row_bytes", row_bytes)):
             if not isinstance(value, int) or value <= 0:
@@ -97,7 +138,13 @@ class HostPool:
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._mapping: mmap.mmap | None = None
         self._registered_ptr: int | None = None
-        self._buffer, self.page_mode = self._allocate(huge_pages)
+        self.shared = shared
+        self._segment: shm_segment.Segment | None = None
+        self._unlink_at_exit: weakref.finalize | None = None
+        if shared is None:
+            self._buffer, self.page_mode = self._allocate(huge_pages)
+        else:
+            self._buffer, self.page_mode = self._allocate_shared(shared, huge_pages)
         if layout == "layer":
             self.row_stride = row_bytes
             self.layers: list[torch.Tensor] = [
@@ -109,10 +156,22 @@ class HostPool:
             self.row_stride = num_layers * row_bytes
             rows = self._buffer.view(self.rows_per_layer, num_layers, row_bytes)
             self.layers = [rows[:, l, :] for l in range(num_layers)]
-        logger.info("host pool: %d layers x %d blocks x %d rows x %d B = %.2f GiB logical, "
-                    "%.2f GiB physical (private pool), pages: %s, layout: %s-major",
-                    num_layers, num_blocks, block_size, row_bytes, self.logical_gib,
-                    self.physical_gib, self.page_mode, layout)
+        geometry = (num_layers, num_blocks, block_size, row_bytes, self.logical_gib)
+        if shared is None:
+            logger.info("host pool: %d layers x %d blocks x %d rows x %d B = %.2f GiB logical, "
+                        "%.2f GiB physical (private pool), pages: %s, layout: %s-major",
+                        *geometry, self.physical_gib, self.page_mode, layout)
+        elif self._segment.created:
+            # Physical memory is logged once per node: by the creator.
+            logger.info("host pool: %d layers x %d blocks x %d rows x %d B = %.2f GiB logical, "
+                        "%.2f GiB physical (shared pool %s, mapped by %d ranks of this node), "
+                        "pages: %s, layout: %s-major", *geometry, self.physical_gib,
+                        self._segment.path, shared.num_ranks, self.page_mode, layout)
+        else:
+            logger.info("host pool: %d layers x %d blocks x %d rows x %d B = %.2f GiB logical, "
+                        "mapped from the shared pool %s (its physical memory is counted by the "
+                        "creating rank), pages: %s, layout: %s-major", *geometry,
+                        self._segment.path, self.page_mode, layout)
 
     # ---------------------------------------------------------------- sizes
 
@@ -130,8 +189,21 @@ class HostPool:
 
     @property
     def physical_gib(self) -> float:
-        """Bytes of host memory this rank holds, in GiB (equal to logical: private pool)."""
+        """Host memory this pool accounts for, in GiB: all of it for a private pool and for
+        the creator of a shared one, 0 for a rank that maps another rank's shared pool."""
+        if self._segment is not None and not self._segment.created:
+            return 0.0
         return self.total_bytes / GIB
+
+    @property
+    def creates_segment(self) -> bool:
+        """True for a private pool and for the creator of a shared one."""
+        return self._segment is None or self._segment.created
+
+    @property
+    def segment_path(self) -> str | None:
+        """The shared segment's file (None for a private pool)."""
+        return None if self._segment is None else self._segment.path
 
     @classmethod
     def blocks_for_bytes(cls, pool_bytes: int, num_layers: int, block_size: int,
@@ -185,6 +257,71 @@ class HostPool:
         self._mapping = mapping
         return buffer
 
+    def _header(self) -> dict:
+        return dict(num_layers=self.num_layers, num_blocks=self.num_blocks,
+                    block_size=self.block_size, row_bytes=self.row_bytes, layout=self.layout)
+
+    def _register(self, buffer: torch.Tensor) -> str | None:
+        """cudaHostRegister ``buffer``; the failure reason, or None when registered."""
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.total_bytes,
+                                                  _CUDA_HOST_REGISTER_PORTABLE)
+        if int(err) != 0:
+            return f"cudaHostRegister failed ({err})"
+        self._registered_ptr = buffer.data_ptr()
+        # torch's is_pinned() does not see every registered range (file-backed shared
+        # mappings): tell the ops this one is GPU-accessible.
+        host_ranges.add(self._registered_ptr, self.total_bytes)
+        return None
+
+    def _allocate_shared(self, shared: SharedSegment,
+                         huge_pages: str) -> tuple[torch.Tensor, PageMode]:
+        offset = shm_segment.DATA_OFFSET
+        if shared.create:
+            def pin_before_publishing(segment: shm_segment.Segment) -> str | None:
+                if not self._pin:
+                    return None
+                whole = torch.frombuffer(segment.mapping, dtype=torch.uint8)
+                reason = self._register(whole[offset:offset + self.total_bytes])
+                del whole
+                return reason
+
+            def unpin(segment: shm_segment.Segment) -> None:
+                if self._registered_ptr is not None:
+                    host_ranges.remove(self._registered_ptr)
+                    torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+                    self._registered_ptr = None
+
+            segment = shm_segment.create_segment(
+                shared.name, self.total_bytes, self._header(), huge_pages=huge_pages,
+                dirs=shared.dirs, on_mapped=pin_before_publishing, on_discard=unpin)
+            # A crash skips close(); at least a normal interpreter exit removes the name.
+            self._unlink_at_exit = weakref.finalize(self, segment.unlink)
+        else:
+            segment = shm_segment.open_segment(
+                shared.name, self.total_bytes, self._header(), dirs=shared.dirs,
+                timeout_s=shared.open_timeout_s)
+        self._segment = segment
+        self._mapping = segment.mapping
+        buffer = torch.frombuffer(segment.mapping, dtype=torch.uint8)[
+            offset:offset + self.total_bytes]
+        if self._pin and not shared.create:
+            reason = self._register(buffer)
+            if reason is not None:
+                del buffer
+                self._mapping = None
+                segment.mapping.close()
+                segment.close_file()
+                raise RuntimeError(f"HostPool: could not pin the shared pool {segment.path}: "
+                                   f"{reason}")
+        mode = segment.header["page_mode"]
+        if mode == "small":
+            mode = "pinned" if self._pin else "pageable"
+            if segment.created:
+                logger.info("host pool: the shared segment got 4 KiB pages (%s); for 2 MiB "
+                            "pages reserve hugetlbfs pages or mount it with huge=advise",
+                            segment.path)
+        return buffer, mode
+
     # ---------------------------------------------------------------- lifetime
 
     @property
@@ -200,8 +337,17 @@ class HostPool:
         if self._buffer is None:
             return
         self.layers = []
+        segment = self._segment
+        if segment is not None:
+            # The name goes first: no rank opens the segment from now on, and the memory is
+            # freed when the last process unmaps it.
+            segment.unlink()
+            if self._unlink_at_exit is not None:
+                self._unlink_at_exit.detach()
+                self._unlink_at_exit = None
         if self._registered_ptr is not None:
             ptr = self._registered_ptr
+            host_ranges.remove(ptr)
             done = threading.Event()
 
             def unregister():
@@ -214,6 +360,8 @@ class HostPool:
                                "leaving it to process exit", self.logical_gib,
                                self._unpin_timeout_s)
                 self._buffer = None
+                if segment is not None:
+                    segment.close_file()
                 return
             self._registered_ptr = None
         self._buffer = None
@@ -223,6 +371,8 @@ class HostPool:
             except BufferError:  # a caller still holds a view; the OS frees it at exit
                 logger.warning("host pool: a view is still referenced; mapping left to the GC")
             self._mapping = None
+        if segment is not None:
+            segment.close_file()  # the creator's lock goes with it
 
     def __enter__(self) -> "HostPool":
         return self
@@ -231,7 +381,9 @@ class HostPool:
         self.close()
 
     def __repr__(self) -> str:
+        share = ("" if self._segment is None else
+                 f", shared={self._segment.path} ({'creator' if self._segment.created else 'opener'})")
         return (f"HostPool(layers={self.num_layers}, blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, row_bytes={self.row_bytes}, "
                 f"layout={self.layout}, "
-                f"{self.logical_gib:.2f} GiB, pages={self.page_mode})")
+                f"{self.logical_gib:.2f} GiB, pages={self.page_mode}{share})")

@@ -14,16 +14,75 @@ never its batch position):
 
 Updates arrive as vectors (one ``index_put_`` per table and step, not one per entry), so a step
 that changes n pages costs O(n) on the host and a handful of small copies on the GPU.
+
+:class:`GroupGather` executes a resolve's miss plan for the group's layers: in one launch before
+the leader's attention (``mode="single"``, the default), or the leader's launch now and the
+followers' on a side stream, each follower's attention waiting only on its own event
+(``mode="side"``, IndexShare prefetch; docs/worker.md, "Follower prefetch").
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from vllm_hisparse import ops
+
+#: ``"side"``: leader's layer on the current stream, followers' on a side stream (one ready
+#: event per follower layer). ``"single"``: every layer in one launch on the current stream.
+GATHER_MODES = ("side", "single")
+#: ``"single"`` because it measured as fast as the best side schedule and faster than the
+#: others on the H200 decode-capacity benchmark (docs/benchmarks.md, "Decode capacity"): there
+#: the side-stream gathers hid no transfer time behind the stand-in compute kernels (which
+#: fill every SM and saturate HBM; the cause is not isolated yet). Side mode stays exact and
+#: capturable, for models and GPUs where the compute leaves room to overlap; measure first.
+DEFAULT_GATHER_MODE = "single"
+#: Launch schedule of side mode (see :func:`fit_chunks`): the leader with its first follower
+#: on the current stream, then followers in launches of 2, 4, 8, ... layers. A launch of one
+#: layer reads a position-major host pool at ~19 GB/s (one 4 KiB host page per row: the
+#: translation limit, docs/kernels.md "Host pool layout"), two adjacent layers at nearly
+#: the same time per position, so the leader alone is no sooner ready than leader + one
+#: follower (measured: (1, 1, 2, 4) took 0.7-0.8 ms more per step than (2, 2, 4) at 32K).
+DEFAULT_SIDE_CHUNKS: tuple[int, ...] = (2, 2, 4, 8, 16, 32, 64)
+#: Grid cap of the side-stream launches, in CTAs per SM (0 = the gather kernel's default, 4).
+#: The gather kernel's CTAs stride over the whole plan and stay resident until it is done;
+#: at 4 per SM (70 registers x 256 threads each) they hold nearly the whole register file,
+#: which the compute kernels they should overlap with need. One per SM still keeps ~2.8 MB of
+#: reads in flight, far more than the PCIe link needs (docs/kernels.md: 1-8 CTAs per SM
+#: gather within +-2 GB/s of each other). Measured step times: within noise of 2 or 4.
+DEFAULT_SIDE_CTAS_PER_SM = 1
+#: CUDA priority of the side stream (lower = higher; the compute stream is 0): pending side
+#: work gets freed SM slots before pending compute blocks. Measured: with no misses (4K) the
+#: empty side launches cost 0.06 ms per step instead of 0.36 ms; at 32K within noise.
+DEFAULT_SIDE_PRIORITY = -1
+
+
+def fit_chunks(spec: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """The launch schedule of an index group of ``num_layers`` layers from a chunk spec.
+
+    ``spec`` lists layers per launch in layer order; the first launch holds the leader. The
+    last launch is cut to fit and, when the spec runs out, its last size repeats. So ``(1,)``
+    is one launch per layer, ``(1, 99)`` the leader then all followers at once, ``(2, 2, 4)``
+    the leader with its first follower, then launches of 2 and 4 followers.
+
+    Returns:
+        positive chunk sizes summing to ``num_layers``.
+    """
+    if num_layers <= 0:
+        raise ValueError(f"fit_chunks: num_layers must be positive, got {num_layers}")
+    sizes = list(spec)
+    if not sizes or any(isinstance(c, bool) or not isinstance(c, int) or c <= 0 for c in sizes):
+        raise ValueError(f"gather chunks must be a non-empty list of positive ints, got {spec!r}")
+    out: list[int] = []
+    left = num_layers
+    while left:
+        size = min(sizes[min(len(out), len(sizes) - 1)], left)
+        out.append(size)
+        left -= size
+    return tuple(out)
 
 
 @dataclasses.dataclass
@@ -71,6 +130,9 @@ class HotState:
                                 device=self.device).repeat(num_state_rows, 1)
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._buffers: dict[tuple[int, int], ResolveResult] = {}
+        # The GroupGather whose side-stream gathers may still read this state's miss plan and
+        # write its hot rows (None once joined); see fence_side_work.
+        self._side_work: GroupGather | None = None
 
     # ---------------------------------------------------------------- table updates
 
@@ -125,9 +187,21 @@ class HotState:
             self._buffers[key] = buf
         return buf
 
+    def fence_side_work(self) -> None:
+        """Order the current stream after this group's gathers still running on a side stream.
+
+        Called by :meth:`resolve` and :meth:`gather` (the next resolve rewrites the miss-plan
+        buffers those gathers read, the next gather the hot rows they write) and by the step
+        executor before a step's table and block changes. A no-op once every follower layer
+        has waited for its rows (the usual case: that wait already joined the side stream)."""
+        pending = self._side_work
+        if pending is not None:
+            pending.join()
+
     def resolve(self, topk: torch.Tensor, token_rows: torch.Tensor) -> ResolveResult:
         """Resolve the step's top-k (int32 ``[T, K]``) of tokens whose state rows are
         ``token_rows`` (int32 ``[T]``); see ``ops.resolve``."""
+        self.fence_side_work()
         res = self._result_buffers(*topk.shape)
         self._ops.resolve(topk, token_rows, self.residency, self.host_blocks, self.hot_blocks,
                           self.slot_pos, self.lru, self.block_size, res.out_rows, res.miss_src,
@@ -138,6 +212,7 @@ class HotState:
                device_layers: Sequence[torch.Tensor]) -> None:
         """Copy the misses of ``result`` from the host pool into the hot rows, for every layer
         of the index group (leader and followers) in one call."""
+        self.fence_side_work()
         self._ops.gather_rows(host_layers, device_layers, result.miss_src, result.miss_dst,
                               result.miss_count)
 
@@ -145,3 +220,183 @@ class HotState:
         """Distinct (resident, hot hit, miss) selections counted so far (syncs on CUDA)."""
         resident, hit, miss = self.stats.tolist()
         return resident, hit, miss
+
+
+class GroupGather:
+    """Executes one index group's miss plan into the hot rows of its layers, layer by layer.
+
+    ``mode="single"`` (the default, :data:`DEFAULT_GATHER_MODE` says why): one
+    ``ops.gather_rows`` launch for every layer, on the current stream, before the leader's
+    attention.
+
+    ``mode="side"`` (IndexShare prefetch): the launches follow ``chunks`` (:func:`fit_chunks`).
+    The first launch holds the leader and runs on the current (compute) stream: the leader's
+    attention needs it now. The side stream then forks from the current stream (an event, so
+    it also waits for everything before, the leader's gather included) and runs the other
+    launches in layer order, recording one ready event per launch; every follower layer maps
+    to the event of the launch that holds it. :meth:`wait` makes the current stream wait on
+    that event only: no host sync, and the follower's attention runs as soon as its own rows
+    have landed. The plan is the leader's, replayed for the followers' bytes (exact: the
+    followers' hot slots are in lockstep with the leader's).
+
+    Memory safety: the side launches read the plan buffers of ``hot_state.resolve`` and write
+    hot rows. Until they are joined (every follower waited, or :meth:`join`), the hot state
+    remembers them, and its next ``resolve`` / ``gather`` (and the step executor, before a
+    step's table and block changes) first makes the current stream wait for them.
+
+    CUDA graphs: fork and join are event record / wait pairs between the capturing stream and
+    the side stream, so a step is capturable once every follower waits inside the capture
+    (a side stream left unjoined makes the capture fail, as CUDA requires). Join before a
+    capture begins. Nothing is allocated per step.
+
+    On CPU tensors there are no streams; the side launches are queued and run when a layer
+    waits or the work is joined, the latest moment a real stream could finish them. A
+    missing wait therefore reads stale rows in CPU tests too, instead of passing by accident.
+
+    Args:
+        hot_state: the group's state; its resolve writes the plan this executes.
+        host_layers: uint8 ``[host_rows, row_bytes]`` views, leader first (group order).
+        device_layers: uint8 ``[device_rows, row_bytes]`` views of the same layers.
+        mode: ``"side"`` or ``"single"``.
+        chunks: side-mode schedule spec (default :data:`DEFAULT_SIDE_CHUNKS`; ``(1,)`` puts
+            the leader alone on the current stream and every follower in its own launch).
+        side_stream: the CUDA stream for the followers' launches (default: a new one).
+        side_ctas_per_sm: grid cap of the side launches with the CUDA kernels (default
+            :data:`DEFAULT_SIDE_CTAS_PER_SM`; 0 = the kernel's default grid).
+        side_priority: CUDA priority of the side stream this creates (default
+            :data:`DEFAULT_SIDE_PRIORITY`; ignored when ``side_stream`` is given).
+    """
+
+    def __init__(self, hot_state: HotState, host_layers: Sequence[torch.Tensor],
+                 device_layers: Sequence[torch.Tensor], *, mode: str = DEFAULT_GATHER_MODE,
+                 chunks: Sequence[int] | None = None,
+                 side_stream: "torch.cuda.Stream | None" = None,
+                 side_ctas_per_sm: int = DEFAULT_SIDE_CTAS_PER_SM,
+                 side_priority: int = DEFAULT_SIDE_PRIORITY):
+        if isinstance(side_ctas_per_sm, bool) or not isinstance(side_ctas_per_sm, int) \
+                or side_ctas_per_sm < 0:
+            raise ValueError(f"GroupGather: side_ctas_per_sm must be an int >= 0, got "
+                             f"{side_ctas_per_sm!r}")
+        if mode not in GATHER_MODES:
+            raise ValueError(f"GroupGather: mode must be one of {', '.join(GATHER_MODES)}; "
+                             f"got {mode!r}")
+        if not host_layers or len(host_layers) != len(device_layers):
+            raise ValueError(f"GroupGather: need one host layer per device layer and at least "
+                             f"one; got {len(host_layers)} and {len(device_layers)}")
+        self.hot_state = hot_state
+        self.host_layers = list(host_layers)
+        self.device_layers = list(device_layers)
+        self.num_layers = len(self.device_layers)
+        self.mode = mode
+        # A schedule is checked in either mode, so a bad setting fails wherever it is given.
+        side_chunks = fit_chunks(DEFAULT_SIDE_CHUNKS if chunks is None else chunks,
+                                 self.num_layers)
+        self.chunks: tuple[int, ...] = (self.num_layers,) if mode == "single" else side_chunks
+        starts = [sum(self.chunks[:c]) for c in range(len(self.chunks))]
+        self._spans = [(s, s + n) for s, n in zip(starts, self.chunks)]
+        self._chunk_of = [c for c, n in enumerate(self.chunks) for _ in range(n)]
+        self._cuda = hot_state.device.type == "cuda"
+        self.side_ctas_per_sm = side_ctas_per_sm
+        # Side launches with a capped grid go to the tuned kernel entry directly; the layer
+        # lists are checked once here by the checked op (an empty plan copies nothing) and
+        # the plan buffers are the hot state's own, checked at every leader launch.
+        self._side_kernel = None
+        if self._cuda and len(self.chunks) > 1 and side_ctas_per_sm \
+                and hot_state._ops.name != "reference":
+            from vllm_hisparse.ops import cuda as cuda_ops
+
+            if cuda_ops.available():
+                self._side_kernel = cuda_ops.gather_rows_tuned
+                empty = torch.empty((0, 1), dtype=torch.int32, device=hot_state.device)
+                hot_state._ops.gather_rows(self.host_layers, self.device_layers, empty, empty,
+                                           torch.empty((0,), dtype=torch.int32,
+                                                       device=hot_state.device))
+        self._side_stream = side_stream
+        self.side_priority = side_priority
+        self._fork = None
+        self._ready: list = []
+        # CPU: side launches not run yet, in stream order: (chunk index, launch).
+        self._queue: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        # Chunks launched since the last join that the current stream has not waited on.
+        self._unjoined: set[int] = set()
+        #: Gather launches issued so far (both streams; tests and benchmarks).
+        self.launches = 0
+
+    @property
+    def side_launches(self) -> int:
+        """Launches per step that run on the side stream (0 in single mode)."""
+        return len(self.chunks) - 1
+
+    @property
+    def side_stream(self) -> "torch.cuda.Stream":
+        """The stream of the followers' launches (CUDA only; created on first use)."""
+        if not self._cuda:
+            raise RuntimeError("GroupGather: CPU tensors have no side stream")
+        return self._side()
+
+    def _side(self):
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.hot_state.device,
+                                                  priority=self.side_priority)
+        if self._fork is None:
+            self._fork = torch.cuda.Event()
+            self._ready = [None] + [torch.cuda.Event() for _ in self.chunks[1:]]
+        return self._side_stream
+
+    def _gather_span(self, result: ResolveResult, chunk: int) -> None:
+        start, end = self._spans[chunk]
+        if chunk and self._side_kernel is not None:
+            self._side_kernel(self.host_layers[start:end], self.device_layers[start:end],
+                              result.miss_src, result.miss_dst, result.miss_count,
+                              rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm)
+        else:
+            self.hot_state._ops.gather_rows(self.host_layers[start:end],
+                                            self.device_layers[start:end], result.miss_src,
+                                            result.miss_dst, result.miss_count)
+        self.launches += 1
+
+    def launch(self, result: ResolveResult) -> None:
+        """Execute ``result``'s plan (just resolved by ``hot_state.resolve``): the leader's
+        launch now on the current stream, the followers' on the side stream."""
+        self.hot_state.fence_side_work()
+        self._gather_span(result, 0)
+        if len(self.chunks) == 1:
+            return
+        if self._cuda:
+            side = self._side()
+            self._fork.record(torch.cuda.current_stream(self.hot_state.device))
+            side.wait_event(self._fork)
+            with torch.cuda.stream(side):
+                for chunk in range(1, len(self.chunks)):
+                    self._gather_span(result, chunk)
+                    self._ready[chunk].record(side)
+        else:
+            for chunk in range(1, len(self.chunks)):
+                self._queue.append((chunk, lambda c=chunk: self._gather_span(result, c)))
+        self._unjoined = set(range(1, len(self.chunks)))
+        self.hot_state._side_work = self
+
+    def wait(self, layer_index: int) -> None:
+        """Make the current stream wait until the rows of layer ``layer_index`` (0 = leader)
+        are in place. A no-op for the layers of the first launch and once waited."""
+        if not 0 <= layer_index < self.num_layers:
+            raise ValueError(f"GroupGather: layer {layer_index} is outside the index group "
+                             f"of {self.num_layers} layers")
+        self._wait_chunk(self._chunk_of[layer_index])
+
+    def join(self) -> None:
+        """Make the current stream wait for every side launch of the last :meth:`launch`."""
+        self._wait_chunk(len(self.chunks) - 1)
+
+    def _wait_chunk(self, chunk: int) -> None:
+        if chunk == 0 or chunk not in self._unjoined:
+            return
+        if self._cuda:
+            torch.cuda.current_stream(self.hot_state.device).wait_event(self._ready[chunk])
+        else:
+            while self._queue and self._queue[0][0] <= chunk:
+                self._queue.popleft()[1]()
+        # One stream runs the launches in order: this chunk's event covers the earlier ones.
+        self._unjoined = {c for c in self._unjoined if c > chunk}
+        if not self._unjoined and self.hot_state._side_work is self:
+            self.hot_state._side_work = None

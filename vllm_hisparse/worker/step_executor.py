@@ -55,6 +55,10 @@ class StepExecutor:
 
     def apply_tables(self, cmd: StepCommand) -> None:
         """Cleared rows, page updates and hot leases, in that order."""
+        # Gathers of the last step still on a side stream write hot rows of blocks this
+        # command may hand to someone else (and the transfers below may overwrite).
+        for state in self.hot_states:
+            state.fence_side_work()
         for row in cmd.cleared_rows:
             self.residency[row] = -1
             self.host_blocks[row] = -1

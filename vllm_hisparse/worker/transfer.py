@@ -14,6 +14,12 @@ completed; the scheduler side keeps the source copy and marks nothing valid.
 On CUDA the copies run on a dedicated stream that first waits for the compute stream (the
 bytes it reads were written by the forward), and each transfer records an event. On CPU (tests,
 the simulator) copies run synchronously and an id is enqueued and completed at the same poll.
+
+An engine built with ``writes_host=False`` (a tensor-parallel rank that maps a host pool another
+rank writes, docs/worker.md "Tensor parallelism") copies nothing device → host: its spills and
+mirrors are acknowledged (enqueued and completed, in submission order) without a copy, so the
+scheduler still gets one report per worker; the host copy is valid once the writer's report
+arrives too. Restores run on every engine.
 """
 
 from __future__ import annotations
@@ -68,11 +74,14 @@ class TransferEngine:
         ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"`` (see :func:`ops.select`).
         fail_transfer: fault injection for tests and drills: called with each transfer id
             before launch; True makes that transfer fail as a failed launch would.
+        writes_host: False on a rank that shares a host pool written by another rank:
+            spills and mirrors are acknowledged without copying (see the module docstring).
     """
 
     def __init__(self, device_layers: Sequence[torch.Tensor], host_layers: Sequence[torch.Tensor],
                  block_size: int, *, ops_backend: str = "auto",
-                 fail_transfer: Callable[[int], bool] | None = None):
+                 fail_transfer: Callable[[int], bool] | None = None,
+                 writes_host: bool = True):
         if len(device_layers) != len(host_layers):
             raise ValueError(f"TransferEngine: {len(device_layers)} device layers but "
                              f"{len(host_layers)} host layers")
@@ -82,6 +91,8 @@ class TransferEngine:
         self.row_bytes = device_layers[0].shape[1] if device_layers else 0
         self._ops = ops.select(ops_backend)
         self._fail_transfer = fail_transfer
+        self.writes_host = bool(writes_host)
+        self.num_skipped_host_writes = 0  # spills / mirrors acknowledged without a copy
         self.device = device_layers[0].device if device_layers else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -114,15 +125,18 @@ class TransferEngine:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"TransferEngine: {kind.value} {transfer_id} has {len(src_ids)} "
                              f"sources but {len(dst_ids)} destinations")
+        # Another rank writes the shared host pool: nothing to copy, acknowledge only.
+        skip = not self.writes_host and kind is not TransferKind.RESTORE
         try:
             if self._fail_transfer is not None and self._fail_transfer(transfer_id):
                 raise RuntimeError("injected failure")
-            self._launch(kind, src_ids, dst_ids)
+            if not skip:
+                self._launch(kind, src_ids, dst_ids)
         except Exception as exc:  # reported to the scheduler, which keeps the source copy
             logger.warning("transfer %d (%s) failed: %s", transfer_id, kind.value, exc)
             self._report.failed.append((transfer_id, f"{type(exc).__name__}: {exc}"))
             return
-        moved = len(src_ids) * len(self.device_layers) * self.row_bytes
+        moved = 0 if skip else len(src_ids) * len(self.device_layers) * self.row_bytes
         if kind is not TransferKind.MIRROR:
             moved *= self.block_size
         if kind is TransferKind.RESTORE:
@@ -130,8 +144,9 @@ class TransferEngine:
         else:
             self._report.bytes_to_host += moved
         self._report.enqueued.append(transfer_id)
+        self.num_skipped_host_writes += skip
         event = None
-        if self._cuda:
+        if self._cuda and not skip:
             event = torch.cuda.Event()
             event.record(self._stream)
             self._last_event = event

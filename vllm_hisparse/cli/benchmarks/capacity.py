@@ -7,17 +7,34 @@ the sparse-MLA KV:
 * **hybrid**: a request keeps a hot region of ``--hot-rows`` rows plus its 2-page tail on the
   GPU and its whole KV in the pinned host pool (which then bounds the batch too).
 
-It then times a decode step of each batch on the GPU: top-k → device rows (vLLM's block-table
-arithmetic for full; ``resolve`` + ``gather_rows`` for hybrid) and a stand-in sparse attention
-read of K rows per request per layer (an index_select of the rows, which is what a sparse MLA
-kernel reads). Selections come from :class:`TopkGenerator` (drifting locality), precomputed.
-There is no model here, so the KV-dependent step time is reported twice: alone ("KV only"),
-and plus a stand-in for the model's weight pass, a read of ``--weights-gib-per-layer`` x layers
-from HBM timed in the same run (DeepSeek-V3.2 on 8 GPUs reads roughly 1.3 GiB of weights per layer
-per GPU per decode step; this term does not grow with the batch, which is why a larger batch pays).
+It then times a decode step of each batch on the GPU, layer by layer as a model runs it. Per
+index group (a leader layer that runs the indexer plus the followers that reuse its top-k):
+top-k → device rows at the leader (vLLM's block-table arithmetic for full; ``resolve`` +
+the group's gathers for hybrid); then per layer a stand-in sparse attention read of K rows
+per request (an index_select of the rows, which is what a sparse MLA kernel reads) followed
+by a stand-in for the layer's weight pass (a read of ``--weights-gib-per-layer`` from HBM;
+DeepSeek-V3.2 on 8 GPUs reads roughly 1.3 GiB of weights per layer per GPU per decode step;
+this term does not grow with the batch, which is why a larger batch pays). Selections come
+from :class:`TopkGenerator` (drifting locality), precomputed, one generator per request and
+index group.
 
-    vllm-hisparse bench capacity                # defaults: 8 layers, 656 B rows
-    vllm-hisparse bench capacity --json out.json
+Hybrid steps run in each ``--gather-modes`` entry:
+
+* ``single``: one gather launch for every layer of the group, before the leader's attention;
+* ``side`` / ``side:C1,C2,...`` / ``side...@N``: the leader's launch before its attention, the
+  followers' on a side stream, each follower's attention waiting on its own event
+  (``GroupGather``; ``C1,C2,...`` is the launch schedule, see ``hot_state.fit_chunks``, and
+  ``N`` the side launches' CTAs per SM, 0 = the kernel's default grid; ``~P`` the side
+  stream's priority, 0 = the compute stream's; ``side`` = the defaults);
+* ``noio``: resolve but no copy at all (an oracle, not exact: what the step would cost if
+  the PCIe transfers were free).
+
+The first table keeps the figures of the earlier version of this benchmark (KV part timed
+alone, the weight pass added afterwards: no overlap possible), for comparison.
+
+    vllm-hisparse bench capacity                # defaults: 8 layers in one index group
+    vllm-hisparse bench capacity --index-group-layers 8 4   # and GLM-5.2-like groups of 4
+    vllm-hisparse bench capacity --gather-modes single side side:1 side:2,2,4 noio
     vllm-hisparse bench capacity --layout layer      # the layer-major host pool
 
 ``--layout`` picks the host pool layout (position-major by default: the rows of all layers of a
@@ -37,7 +54,8 @@ import time
 import torch
 
 from vllm_hisparse.worker.host_pool import HostPool
-from vllm_hisparse.worker.hot_state import HotState
+from vllm_hisparse.worker.hot_state import (DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_PRIORITY,
+                                            GroupGather, HotState, fit_chunks)
 from vllm_hisparse.worker.synthetic import TopkGenerator
 
 TAIL_PAGES = 2
@@ -59,6 +77,38 @@ def plan_batches(context: int, a) -> dict:
                      host // full_request_bytes)
     return dict(context=context, pages=pages, full_batch=int(full), hybrid_batch=int(hybrid),
                 hybrid_device_rows=hybrid_device_rows)
+
+
+def group_spans(num_layers: int, group_layers: int) -> list[tuple[int, int]]:
+    """``[(first, end), ...]`` layer ranges of the index groups (``group_layers`` 0 = one
+    group of every layer; the last group may be shorter)."""
+    size = num_layers if group_layers <= 0 else group_layers
+    return [(s, min(s + size, num_layers)) for s in range(0, num_layers, size)]
+
+
+def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None, int, int]:
+    """``single`` | ``noio`` | ``side[:C1,C2,...][@N][~P]`` → (kind, chunk spec or None, side
+    CTAs per SM N (default ``DEFAULT_SIDE_CTAS_PER_SM``; 0 = the kernel's default grid), side
+    stream priority P (default ``DEFAULT_SIDE_PRIORITY``; 0 = the compute stream's))."""
+    if text in ("single", "noio"):
+        return text, None, DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_PRIORITY
+    if text == "side" or text.startswith(("side:", "side@", "side~")):
+        rest, _, prio = text[4:].partition("~")
+        body, _, ctas = rest.partition("@")
+        try:
+            spec = tuple(int(c) for c in body[1:].split(",")) if body else None
+            if spec is not None:
+                fit_chunks(spec, 1)
+            ctas_per_sm = int(ctas) if ctas else DEFAULT_SIDE_CTAS_PER_SM
+            priority = int(prio) if prio else DEFAULT_SIDE_PRIORITY
+            if ctas_per_sm < 0 or (body and not body.startswith(":")):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"gather mode {text!r}: expected side[:C1,C2,...][@N][~P] with "
+                             f"positive ints C, N >= 0 and an int P") from None
+        return "side", spec, ctas_per_sm, priority
+    raise ValueError(f"gather mode {text!r}: expected single, side[:C1,C2,...][@N][~P] or "
+                     f"noio")
 
 
 def time_steps(fn, steps: int, warmup: int) -> list[float]:
@@ -84,99 +134,154 @@ def time_steps(fn, steps: int, warmup: int) -> list[float]:
     return times
 
 
-def run_context(plan: dict, device_kv, host_pool: HostPool, a) -> dict:
+def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layers: int,
+                a) -> dict:
     bs, k, ctx = a.block_size, a.topk, plan["context"]
     pages = plan["pages"]
     total_steps = a.steps + a.warmup
     dev = device_kv[0].device
-    result = dict(plan)
+    groups = group_spans(a.layers, group_layers)
+    result = dict(plan, index_group_layers=[e - s for s, e in groups])
 
-    def topk_for(batch: int) -> torch.Tensor:
-        gens = [TopkGenerator(k, seed=r) for r in range(batch)]
+    def topk_for(batch: int, group: int) -> torch.Tensor:
+        gens = [TopkGenerator(k, seed=r + 7919 * group) for r in range(batch)]
         sel = torch.stack([torch.stack([g.select(ctx) for g in gens]) for _ in range(total_steps)])
         return sel.to(dev)  # [steps, batch, K]
 
     read_buf = torch.empty((max(plan["full_batch"], plan["hybrid_batch"]) * k, a.row_bytes),
                            dtype=torch.uint8, device=dev)
 
-    def attention_read(rows: torch.Tensor) -> None:
+    def attend(rows: torch.Tensor, layer: int) -> None:
         flat = rows.reshape(-1).clamp_min(0).to(torch.int64)
-        for layer in device_kv:
-            torch.index_select(layer, 0, flat, out=read_buf[:flat.numel()])
+        torch.index_select(device_kv[layer], 0, flat, out=read_buf[:flat.numel()])
+
+    def weight_pass(layer: int) -> None:
+        if weights is not None:
+            weights[layer].sum()
 
     # -- full residency: request r owns pages [r * pages, (r + 1) * pages) of the device pool
     b = plan["full_batch"]
     if b > 0:
-        sel = topk_for(b)
+        sels = [topk_for(b, g) for g in range(len(groups))]
         block_table = torch.arange(b * pages, dtype=torch.int64, device=dev).view(b, pages)
 
-        def full_step(i):
-            s = sel[i].to(torch.int64)
-            rows = torch.where(s >= 0, block_table.gather(1, (s.clamp_min(0) // bs)) * bs + s % bs,
-                               torch.full_like(s, -1))
-            attention_read(rows)
+        def full_step(i, with_weights=True):
+            for g, (first, end) in enumerate(groups):
+                s = sels[g][i].to(torch.int64)
+                rows = torch.where(s >= 0,
+                                   block_table.gather(1, (s.clamp_min(0) // bs)) * bs + s % bs,
+                                   torch.full_like(s, -1))
+                for layer in range(first, end):
+                    attend(rows, layer)
+                    if with_weights:
+                        weight_pass(layer)
 
-        t = time_steps(full_step, a.steps, a.warmup)
-        result["full_step_ms"] = statistics.median(t)
+        result["full_kv_ms"] = statistics.median(
+            time_steps(lambda i: full_step(i, False), a.steps, a.warmup))
+        result["full_step_ms"] = statistics.median(time_steps(full_step, a.steps, a.warmup))
         result["full_tokens_per_s"] = b / (result["full_step_ms"] / 1e3)
-        del sel
+        del sels
 
     # -- hybrid: tail pages resident, the rest host-backed, hot region leased per request
     b = plan["hybrid_batch"]
     if b > 0:
-        sel = topk_for(b)
+        sels = [topk_for(b, g) for g in range(len(groups))]
         tokens_all_resident = plan["hybrid_device_rows"] >= pages * bs
         hot_rows = a.hot_rows
-        state = HotState(b, pages, hot_rows, bs, dev, ops_backend=a.ops_backend)
         hot_blocks_per_req = hot_rows // bs
         next_block = 0
-        rows_idx, pages_idx, blocks, hosts = [], [], [], []
+        leases, rows_idx, pages_idx, blocks = [], [], [], []
         for r in range(b):
             if tokens_all_resident:
                 resident = range(pages)
             else:
                 resident = range(pages - TAIL_PAGES, pages)
-                state.lease_hot_region(r, list(range(next_block, next_block + hot_blocks_per_req)))
+                leases.append((r, list(range(next_block, next_block + hot_blocks_per_req))))
                 next_block += hot_blocks_per_req
             for p in resident:
                 rows_idx.append(r)
                 pages_idx.append(p)
                 blocks.append(next_block)
                 next_block += 1
-        state.set_pages(rows_idx, pages_idx, blocks)
         all_rows = [r for r in range(b) for _ in range(pages)]
         all_pages = [p for _ in range(b) for p in range(pages)]
-        state.set_host_blocks(all_rows, all_pages, [r * pages + p for r, p in zip(all_rows, all_pages)])
+        all_hosts = [r * pages + p for r, p in zip(all_rows, all_pages)]
         token_rows = torch.arange(b, dtype=torch.int32, device=dev)
         host_layers = [l[:b * pages * bs] for l in host_pool.layers]
 
-        def hybrid_step(i):
-            res = state.resolve(sel[i], token_rows)
-            state.gather(res, host_layers, device_kv)
-            attention_read(res.out_rows)
+        def fresh_states() -> list[HotState]:
+            """One state per index group; every group leases the same hot blocks (a device
+            block holds every layer's page, each group fills its own layers' rows)."""
+            states = []
+            for _ in groups:
+                state = HotState(b, pages, hot_rows, bs, dev, ops_backend=a.ops_backend)
+                for r, hot in leases:
+                    state.lease_hot_region(r, hot)
+                state.set_pages(rows_idx, pages_idx, blocks)
+                state.set_host_blocks(all_rows, all_pages, all_hosts)
+                states.append(state)
+            return states
 
-        stats_before = None
+        def timed(step_fn, states) -> tuple[float, float]:
+            """Median step ms and miss rate of the timed steps (fresh hot regions, warm-up)."""
+            before = {}
 
-        def measured(i):
-            nonlocal stats_before
-            if i == a.warmup and stats_before is None:
-                stats_before = state.stats.clone()
-            hybrid_step(i)
+            def measured(i):
+                if i == a.warmup and not before:
+                    before["stats"] = [s.stats.clone() for s in states]
+                step_fn(i)
 
-        t = time_steps(measured, a.steps, a.warmup)
-        resident, hits, misses = (state.stats - stats_before).tolist()
-        result["hybrid_step_ms"] = statistics.median(t)
-        result["hybrid_tokens_per_s"] = b / (result["hybrid_step_ms"] / 1e3)
-        result["miss_rate"] = misses / max(1, resident + hits + misses)
-        result["hot_hit_rate"] = hits / max(1, hits + misses)
-        # The resolve + gather part alone, to see what the hybrid path adds.
-        t2 = time_steps(lambda i: state.gather(state.resolve(sel[i % total_steps], token_rows),
-                                               host_layers, device_kv), a.steps, 0)
-        result["hybrid_resolve_gather_ms"] = statistics.median(t2)
-        del sel, state
-    if result.get("full_tokens_per_s") and result.get("hybrid_tokens_per_s"):
-        result["tokens_per_s_ratio"] = result["hybrid_tokens_per_s"] / result["full_tokens_per_s"]
-        result["batch_ratio"] = result["hybrid_batch"] / result["full_batch"]
+            ms = statistics.median(time_steps(measured, a.steps, a.warmup))
+            counts = [sum(int(x) for x in col) for col in zip(*[
+                (s.stats - s0).tolist() for s, s0 in zip(states, before["stats"])])]
+            resident, hits, misses = counts
+            return ms, misses / max(1, resident + hits + misses), hits / max(1, hits + misses)
+
+        def hybrid_step(i, states, gathers, with_weights=True):
+            for g, (first, end) in enumerate(groups):
+                res = states[g].resolve(sels[g][i], token_rows)
+                if gathers is not None:
+                    gathers[g].launch(res)
+                for j, layer in enumerate(range(first, end)):
+                    if gathers is not None:
+                        gathers[g].wait(j)
+                    attend(res.out_rows, layer)
+                    if with_weights:
+                        weight_pass(layer)
+
+        # Old-style figures: resolve + one gather of every layer alone, and the KV step.
+        states = fresh_states()
+        rg = lambda i: [states[g].gather(states[g].resolve(sels[g][i], token_rows),
+                                         host_layers[s:e], device_kv[s:e])
+                        for g, (s, e) in enumerate(groups)]
+        result["hybrid_resolve_gather_ms"], result["miss_rate"], result["hot_hit_rate"] = \
+            timed(rg, states)
+        states = fresh_states()
+        gathers = [GroupGather(st, host_layers[s:e], device_kv[s:e], mode="single")
+                   for st, (s, e) in zip(states, groups)]
+        result["hybrid_kv_ms"], _, _ = timed(
+            lambda i: hybrid_step(i, states, gathers, with_weights=False), states)
+
+        modes = {}
+        for text in a.gather_modes:
+            kind, spec, ctas_per_sm, priority = parse_mode(text)
+            states = fresh_states()
+            gathers = None if kind == "noio" else [
+                GroupGather(st, host_layers[s:e], device_kv[s:e], mode=kind, chunks=spec,
+                            side_ctas_per_sm=ctas_per_sm, side_priority=priority)
+                for st, (s, e) in zip(states, groups)]
+            ms, miss_rate, _ = timed(lambda i: hybrid_step(i, states, gathers), states)
+            modes[text] = dict(step_ms=ms, miss_rate=miss_rate,
+                               tokens_per_s=b / (ms / 1e3),
+                               chunks=[list(gg.chunks) for gg in gathers] if gathers else None)
+            if result.get("full_tokens_per_s"):
+                modes[text]["tokens_per_s_ratio"] = (modes[text]["tokens_per_s"]
+                                                     / result["full_tokens_per_s"])
+        result["modes"] = modes
+        del sels, states
+    if result.get("full_kv_ms") and result.get("hybrid_kv_ms"):
+        result["tokens_per_s_ratio_kv_only"] = ((plan["hybrid_batch"] / result["hybrid_kv_ms"])
+                                                / (plan["full_batch"] / result["full_kv_ms"]))
     return result
 
 
@@ -186,6 +291,14 @@ def main(argv=None) -> int:
     p.add_argument("--hbm-gib", type=float, default=4.0, help="HBM given to the MLA KV")
     p.add_argument("--host-gib", type=float, default=24.0, help="pinned host pool")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--index-group-layers", type=int, nargs="+", default=[0],
+                   help="layers per index group (leader + followers), one run each; 0 = one "
+                        "group of every layer (the default, IndexShare over 8 layers); 4 = "
+                        "GLM-5.2-like (21 leaders for 78 layers, ~3.7 layers per group)")
+    p.add_argument("--gather-modes", nargs="+", default=["single", "side", "noio"],
+                   help="hybrid gather modes: single, side, side:C1,C2,... (launch schedule), "
+                        "side...@N (side launches' CTAs per SM), side...~P (side stream "
+                        "priority, 0 = the compute stream's), noio (no copies: an oracle)")
     p.add_argument("--row-bytes", type=int, default=656)
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--hot-rows", type=int, default=4096)
@@ -202,6 +315,13 @@ def main(argv=None) -> int:
     p.add_argument("--ctas-per-sm", type=int, default=0, help="gather tuning (0 = default)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
+    for text in a.gather_modes:
+        try:
+            parse_mode(text)
+        except ValueError as e:
+            p.error(str(e))
+    if any(n < 0 for n in a.index_group_layers):
+        p.error("--index-group-layers: layers per index group must be >= 0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         print("bench_decode_capacity: no CUDA device, running on the CPU with the reference ops "
@@ -228,23 +348,27 @@ def main(argv=None) -> int:
     print(f"host pool {host_pool.logical_gib:.1f} GiB ({host_pool.page_mode}, "
           f"{host_pool.layout}-major) ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    weights = torch.empty(int(a.weights_gib_per_layer * a.layers * 2**30) // 4,
-                          dtype=torch.float32, device=device).uniform_()
-    weight_ms = statistics.median(time_steps(lambda i: weights.sum(), 10, 3)) if weights.numel() else 0.0
-    del weights
+    per_layer = int(a.weights_gib_per_layer * 2**30) // 4
+    weights = None
+    weight_ms = 0.0
+    if per_layer:
+        weights = torch.empty((a.layers, per_layer), dtype=torch.float32, device=device).uniform_()
+        weight_ms = statistics.median(time_steps(lambda i: weights.sum(), 10, 3))
 
     results = []
-    for context in a.contexts:
-        plan = plan_batches(context, a)
-        print(f"context {context}: full batch {plan['full_batch']}, hybrid batch "
-              f"{plan['hybrid_batch']} ...", flush=True)
-        r = run_context(plan, device_kv, host_pool, a)
-        r["weight_pass_ms"] = weight_ms
-        if r.get("full_step_ms") and r.get("hybrid_step_ms"):
-            full = r["full_batch"] / (r["full_step_ms"] + weight_ms)
-            hybrid = r["hybrid_batch"] / (r["hybrid_step_ms"] + weight_ms)
-            r["tokens_per_s_ratio_with_weights"] = hybrid / full
-        results.append(r)
+    for group_layers in a.index_group_layers:
+        for context in a.contexts:
+            plan = plan_batches(context, a)
+            groups = group_spans(a.layers, group_layers)
+            print(f"context {context}, {len(groups)} index group(s): full batch "
+                  f"{plan['full_batch']}, hybrid batch {plan['hybrid_batch']} ...", flush=True)
+            r = run_context(plan, device_kv, host_pool, weights, group_layers, a)
+            r["weight_pass_ms"] = weight_ms
+            if r.get("full_kv_ms") and r.get("hybrid_kv_ms"):
+                full = r["full_batch"] / (r["full_kv_ms"] + weight_ms)
+                hybrid = r["hybrid_batch"] / (r["hybrid_kv_ms"] + weight_ms)
+                r["tokens_per_s_ratio_weight_added"] = hybrid / full
+            results.append(r)
     host_layout = host_pool.layout
     host_pool.close()
 
@@ -252,23 +376,41 @@ def main(argv=None) -> int:
     print(f"{a.layers} layers x {a.row_bytes} B rows, K = {a.topk}, hot rows {a.hot_rows}, "
           f"HBM for KV {a.hbm_gib} GiB, host pool {a.host_gib} GiB ({host_layout}-major), "
           f"gather tuning {a.rows_per_warp or 'default'} rows/warp, "
-          f"{a.ctas_per_sm or 'default'} CTAs/SM, weight pass {weight_ms:.2f} ms, "
+          f"{a.ctas_per_sm or 'default'} CTAs/SM, weight pass {weight_ms:.2f} ms "
+          f"({a.weights_gib_per_layer} GiB/layer), "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     nan = float("nan")
-    print("| context | full batch | hybrid batch | full KV ms | hybrid KV ms | of which resolve+gather "
-          "ms | miss rate | tok/s ratio, KV only | tok/s ratio, with weight pass |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\nKV part timed alone, single launch (the earlier method; weight pass added after):")
+    print("| context | index groups | full batch | hybrid batch | full KV ms | hybrid KV ms | "
+          "of which resolve+gather ms | miss rate | tok/s ratio, KV only | "
+          "tok/s ratio, weight pass added |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['context']} | {r['full_batch']} | {r['hybrid_batch']} "
-              f"| {r.get('full_step_ms', nan):.3f} | {r.get('hybrid_step_ms', nan):.3f} "
-              f"| {r.get('hybrid_resolve_gather_ms', nan):.3f} | {100 * r.get('miss_rate', 0):.1f} % "
-              f"| {r.get('tokens_per_s_ratio', nan):.2f} "
-              f"| {r.get('tokens_per_s_ratio_with_weights', nan):.2f} |")
+        print(f"| {r['context']} | {'+'.join(map(str, r['index_group_layers']))} "
+              f"| {r['full_batch']} | {r['hybrid_batch']} "
+              f"| {r.get('full_kv_ms', nan):.3f} | {r.get('hybrid_kv_ms', nan):.3f} "
+              f"| {r.get('hybrid_resolve_gather_ms', nan):.3f} "
+              f"| {100 * r.get('miss_rate', 0):.1f} % "
+              f"| {r.get('tokens_per_s_ratio_kv_only', nan):.2f} "
+              f"| {r.get('tokens_per_s_ratio_weight_added', nan):.2f} |")
+    print("\nLayered decode step (per layer: [wait] + attention read + weight pass):")
+    print("| context | index groups | full step ms | gather mode | launches per group "
+          "| hybrid step ms | exposed IO ms (vs noio) | tok/s hybrid / full |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        modes = r.get("modes", {})
+        noio = modes.get("noio", {}).get("step_ms")
+        for text, m in modes.items():
+            chunks = m["chunks"][0] if m["chunks"] else []
+            exposed = (m["step_ms"] - noio) if noio is not None else nan
+            print(f"| {r['context']} | {'+'.join(map(str, r['index_group_layers']))} "
+                  f"| {r.get('full_step_ms', nan):.3f} | {text} "
+                  f"| {','.join(map(str, chunks)) or '-'} | {m['step_ms']:.3f} "
+                  f"| {exposed:.3f} | {m.get('tokens_per_s_ratio', nan):.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), device=device, host_layout=host_layout,
-                           results=results), f,
-                      indent=2)
+                           weight_pass_ms=weight_ms, results=results), f, indent=2)
     return 0
 
 

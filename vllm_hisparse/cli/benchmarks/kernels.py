@@ -3,8 +3,10 @@
     vllm-hisparse bench kernels [--json PATH] [--quick]
 
 * resolve without IO: batch 1/16/64/128/256, K = 2048, D = 4096 and 8192, miss rates
-  0/5/15/50 % (of the selections; the rest are hot hits), L2 flushed before each launch,
-  CUDA-event time of the launch, median of many repetitions;
+  0/5/15/50 % (of the selections; the rest are hot hits), per-launch time from CUDA-graph
+  replays with and without the resolves, L2 flushed before each launch (cold) or not (warm);
+  at 5 % also the previous kernel and the 1-token hash; the time to each stop point of the
+  kernel (launch floor, row loads, classify, hit marking, scans) and CTA 0's phase stamps;
 * gather_rows GB/s for 2K/16K/128K scattered rows of 656 and 1152 B from a pinned host pool,
   against the contiguous DMA (cudaMemcpyAsync) and contiguous zero-copy ceilings measured in
   the same run, plus a sweep of rows-in-flight per warp and CTAs per SM;
@@ -123,10 +125,17 @@ def resolve_args(s):
             s["miss_count"], s["stats"])
 
 
-def graph_time_resolve(sets, flush: bool, iters: int) -> float:
+def spin_clocks(ms: float = 30.0) -> None:
+    """Keep the GPU busy for about `ms` so that its clocks leave the idle state before a
+    timing (the SM clock is read back in resolve_phase_stamps)."""
+    torch.cuda._sleep(int(ms * 1e-3 * 1.98e9))
+
+
+def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True) -> float:
     """Per-launch µs of resolve inside a CUDA graph: a graph of `iters` x [restore the hot
     state of set i, (flush L2), resolve set i] minus the same graph without the resolves,
-    each the median of 7 replays timed with events."""
+    each the median of 7 replays timed with events. `steady`: one untimed replay and a
+    ~30 ms spin before each series, so that the GPU clocks are at their working level."""
     def build(with_resolve):
         for s in sets:  # warm-up outside capture (module load, smem opt-in)
             if with_resolve:
@@ -146,6 +155,9 @@ def graph_time_resolve(sets, flush: bool, iters: int) -> float:
 
     def replay_us(g):
         ts = []
+        if steady:
+            g.replay()
+            spin_clocks()
         for _ in range(7):
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
@@ -166,96 +178,139 @@ def graph_time_resolve(sets, flush: bool, iters: int) -> float:
     return max(0.0, (t1 - t0) / iters)
 
 
+def _reset(s):
+    s["slot_pos"].copy_(s["slot_pos0"])
+    s["lru"].copy_(s["lru0"])
+
+
+def _check_resolve(sets, B, miss):
+    """One plain launch of set 0 (after any debug setting is cleared): exact miss count."""
+    s = sets[0]
+    _reset(s)
+    cuda_ops.resolve(*resolve_args(s))
+    torch.cuda.synchronize()
+    cuda_ops.check_errors()
+    got = int(s["miss_count"].sum())
+    assert got == round(2048 * miss) * B, (got, miss, B)
+
+
+def resolve_phase_stamps(B: int, reps: int = 9, steady: bool = True) -> dict:
+    """Median %globaltimer intervals of CTA 0 (µs), cold L2, D 4096, miss 5 %, and the SM
+    clock of that CTA (clock64 cycles over globaltimer ns between stamps 0 and 6)."""
+    names = ["row loads", "classify+insert", "hit marking", "scan partials",
+             "scans+victims", "writes"]
+    sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
+    s = sets[0]
+    dt = torch.zeros(9, dtype=torch.int64, device=DEV)
+    acc = []
+    for _ in range(reps):
+        _reset(s)
+        if steady:
+            spin_clocks(10.0)
+        flush_l2()
+        cuda_ops._resolve(*resolve_args(s), debug_times=dt)
+        torch.cuda.synchronize()
+        v = dt.tolist()
+        acc.append([(v[i + 1] - v[i]) / 1000.0 for i in range(6)] + [(v[6] - v[0]) / 1000.0]
+                   + [(v[8] - v[7]) / max(1, v[6] - v[0]) * 1000.0])
+    med = [statistics.median(a[i] for a in acc) for i in range(8)]
+    return dict(zip(names + ["total", "sm_mhz"], med))
+
+
 def bench_resolve(quick: bool):
-    log("\n== resolve without IO (K = 2048, bs = 64, cold L2, median µs) ==")
+    log("\n== resolve without IO (K = 2048, bs = 64, P = 2048, median µs per launch) ==")
+    iters = 12 if quick else 24
     rows = []
     batches = [1, 16, 64, 128, 256] if not quick else [1, 64, 256]
+    misses = (0.0, 0.05, 0.15, 0.5)
     for D in (4096, 8192):
         for B in batches:
-            for miss in (0.0, 0.05, 0.15, 0.5):
+            for miss in misses:
                 sets = make_resolve_sets(B, 2048, D, miss, sets=4)
-
-                for tok in (4, 1):
-                    cuda_ops.set_max_tokens_per_request(tok)
-                    cold = graph_time_resolve(sets, flush=True, iters=12 if quick else 24)
-                    warm = graph_time_resolve(sets, flush=False, iters=12 if quick else 24)
-                    rows.append(dict(D=D, batch=B, miss=miss, max_tokens=tok, us=cold,
-                                     us_warm_l2=warm))
-                cuda_ops.set_max_tokens_per_request(4)
-                s = sets[0]
-                s["slot_pos"].copy_(s["slot_pos0"])
-                s["lru"].copy_(s["lru0"])
-                cuda_ops.resolve(*resolve_args(s))
-                torch.cuda.synchronize()
-                cuda_ops.check_errors()
-                got = int(s["miss_count"].sum())
-                assert abs(got - round(2048 * miss) * B) == 0, (got, miss, B)
+                row = dict(D=D, batch=B, miss=miss,
+                           us=graph_time_resolve(sets, flush=True, iters=iters),
+                           us_warm_l2=graph_time_resolve(sets, flush=False, iters=iters))
+                if miss == 0.05 and B == 64:
+                    # the bench's earlier method: no untimed replay, no spin (idle clocks)
+                    row["us_idle_clocks"] = graph_time_resolve(sets, flush=True, iters=iters,
+                                                               steady=False)
+                    cuda_ops._set_resolve_debug(variant=1)
+                    try:
+                        row["us_previous_idle_clocks"] = graph_time_resolve(
+                            sets, flush=True, iters=iters, steady=False)
+                    finally:
+                        cuda_ops._set_resolve_debug()
+                if miss == 0.05:
+                    # the hash sized for 1 token per request, and the previous kernel
+                    cuda_ops.set_max_tokens_per_request(1)
+                    row["us_1tok"] = graph_time_resolve(sets, flush=True, iters=iters)
+                    cuda_ops.set_max_tokens_per_request(4)
+                    cuda_ops._set_resolve_debug(variant=1)
+                    try:
+                        row["us_previous"] = graph_time_resolve(sets, flush=True, iters=iters)
+                        row["us_previous_warm_l2"] = graph_time_resolve(sets, flush=False,
+                                                                        iters=iters)
+                    finally:
+                        cuda_ops._set_resolve_debug()
+                rows.append(row)
+                _check_resolve(sets, B, miss)
                 del sets
-    log("cold = L2 flushed before each launch; 4tok/1tok = hash sized for 4 / 1 tokens per "
-        "request (cuda.set_max_tokens_per_request); warm-L2 numbers in the JSON")
-    log(f"{'D':>6} {'batch':>6} | " + " | ".join(f"miss {int(m*100):>2}% (4tok/1tok)"
-                                                 for m in (0.0, 0.05, 0.15, 0.5)))
+    RESULTS["resolve"] = rows
+    log("cold = L2 flushed before each launch; warm = not flushed; max_tokens_per_request 4 "
+        "(default); per-launch time from CUDA-graph replays with and without the resolves, "
+        "after a 30 ms spin (working clocks)")
+    r = next(r for r in rows if r["D"] == 4096 and r["batch"] == 64 and r["miss"] == 0.05)
+    log(f"batch 64, D 4096, miss 5 %, cold, without the spin (earlier method): this kernel "
+        f"{r['us_idle_clocks']:.1f} µs, previous kernel {r['us_previous_idle_clocks']:.1f} µs")
+    log(f"{'D':>6} {'batch':>6} | " + " | ".join(f"miss {int(m * 100):>2}% cold/warm"
+                                                 for m in misses)
+        + " | 5%: previous kernel cold/warm, 1-token hash cold")
     for D in (4096, 8192):
         for B in batches:
             cells = []
-            for m in (0.0, 0.05, 0.15, 0.5):
-                a = next(r["us"] for r in rows if r["D"] == D and r["batch"] == B
-                         and r["miss"] == m and r["max_tokens"] == 4)
-                b = next(r["us"] for r in rows if r["D"] == D and r["batch"] == B
-                         and r["miss"] == m and r["max_tokens"] == 1)
-                cells.append(f"{a:8.1f} / {b:6.1f}")
-            log(f"{D:>6} {B:>6} | " + " | ".join(cells))
-    RESULTS["resolve"] = rows
+            r5 = None
+            for m in misses:
+                r = next(r for r in rows if r["D"] == D and r["batch"] == B and r["miss"] == m)
+                cells.append(f"{r['us']:6.1f} / {r['us_warm_l2']:5.1f}")
+                if m == 0.05:
+                    r5 = r
+            log(f"{D:>6} {B:>6} | " + " | ".join(cells) +
+                f" | {r5['us_previous']:6.1f} / {r5['us_previous_warm_l2']:5.1f}, "
+                f"{r5['us_1tok']:5.1f}")
 
-    # 512 vs 1024 threads per CTA at D = 4096
-    cmp = []
+    # Cumulative time to each stop point (every CTA returns there), same harness, cold L2.
+    stops = ["entry (launch floor)", "row loads + B1", "classify + B2", "hit marking + B3",
+             "scans + victims + B5", "full"]
+    cum = {}
     for B in (1, 64, 256):
         sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=4)
-        for tok in (4, 1):
-            cuda_ops.set_max_tokens_per_request(tok)
-            row = dict(batch=B, max_tokens=tok)
-            for th in (512, 1024):
-                cuda_ops.set_resolve_threads(th)
-                row[f"us_{th}"] = graph_time_resolve(sets, flush=True,
-                                                            iters=12 if quick else 24)
-            cuda_ops.set_resolve_threads(0)
-            cmp.append(row)
-        cuda_ops.set_max_tokens_per_request(4)
+        vals = {}
+        try:
+            for stop in (1, 2, 3, 4, 5, 0):
+                cuda_ops._set_resolve_debug(stop=stop)
+                vals[stops[stop - 1]] = graph_time_resolve(sets, flush=True, iters=iters)
+        finally:
+            cuda_ops._set_resolve_debug()
+        cum[f"batch{B}"] = vals
+        _check_resolve(sets, B, 0.05)
         del sets
-    RESULTS["resolve_threads"] = cmp
-    log("resolve D 4096, miss 5%, cold: " + "; ".join(
-        f"batch {r['batch']} {r['max_tokens']}tok: 512 thr {r['us_512']:.1f} µs, 1024 thr "
-        f"{r['us_1024']:.1f} µs" for r in cmp))
+        log(f"resolve to stop point, batch {B}, D 4096, miss 5%, cold (µs, cumulative): " +
+            ", ".join(f"{k} {v:.1f}" for k, v in vals.items()))
+    RESULTS["resolve_stops"] = cum
 
-    # where the time goes inside CTA 0 (%globaltimer stamps at phase ends, cold L2)
-    names = ["run scan", "barrier+checks", "hash init+classify", "barrier+checks",
-             "hit marking", "lru scan+victims", "miss plan+lru write", "out_rows+counts"]
+    # where the time goes inside CTA 0 (%globaltimer stamps, cold L2)
     phases = {}
-    for B, th in ((1, 512), (64, 512), (1, 1024), (64, 1024)):
-        cuda_ops.set_resolve_threads(th)
-        sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
-        s = sets[0]
-        dt = torch.zeros(9, dtype=torch.int64, device=DEV)
-        acc = []
-        for _ in range(9):
-            s["slot_pos"].copy_(s["slot_pos0"])
-            s["lru"].copy_(s["lru0"])
-            flush_l2()
-            cuda_ops._resolve(*resolve_args(s), debug_times=dt)
-            torch.cuda.synchronize()
-            v = dt.tolist()
-            acc.append([(v[i + 1] - v[i]) / 1000.0 for i in range(8)] + [(v[8] - v[0]) / 1000.0])
-        med = [statistics.median(a[i] for a in acc) for i in range(9)]
-        key = f"batch{B}_threads{th}"
-        phases[key] = dict(zip(names + ["total"], med))
-        log(f"resolve phases, batch {B}, {th} threads, D 4096, miss 5%, CTA 0 (µs): " +
+    for B, steady in ((1, True), (64, True), (64, False)):
+        key = f"batch{B}" + ("" if steady else "_idle_clocks")
+        phases[key] = resolve_phase_stamps(B, steady=steady)
+        log(f"resolve phases, batch {B}, D 4096, miss 5%, CTA 0, "
+            f"{'after a spin' if steady else 'no spin'} (µs; SM MHz): " +
             ", ".join(f"{k} {v:.2f}" for k, v in phases[key].items()))
-    cuda_ops.set_resolve_threads(0)
     RESULTS["resolve_phases"] = phases
-    info = {str(tok): cuda_ops._module().resolve_launch_info(64, 2048, 4096, 64, tok)
+    info = {str(tok): cuda_ops._module().resolve_launch_info(64, 2048, 4096, 64, tok, 0, 2048)
             for tok in (1, 4)}
     RESULTS["resolve_launch_info_D4096"] = info
-    log("launch info (T=64, K=2048, D=4096):", info)
+    log("launch info (T=64, K=2048, D=4096, P=2048):", info)
 
     # torch reference on the GPU, a few points
     ref_rows = []
@@ -265,14 +320,24 @@ def bench_resolve(quick: bool):
         t0 = time.perf_counter()
         n = 3
         for _ in range(n):
-            s["slot_pos"].copy_(s["slot_pos0"])
-            s["lru"].copy_(s["lru0"])
+            _reset(s)
             reference.resolve(*resolve_args(s))
         torch.cuda.synchronize()
         us = (time.perf_counter() - t0) / n * 1e6
         ref_rows.append(dict(D=4096, batch=B, miss=miss, us=us))
         log(f"torch reference on GPU: batch {B}, D 4096, miss {miss:.0%}: {us:,.0f} µs")
     RESULTS["resolve_reference_gpu"] = ref_rows
+
+
+def profile_resolve(B: int, launches: int = 4) -> None:
+    """A few resolve launches of one batch (for `ncu -k regex:resolve_kernel`)."""
+    sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
+    s = sets[0]
+    for _ in range(launches):
+        _reset(s)
+        cuda_ops.resolve(*resolve_args(s))
+    torch.cuda.synchronize()
+    cuda_ops.check_errors()
 
 
 # --------------------------------------------------------------------------------------
@@ -621,10 +686,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer points and repetitions")
     ap.add_argument("--only", default="resolve,gather,copies,huge,layout",
                     help="comma-separated subset of resolve,gather,copies,huge,layout")
+    ap.add_argument("--profile-resolve", type=int, metavar="BATCH",
+                    help="only run 4 resolve launches of this batch (D 4096, miss 5 %%) for a "
+                         "profiler, e.g. ncu -k regex:resolve_kernel --launch-skip 3")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or not cuda_ops.available():
         print("bench_kernels: needs a CUDA device and the compiled extension", file=sys.stderr)
         return 2
+    if args.profile_resolve:
+        profile_resolve(args.profile_resolve)
+        return 0
     props = torch.cuda.get_device_properties(DEV)
     RESULTS["device"] = dict(name=props.name, sms=props.multi_processor_count,
                              torch=torch.__version__, cuda=torch.version.cuda,

@@ -66,7 +66,7 @@ from vllm_hisparse.vllm.attention_hook import (
     finish_conversion,
     vllm_reference_conversion,
 )
-from vllm_hisparse.vllm.kv_planning import host_block_bytes, sparse_group_ids
+from vllm_hisparse.vllm.kv_planning import host_page_bytes, indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.model import (
     dsa_layer_specs,
     kv_transfer_config,
@@ -74,10 +74,15 @@ from vllm_hisparse.vllm.simulation.model import (
     write_model_dir,
 )
 from vllm_hisparse.worker.device_rows import flat_row_view
+from vllm_hisparse.worker.indexer_pages import page_view
 from vllm_hisparse.worker.synthetic import HEADER_BYTES, TopkGenerator, describe_row, kv_rows
 
 #: Token every synthetic forward samples (requests end on max_tokens, never on EOS).
 SAMPLED_TOKEN = 7
+#: The "request" a shared prompt prefix's KV rows name (every request sharing it reads them).
+SHARED_PREFIX_SERIAL = 65_535
+#: Layer offset of the indexer rows' synthetic KV (distinct from the sparse-MLA rows').
+INDEXER_LAYER_BASE = 1_000
 ARRIVALS = ("burst", "poisson")
 #: How the synthetic attention layers convert top-k, i.e. which vLLM backend they imitate:
 #: ``group``: every batch through the index group (``SparseMLACommonImpl``, FlashInfer
@@ -119,6 +124,7 @@ class SimulationSpec:
     prompt_len: int = 1024
     output_len: int = 256
     length_jitter: float = 0.0  # prompt / output lengths drawn uniformly within +-jitter
+    shared_prefix_len: int = 0  # leading prompt tokens (and their KV) common to all requests
     arrival: str = "burst"
     arrival_rate: float = 0.5  # requests per step (poisson)
     seed: int = 0
@@ -149,6 +155,9 @@ class SimulationSpec:
         need(self.top_k <= 2048, "top-k", "at most 2048", self.top_k)
         need(0.0 <= self.length_jitter < 1.0, "length-jitter", "a fraction in [0, 1)",
              self.length_jitter)
+        need(isinstance(self.shared_prefix_len, int) and 0 <= self.shared_prefix_len,
+             "shared-prefix-len", "an integer >= 0 (at most the prompt length is shared)",
+             self.shared_prefix_len)
         need(self.arrival in ARRIVALS, "arrival", " | ".join(ARRIVALS), self.arrival)
         need(self.attention in ATTENTION_PATHS, "attention", " | ".join(ATTENTION_PATHS),
              self.attention)
@@ -245,6 +254,9 @@ class RunResult:
     demotions: int = 0
     promotions: int = 0
     released_pages: int = 0
+    host_prefix_hit_tokens: int = 0  # loaded from the host tier (prefix hits, resumes)
+    published_pages: int = 0
+    indexer_rows_checked: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -418,8 +430,7 @@ class SimulationEngine:
         if self.spec.host_pool_gib is not None:
             return self.spec.host_pool_gib
         spec = self.spec
-        groups = [full_config.kv_cache_groups[g] for g in sparse_group_ids(full_config)]
-        per_block = host_block_bytes(groups)
+        per_block = sum(host_page_bytes(full_config))
         pages = sum(-(-(p.prompt_len + p.output_len) // spec.block_size) for p in self.workload)
         pages += -(-spec.max_model_len // spec.block_size)
         return math.ceil(pages * per_block * 1.05 / (1 << 30) * 64) / 64
@@ -496,6 +507,7 @@ class _ReqState:
     next_pos: int = 0  # the position the model runner expects next
     topk: TopkGenerator | None = None
     slot: int = -1  # ground-truth store slot (-1: none yet)
+    indexer_block_ids: list[list[int]] | None = None  # per indexer group
 
 
 class _Run:
@@ -539,6 +551,19 @@ class _Run:
                 else:
                     self.units[-1][1].append(name)
         self.row_bytes = next(iter(self.layers.values()))[2].shape[1]
+        # Indexer layers: name -> (index among the indexer groups, layer, uint8 view
+        # [num_blocks, block_size, row_bytes]). The forward writes them; prefix hits must
+        # bring them back. (Their blocks are packed at a stride that is not a whole number
+        # of rows, so no flat row view.)
+        self.indexer_groups = indexer_group_ids(full_config)
+        self.indexer_layers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        for i, g in enumerate(self.indexer_groups):
+            for name in full_config.kv_cache_groups[g].layer_names:
+                pages = page_view(self.kv[name])
+                view = pages.view(torch.uint8).as_strided(
+                    (pages.shape[0], self.block_size, pages.shape[1] // self.block_size),
+                    (pages.stride(0), pages.shape[1] // self.block_size, 1))
+                self.indexer_layers[name] = (i, int(name.split(".")[2]), view)
         max_tokens = spec.max_num_batched_tokens + spec.max_num_seqs
         self.units = [(g, names, self._make_index_group(max_tokens)) for g, names, _ in self.units]
         # The model's sparse-MLA attention layers, as the connector finds them (static
@@ -664,6 +689,10 @@ class _Run:
         # bytes are its own); a preempted request recomputes and may hit its own blocks.
         rng = random.Random(plan.serial * 7_919 + self.spec.seed)
         tokens = [rng.randrange(10, 1000) for _ in range(plan.prompt_len)]
+        shared = self._shared_len(plan)
+        if shared:
+            common = random.Random(self.spec.seed * 31 + 17)
+            tokens[:shared] = [common.randrange(10, 1000) for _ in range(shared)]
         request = Request(request_id=plan.request_id, prompt_token_ids=tokens,
                           sampling_params=SamplingParams(max_tokens=plan.output_len,
                                                          ignore_eos=True),
@@ -686,6 +715,7 @@ class _Run:
         for new in so.scheduled_new_reqs:
             state = self.requests[new.req_id]
             state.block_ids = [list(new.block_ids[g]) for g in self.sparse_groups]
+            state.indexer_block_ids = [list(new.block_ids[g]) for g in self.indexer_groups]
             state.next_pos = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -693,6 +723,7 @@ class _Run:
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 state.block_ids = [list(new_ids[g]) for g in self.sparse_groups]
+                state.indexer_block_ids = [list(new_ids[g]) for g in self.indexer_groups]
                 state.next_pos = cached.num_computed_tokens[i]
             else:
                 if state.block_ids is None:
@@ -700,6 +731,8 @@ class _Run:
                                             "request the model runner does not hold")
                 if new_ids is not None:
                     for g, table in zip(self.sparse_groups, state.block_ids):
+                        table.extend(new_ids[g])
+                    for g, table in zip(self.indexer_groups, state.indexer_block_ids):
                         table.extend(new_ids[g])
                 if cached.num_computed_tokens[i] != state.next_pos:
                     raise SimulationFailure(
@@ -722,11 +755,57 @@ class _Run:
             self._free_slots = list(range(first + grow - 1, first - 1, -1))
         state.slot = self._free_slots.pop()
         total = state.plan.prompt_len + state.plan.output_len
+        shared = self._shared_len(state.plan)
         pos = torch.arange(total, device=self.device)
         for layer in range(self.spec.num_layers):
             self._store[state.slot, layer, :total] = kv_rows(state.plan.serial, pos, layer,
                                                              self.row_bytes)
+            if shared:
+                self._store[state.slot, layer, :shared] = kv_rows(
+                    SHARED_PREFIX_SERIAL, pos[:shared], layer, self.row_bytes)
         return state.slot
+
+    def _shared_len(self, plan: RequestPlan) -> int:
+        """Leading positions whose tokens and KV every request shares."""
+        return min(self.spec.shared_prefix_len, plan.prompt_len)
+
+    def _indexer_truth(self, plan: RequestPlan, positions: torch.Tensor, layer: int,
+                       row_bytes: int) -> torch.Tensor:
+        """The indexer KV the forward writes at ``positions`` (shared prefix included)."""
+        rows = kv_rows(plan.serial, positions, INDEXER_LAYER_BASE + layer, row_bytes)
+        shared = positions < self._shared_len(plan)
+        if bool(shared.any()):
+            rows[shared] = kv_rows(SHARED_PREFIX_SERIAL, positions[shared],
+                                   INDEXER_LAYER_BASE + layer, row_bytes)
+        return rows
+
+    def _check_loaded_indexer_pages(self, so) -> None:
+        """Requests that start this step with computed tokens (a prefix hit, local or from
+        the host tier, or a resume) must find their indexer KV in place for all of them."""
+        starts = [(new.req_id, new.num_computed_tokens) for new in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        starts += [(rid, cached.num_computed_tokens[i]) for i, rid in enumerate(cached.req_ids)
+                   if rid in cached.resumed_req_ids]
+        bs = self.block_size
+        for rid, computed in starts:
+            if computed <= 0:
+                continue
+            state = self.requests[rid]
+            pos = torch.arange(computed, device=self.device)
+            for name, (g, layer, view) in self.indexer_layers.items():
+                blocks = torch.as_tensor(state.indexer_block_ids[g], dtype=torch.int64,
+                                         device=self.device)[pos // bs]
+                got = view[blocks, pos % bs]
+                want = self._indexer_truth(state.plan, pos, layer, view.shape[2])
+                bad = (got != want).any(dim=1).nonzero()
+                if bad.numel():
+                    p = int(bad[0])
+                    raise SimulationMismatch(
+                        f"{self.label}, step {self.step}: {rid} starts with {computed} computed "
+                        f"tokens but indexer layer {layer} holds wrong KV at position {p} "
+                        f"(got {describe_row(got[p])}, want {describe_row(want[p])})",
+                        request=rid, step=self.step, layer=layer, position=p)
+                self.result.indexer_rows_checked += computed
 
     def _release_slot(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
@@ -776,6 +855,8 @@ class _Run:
                 kwargs = dict(scheduler_output=so, request_ids=req_ids,
                               num_tokens=sum(n for *_, n in batch), attn_metadata=metadata)
             worker.start_load_kv(None, **kwargs)
+        if self.spec.check and self.indexer_layers:
+            self._check_loaded_indexer_pages(so)
         if batch:
             self._write_kv(batch)
             if self.spec.check:
@@ -821,6 +902,11 @@ class _Run:
             for name, (g, layer, view, stride) in self.layers.items():
                 rows = blocks[g] * stride + pos % bs
                 view[rows] = truth[layer, start:start + n]
+            for name, (g, layer, view) in self.indexer_layers.items():
+                table = torch.as_tensor(state.indexer_block_ids[g], dtype=torch.int64,
+                                        device=self.device)
+                view[table[pos // bs], pos % bs] = self._indexer_truth(
+                    state.plan, pos, layer, view.shape[2])
 
     def _attention_metadata(self, batch) -> dict[str, Any]:
         """Layer name -> the attention metadata of its KV cache group: the batch block table
@@ -996,6 +1082,8 @@ class _Run:
         r.demotions = int(s.num_demotions)
         r.promotions = int(s.num_promotions)
         r.released_pages = int(s.num_pages_released)
+        r.host_prefix_hit_tokens = int(s.num_prefix_load_pages) * self.block_size
+        r.published_pages = int(s.num_published_pages)
 
     def _check_no_leaks(self) -> None:
         sched = self.scheduler
