@@ -23,7 +23,15 @@ rounds.
 ``--evict-mib N`` touches an N MiB buffer between steps (untimed), standing in for the
 host-side work a real engine does between two scheduler steps.
 
+``--instructions`` counts instructions instead of timing: each configuration runs once
+under valgrind's callgrind, which counts only the timed region (a tiny C helper issuing
+callgrind's client requests is compiled on first use; needs ``cc`` and valgrind's headers).
+The counts do not depend on the machine's load; ``hisparse`` is also counted with our
+connector's methods left out, which separates vLLM's share from ours. Slow (minutes per
+run): use fewer steps.
+
     python benchmarks/bench_scheduler_overhead.py --repeats 5
+    python benchmarks/bench_scheduler_overhead.py --instructions --requests 64 --context 2048 --steps 20
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -231,6 +240,8 @@ def _run_child(args: argparse.Namespace, mode: str, callgrind: str | None = None
 
 def count_instructions(args: argparse.Namespace, modes: list[str]) -> None:
     """Instructions per step of every mode, and of vLLM's part of the ``hisparse`` step."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind) on PATH; not found")
     counts: dict[str, float] = {}
     for mode in modes:
         counts[mode] = _run_child(args, mode, "all")["instructions_per_step"]

@@ -183,11 +183,10 @@ __device__ __forceinline__ void fail_request(const ResolveParams& p, long long b
   for (int j = threadIdx.x; j < ntok; j += blockDim.x) p.miss_count[t0 + j] = 0;
 }
 
-// Thread 0: turn the CTA's best candidate into the launch's error record.
-__device__ __forceinline__ void report_candidate(const ResolveParams& p, const Ctl& s, int row,
-                                 long long base) {
+// Thread 0: turn the CTA's best error candidate into the launch's error record.
+__device__ __forceinline__ void report_err(const ResolveParams& p, unsigned long long v,
+                                           int row, long long base) {
   if (threadIdx.x != 0) return;
-  const unsigned long long v = s.err;
   const unsigned prio = static_cast<unsigned>(v >> 60);
   const int key = static_cast<int>((v >> 32) & 0x0FFFFFFF);
   const int detail = static_cast<int>(static_cast<unsigned>(v));
@@ -208,6 +207,12 @@ __device__ __forceinline__ void report_candidate(const ResolveParams& p, const C
     default:
       break;
   }
+}
+
+// The previous kernel's form of report_err (its candidate lives in Ctl::err).
+__device__ __forceinline__ void report_candidate(const ResolveParams& p, const Ctl& s, int row,
+                                                 long long base) {
+  report_err(p, s.err, row, base);
 }
 
 template <int SPT, int THREADS>
@@ -769,32 +774,6 @@ __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned pri
                                (static_cast<unsigned long long>(key & 0x0FFFFFFF) << 32) |
                                static_cast<unsigned>(detail);
   atomicMin(err, v);
-}
-
-// Thread 0: turn the CTA's best error candidate into the launch's error record.
-__device__ __forceinline__ void report_err(const ResolveParams& p, unsigned long long v,
-                                           int row, long long base) {
-  if (threadIdx.x != 0) return;
-  const unsigned prio = static_cast<unsigned>(v >> 60);
-  const int key = static_cast<int>((v >> 32) & 0x0FFFFFFF);
-  const int detail = static_cast<int>(static_cast<unsigned>(v));
-  const int bs = p.block_size;
-  switch (prio) {
-    case kPrioPosition:
-      record_error(p.error, kErrPositionOutOfRange, row, detail, p.num_pages * bs);
-      break;
-    case kPrioNoHost:
-      record_error(p.error, kErrNoHostBlock, row, detail, detail / bs);
-      break;
-    case kPrioDuplicate:
-      record_error(p.error, kErrDuplicateSlot, row, __ldg(&p.topk[base + key]), detail);
-      break;
-    case kPrioHotBlock:
-      record_error(p.error, kErrHotBlockMissing, row, detail, __ldg(&p.topk[base + key]));
-      break;
-    default:
-      break;
-  }
 }
 
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {

@@ -3,9 +3,11 @@
 Finding (``vllm-hisparse simulate --requests 8 --prompt-len 512 --output-len 128
 --device-blocks 160``): with the connector vLLM preempted 3 times against once without.
 MIXED requests release pages, vLLM admits one more request into that space, and the
-running requests (a burst: they cross page boundaries in the same step) find no block
+running requests (a burst: they cross page boundaries within a few steps) find no block
 for their next page: preempt, re-admit from prefix-cache hits, preempt again. The gate
-admits a request only when the free blocks also cover the running requests' next pages.
+admits a request only when the free blocks cover its whole prompt, the prefilling
+requests' remaining prompts, one crossing, and the decoding requests' next page in the
+groups the policy does not manage.
 """
 
 from __future__ import annotations

@@ -124,7 +124,9 @@ def test_preempted_requests_resume_from_the_host(dsa_model_dir):
     """A preemption storm: preempted requests come back with their pages loaded from the
     host (external tokens), not recomputed, and everything is returned at the end."""
     h = _harness(dsa_model_dir, num_blocks=140)
-    h.add_requests(8, prompt_len=6 * BS, max_tokens=160)
+    # Long outputs: growth, not admission, runs out of blocks (the admission headroom
+    # gate, HiSparseConnectorScheduler.offer, prevents preemptions right after admission).
+    h.add_requests(8, prompt_len=4 * BS, max_tokens=400)
     stats = h.run_to_completion()
     assert stats.preemptions > 0
     assert sorted(stats.finished) == sorted(h.requests)
@@ -148,7 +150,8 @@ def test_simulated_resumes_read_exact_kv():
     that starts with computed tokens match the ground truth (else SimulationMismatch)."""
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationSpec
 
-    spec = SimulationSpec(num_requests=8, prompt_len=512, output_len=128, device_blocks=160)
+    # Long outputs, so that growth forces preemptions (see the test above).
+    spec = SimulationSpec(num_requests=8, prompt_len=256, output_len=384, device_blocks=160)
     engine = SimulationEngine(spec)
     try:
         result = engine.run(with_connector=True)

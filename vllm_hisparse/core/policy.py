@@ -466,31 +466,9 @@ class ResidencyPolicy:
         pages = list(range(first_load_page, n))
         if not pages:
             return -1
-        held = host[first_load_page:]
-        self.host_pool.touch(held)
-        txn = self._txns.open(
-            TransferKind.RESTORE,
-            self._step_id,
-            rows=np.full(len(pages), row, dtype=np.int64),
-            serials=np.full(len(pages), req.serial, dtype=np.int64),
-            pages=np.array(pages, dtype=np.int64),
-            device_blocks=np.array(device[first_load_page:], dtype=np.int64),
-            host_blocks=np.array(held, dtype=np.int64),
-            into_pinned=True,
-        )
-        txn.held_host_until_done = list(held)
-        t.pending[row, pages] = txn.transfer_id
+        txn = self._open_restore(req, pages, device[first_load_page:], host[first_load_page:],
+                                 into_pinned=True)
         self.stats.num_prefix_load_pages += len(pages)
-        self.stats.num_restore_pages += len(pages)
-        self._transfers.append(
-            TransferSpec(
-                transfer_id=txn.transfer_id,
-                kind=int(TransferKind.RESTORE),
-                after_forward=False,
-                device_blocks=device[first_load_page:],
-                host_blocks=held,
-            )
-        )
         return txn.transfer_id
 
     def set_block_hashes(self, request_id: str, first_page: int, block_hashes: Sequence[Hashable | None]) -> int:
@@ -1252,24 +1230,30 @@ class ResidencyPolicy:
     def _plan_restore(self, req: _Request, pages: list[int]) -> None:
         """Allocate device blocks for host-only pages and plan their H2D restore."""
         t = self.tables
-        row = req.row
         device = self.device_pool.get_new_blocks(len(pages))
-        host = [int(t.host_block[row, p]) for p in pages]
+        host = [int(t.host_block[req.row, p]) for p in pages]
+        txn = self._open_restore(req, pages, device, host, into_pinned=False)
+        # The new device blocks belong to the transfer until it completes.
+        txn.held_device_until_done = list(device)
+        req.num_restores_inflight += len(pages)
+
+    def _open_restore(self, req: _Request, pages: list[int], device: list[int], host: list[int],
+                      *, into_pinned: bool) -> Transaction:
+        """One RESTORE (host → device, before the forward) of ``pages`` of ``req``: holds its
+        host sources until done, marks the pages pending, queues the worker's spec."""
         self.host_pool.touch(host)
         txn = self._txns.open(
             TransferKind.RESTORE,
             self._step_id,
-            rows=np.full(len(pages), row, dtype=np.int64),
+            rows=np.full(len(pages), req.row, dtype=np.int64),
             serials=np.full(len(pages), req.serial, dtype=np.int64),
             pages=np.array(pages, dtype=np.int64),
             device_blocks=np.array(device, dtype=np.int64),
             host_blocks=np.array(host, dtype=np.int64),
+            into_pinned=into_pinned,
         )
-        # The new device blocks belong to the transfer until it completes.
-        txn.held_device_until_done = list(device)
         txn.held_host_until_done = list(host)
-        t.pending[row, pages] = txn.transfer_id
-        req.num_restores_inflight += len(pages)
+        self.tables.pending[req.row, pages] = txn.transfer_id
         self.stats.num_restore_pages += len(pages)
         self._transfers.append(
             TransferSpec(
@@ -1277,9 +1261,10 @@ class ResidencyPolicy:
                 kind=int(TransferKind.RESTORE),
                 after_forward=False,
                 device_blocks=list(device),
-                host_blocks=host,
+                host_blocks=list(host),
             )
         )
+        return txn
 
     def _retry_tail_restores(self) -> None:
         for row in list(self._tail_retry_rows):

@@ -377,35 +377,47 @@ class HiSparseConnectorScheduler:
         return matched
 
     def _lacks_device_headroom(self, request: Any) -> bool:
-        """Whether admitting ``request`` now would leave too few free device blocks for
-        the requests already running (docs/vllm-integration.md, "Admission headroom").
+        """Whether admitting ``request`` now would leave the running requests too few free
+        device blocks (docs/vllm-integration.md, "Admission headroom").
 
-        vLLM admits a request when its first chunk fits. Without the connector a pool
-        that full is full of resident pages, and vLLM's greedy admission over-commits it
-        by at most one request. With the connector part of the pool is free because MIXED
-        requests released their pages; admitting into that space leaves nothing for the
-        running requests' next pages (which, after a burst, all cross a page boundary in
-        the same step), so vLLM preempts, re-admits the request from its prefix-cache
-        hits, and preempts again at the next boundary. Measured with ``vllm-hisparse
-        simulate``: 3 preemptions against 1 without the connector. The gate admits a
-        request only if the free blocks cover, in every KV cache group: its whole prompt
-        (prefilling requests stay resident, R1), the rest of the prompt of every
-        prefilling request (and of those let through earlier this step), and one page
-        for every decoding request. Cost: O(prefilling requests) per offer.
+        vLLM admits a request as soon as its first chunk fits. Without the connector a
+        pool that full is full of resident pages and that greedy rule over-commits it by
+        one request at most. With the connector part of the pool is free because MIXED
+        requests released their pages; a request admitted into that space leaves nothing
+        for the others' growth, vLLM preempts it, re-admits it from its prefix-cache hits
+        and preempts it again at the next page boundaries (``vllm-hisparse simulate``:
+        3 preemptions against 1 without the connector).
+
+        The request is admitted only if the free blocks cover, after it:
+
+        * its whole prompt in every KV cache group (it stays resident while it prefills,
+          R1; the first chunk alone admitted chunked prefills that could not continue),
+          the rest of the prompt of every prefilling request and of every request let
+          through earlier this step;
+        * one page in every group for one request crossing a page boundary (what a
+          crossing takes until the policy releases the page it made non-tail);
+        * one page of each decoding request in the groups the policy does not manage
+          (the indexer groups): growth that no release can offset.
+
+        A shortfall is reported as device demand (``note_device_demand``), so the policy
+        demotes to make that room. Cost: O(prefilling requests) per offer.
         """
         if self.device_pool is None:
             return False
         bs = self.block_size
+        groups = self._num_kv_groups
         need = _cdiv(request.num_tokens + 1, bs)
-        pages = need + sum(self._let_through.values())
-        num_decoding = len(self._requests) - len(self._prefilling)
-        num_decoding -= sum(1 for rid in self._let_through if rid in self._requests)
-        pages += max(num_decoding, 0)
+        pages = need + 1 + sum(self._let_through.values())
         requests = self._requests
         for rid in self._prefilling:
             r = requests[rid]
             pages += max(_cdiv(r.num_tokens + 1, bs) - _cdiv(r.num_computed_tokens, bs), 0)
-        if pages * self._num_kv_groups > self.device_pool.block_pool.get_num_free_blocks():
+        num_decoding = len(requests) - len(self._prefilling)
+        num_decoding -= sum(1 for rid in self._let_through if rid in requests)
+        blocks = pages * groups + max(num_decoding, 0) * (groups - len(self.sparse_group_ids))
+        free = self.device_pool.block_pool.get_num_free_blocks()
+        if blocks > free:
+            self._require_policy().note_device_demand(_cdiv(blocks - free, len(self.sparse_group_ids)))
             return True
         self._let_through[request.request_id] = need
         return False
