@@ -83,3 +83,20 @@ def test_gate_is_idle_without_pressure(small_topk_model_dir):
     assert with_connector.peak_running == without.peak_running == WORKLOAD["count"]
     assert with_connector.running_per_step == without.running_per_step
     assert with_connector.preemptions == without.preemptions == 0
+
+
+def test_an_idle_engine_admits_a_prompt_near_the_pool_size(small_topk_model_dir):
+    """Liveness: with nothing running, the gate leaves admission to vLLM. A request that
+    fills the pool (32 of 32 pages per group here, as vLLM's planning allows for
+    max_model_len) plus the gate's one crossing page would otherwise wait forever."""
+    harness = SchedulerHarness.build(
+        small_topk_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+        num_blocks=161, max_model_len=2048, max_num_seqs=4, max_num_batched_tokens=2048,
+    )
+    pages_per_group = (harness.kv_cache_config.num_blocks - 1) // len(
+        harness.kv_cache_config.kv_cache_groups)
+    prompt = pages_per_group * 64 - 8
+    (request,) = harness.add_requests(1, prompt_len=prompt, max_tokens=4)
+    stats = harness.run_to_completion(max_steps=200)
+    assert stats.finished == [request.request_id]
+    harness.assert_no_leaks()

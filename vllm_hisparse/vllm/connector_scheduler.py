@@ -407,6 +407,11 @@ class HiSparseConnectorScheduler:
         bs = self.block_size
         groups = self._num_kv_groups
         need = _cdiv(request.num_tokens + 1, bs)
+        if not self._requests and not self._let_through:
+            # Nothing runs that the headroom would protect: vLLM's own allocation decides
+            # (else a prompt near the pool's size would wait forever on an idle engine).
+            self._let_through[request.request_id] = need
+            return False
         pages = need + 1 + sum(self._let_through.values())
         requests = self._requests
         for rid in self._prefilling:
