@@ -253,6 +253,7 @@ cudaError_t launch_copy_rows(const CopyParams& params, const CopyTuning& tuning,
   long long ctas = (groups + kCopyWarps - 1) / kCopyWarps;
   const long long cap = static_cast<long long>(sms) * per_sm;
   if (ctas > cap) ctas = cap;
+  if (tuning.max_ctas > 0 && ctas > tuning.max_ctas) ctas = tuning.max_ctas;
   if (ctas < 1) ctas = 1;
   size_t smem = p.mode == kCopyPlan ? (static_cast<size_t>(p.n_outer) + 1) * sizeof(int) : 0;
   if (smem > 48 * 1024) {

@@ -128,6 +128,9 @@ struct CopyTuning {
   int rows_per_warp = 0;  // 1, 2, 4, 8 or 16 rows in flight per warp; 0 = default for the size
   int threads = 256;      // threads per CTA
   int ctas_per_sm = 0;    // grid cap = SMs * ctas_per_sm; 0 = default
+  int max_ctas = 0;       // a further cap on the whole grid, 0 = none: a copy that runs beside
+                          // compute (side stream) keeps to a few SMs, so its long-latency host
+                          // loads do not hold the memory pipeline of every SM
 };
 
 cudaError_t launch_copy_rows(const CopyParams& p, const CopyTuning& tuning,

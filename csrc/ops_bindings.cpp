@@ -90,7 +90,8 @@ py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
 void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<uint64_t>& dst,
                   int row_bytes, long long src_rows, long long dst_rows, uint64_t a, uint64_t b,
                   uint64_t count, int n_outer, int n_inner, int rows_per_warp, int ctas_per_sm,
-                  uint64_t stream, long long src_stride, long long dst_stride, int pair_major) {
+                  uint64_t stream, long long src_stride, long long dst_stride, int pair_major,
+                  int max_ctas) {
   if (src.size() != dst.size()) throw std::invalid_argument("copy_rows: layer lists differ");
   if (row_bytes <= 0 || row_bytes % 16 != 0)
     throw std::invalid_argument("copy_rows: row_bytes must be a positive multiple of 16");
@@ -102,6 +103,8 @@ void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<
   CopyTuning tuning;
   tuning.rows_per_warp = rows_per_warp;
   tuning.ctas_per_sm = ctas_per_sm;
+  if (max_ctas < 0) throw std::invalid_argument("copy_rows: max_ctas must be >= 0");
+  tuning.max_ctas = max_ctas;
   cudaError_t err = cudaSuccess;
   {
     py::gil_scoped_release release;
@@ -181,7 +184,7 @@ void register_ops(py::module_& m) {
         py::arg("src_rows"), py::arg("dst_rows"), py::arg("a"), py::arg("b"), py::arg("count"),
         py::arg("n_outer"), py::arg("n_inner"), py::arg("rows_per_warp") = 0,
         py::arg("ctas_per_sm") = 0, py::arg("stream") = 0, py::arg("src_stride") = 0,
-        py::arg("dst_stride") = 0, py::arg("pair_major") = 1);
+        py::arg("dst_stride") = 0, py::arg("pair_major") = 1, py::arg("max_ctas") = 0);
   m.def("host_alloc_registered", &host_alloc_py,
         "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
         py::arg("mode"));

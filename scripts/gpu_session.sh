@@ -61,7 +61,7 @@ fi
 if has capacity; then
   # the default (position-major) host pool, then (CAPACITY_LAYER=1, the default) the
   # layer-major one for comparison
-  timeout 300 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
+  timeout 480 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
     ${CAPACITY_ARGS:-} > "$OUT/capacity.log" 2>&1
   note "bench_decode_capacity rc=$?"
   if [[ "${CAPACITY_LAYER:-1}" == 1 ]]; then

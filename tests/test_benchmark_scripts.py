@@ -33,7 +33,8 @@ def test_bench_decode_capacity_runs_on_cpu(tmp_path):
             "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
             "--block-size", "16", "--steps", "2", "--warmup", "1",
             "--weights-gib-per-layer", "0.001", "--index-group-layers", "0", "1",
-            "--gather-modes", "single", "side", "side:1,99@0", "noio", "--json", str(out))
+            "--gather-modes", "single", "side", "side:1,99@0#2", "noio", "--rounds", "2",
+            "--json", str(out))
     assert r.returncode == 0, r.stderr
     results = json.loads(out.read_text())["results"]
     assert [x["context"] for x in results] == [256, 2048, 256, 2048]
@@ -42,13 +43,34 @@ def test_bench_decode_capacity_runs_on_cpu(tmp_path):
     assert results[0]["hybrid_batch"] == results[0]["full_batch"]
     assert results[1]["hybrid_batch"] > results[1]["full_batch"]
     modes = results[1]["modes"]
-    assert list(modes) == ["single", "side", "side:1,99@0", "noio"]
+    assert list(modes) == ["single", "side", "side:1,99@0#2", "noio"]
     assert modes["single"]["chunks"] == [[2]] and modes["side"]["chunks"] == [[2]]
-    assert modes["side:1,99@0"]["chunks"] == [[1, 1]]
+    assert modes["side:1,99@0#2"]["chunks"] == [[1, 1]]
+    # Two interleaved rounds: the tables show their median, the JSON keeps each.
+    assert len(results[1]["full_step_ms_rounds"]) == 2
+    assert all(len(m["step_ms_rounds"]) == 2 and len(m["tokens_per_s_ratio_rounds"]) == 2
+               for m in modes.values())
     # Every mode replays the same selections from fresh hot regions: same misses.
     assert len({m["miss_rate"] for m in modes.values()}) == 1
+    # The weight pass is timed at each batch that runs it (JSON keys are strings).
+    assert set(results[1]["weight_pass_ms"]) == {str(results[1]["full_batch"]),
+                                                 str(results[1]["hybrid_batch"])}
+
+
+def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_path):
+    out = tmp_path / "cap.json"
+    r = run("bench_decode_capacity.py", "--contexts", "2048", "--hbm-gib", "0.01",
+            "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
+            "--block-size", "16", "--steps", "2", "--warmup", "1", "--weight-pass", "sum",
+            "--weights-gib-per-layer", "0.001", "--gather-modes", "single", "--trace",
+            "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["args"]["weight_pass"] == "sum" and data["weight_pass_batch1_ms"] > 0
+    # --trace needs CUDA (torch.profiler's kernel times); on the CPU it is skipped.
+    assert "timeline" not in data["results"][0]["modes"]["single"]
 
 
 def test_bench_decode_capacity_rejects_a_bad_gather_mode():
     r = run("bench_decode_capacity.py", "--gather-modes", "side:0")
-    assert r.returncode == 2 and "expected side[:C1,C2,...][@N][~P]" in r.stderr
+    assert r.returncode == 2 and "expected side[:C1,C2,...][@N][#M][~P]" in r.stderr

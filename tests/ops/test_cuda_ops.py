@@ -381,6 +381,28 @@ def test_resolve_requests_past_one_register_chunk():
     check_case(cap_distinct(case), what="200 tokens of K = 64")
 
 
+def test_resolve_requests_longer_than_the_token_bound():
+    """Requests of 2-4 tokens with `max_tokens_per_request` = 1 (shared memory sized for one
+    token) resolve like the reference while their union fits the 1-token bound."""
+    rng = random.Random(44)
+    cuda_ops.set_max_tokens_per_request(1)
+    try:
+        for tokens in (2, 3, 4):
+            case = big_case(rng, num_requests=3, tokens_per_request=tokens, k=256,
+                            num_slots=512, block_size=64, num_pages=32, resident_fraction=0.2,
+                            hit_fraction=0.5, dup=0.1, padding=0.02)
+            # the later tokens repeat the first one's selections (permuted), so the union
+            # stays within the 1-token bound
+            for start in range(0, case.topk.shape[0], tokens):
+                for j in range(1, tokens):
+                    case.topk[start + j] = case.topk[start][torch.randperm(256)]
+            case = cap_distinct(case)
+            check_case(case, what=f"{tokens} tokens, bound 1")
+            check_case(case, with_stats=False, what=f"{tokens} tokens, bound 1, no stats")
+    finally:
+        cuda_ops.set_max_tokens_per_request(4)
+
+
 def chunk_boundary_case() -> ResolveCase:
     """One request of 6 tokens x 2048: selections before 8,192 (4,096 at 512 threads) use
     positions 0..63, the later ones also 64..127. No hits, lru = identity, so miss m takes
@@ -625,6 +647,31 @@ def test_gather_rows_matches_reference(row_bytes, rows_per_warp):
     torch.cuda.synchronize()
     for l in range(L):
         assert torch.equal(dst_dev[l].cpu(), expected[l]), f"layer {l}"
+
+
+@pytest.mark.parametrize("max_ctas", [1, 3, 1000])
+def test_gather_rows_with_a_capped_grid_copies_every_row(max_ctas):
+    # The side-stream prefetch caps the grid (a few CTAs stride over every item): a grid of
+    # 1 CTA must still copy each of the 3 x ~700 rows, and a cap above the grid is a no-op.
+    L, T, K = 3, 31, 48
+    src_host = layers(L, 3000, 656, "cpu", pinned=True, seed=11)
+    dst_dev = layers(L, 2000, 656, DEV, seed=12)
+    expected = [d.cpu().clone() for d in dst_dev]
+    ms, md, mc = random_plan(T, K, 3000, 2000, seed=13)
+    reference.gather_rows(src_host, expected, ms, md, mc)
+    cuda_ops.gather_rows_tuned(src_host, dst_dev, ms.to(DEV), md.to(DEV), mc.to(DEV),
+                               rows_per_warp=None, ctas_per_sm=None, max_ctas=max_ctas)
+    torch.cuda.synchronize()
+    for l in range(L):
+        assert torch.equal(dst_dev[l].cpu(), expected[l]), f"layer {l}"
+
+
+def test_gather_rows_rejects_a_negative_grid_cap():
+    t = torch.zeros((1, 1), dtype=torch.int32, device=DEV)
+    lay = layers(1, 4, 656, DEV, seed=1)
+    with pytest.raises(ValueError, match="max_ctas"):
+        cuda_ops.gather_rows_tuned(lay, lay, t, t, t[0], rows_per_warp=None, ctas_per_sm=None,
+                                   max_ctas=-1)
 
 
 def test_gather_rows_default_tuning_and_device_source():

@@ -153,7 +153,9 @@ def test_gather_mode_is_checked_at_bind_time():
         IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step,
                             gather_mode="eager")
     default = IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step)
-    assert default.gather.mode == "single" and default.gather.chunks == (2,)
+    # Side mode by default; its schedule puts a 2-layer group in one launch (no side work).
+    assert default.gather.mode == "side" and default.gather.chunks == (2,)
+    assert default.gather.side_launches == 0
     binding = IndexGroupResidency(state, layers, layers, DeviceRowLayout(BS, BS), step,
                                   gather_mode="side", gather_chunks=(1,))
     assert binding.gather.chunks == (1, 1)

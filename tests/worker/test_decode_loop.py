@@ -189,6 +189,40 @@ def test_side_launch_schedule_and_counts():
         loop.close()
 
 
+def test_side_launches_are_issued_at_the_first_follower_wait():
+    """The host issues the followers' launches only when a follower first waits (after the
+    leader's layer is queued), or when the work is joined or fenced; never later."""
+    loop = DecodeLoop("cpu", num_layers=8, gather_mode="side", seed=3)
+    try:
+        loop.step()  # fill hot regions so the next plan has misses
+        result = loop.state.resolve(*loop_inputs(loop))
+        before = loop.gather.launches
+        loop.gather.launch(result)
+        assert loop.gather.side_pending and loop.gather.launches - before == 1
+        loop.gather.wait(0)
+        loop.gather.wait(1)  # the leader's launch holds layers 0 and 1: nothing to issue
+        assert loop.gather.side_pending
+        loop.gather.wait(2)  # first follower of a side launch: every side launch is issued
+        assert not loop.gather.side_pending and loop.gather.launches - before == 2
+        loop.gather.wait(7)
+        assert loop.gather.launches - before == 3
+        # A fence issues and runs pending side work too (a step whose followers never ran).
+        result = loop.state.resolve(*loop_inputs(loop))
+        loop.gather.launch(result)
+        assert loop.gather.side_pending
+        loop.state.fence_side_work()
+        assert not loop.gather.side_pending and loop.state._side_work is None
+    finally:
+        loop.close()
+
+
+def loop_inputs(loop):
+    """The next step's (topk, token_rows) of a DecodeLoop, one token per request."""
+    topk = torch.stack([req["gen"].select(req["context"]) for req in loop.requests])
+    rows = torch.tensor([req["row"] for req in loop.requests], dtype=torch.int32)
+    return topk.to(loop.device), rows.to(loop.device)
+
+
 def test_followers_that_never_ran_are_fenced_by_the_next_resolve():
     """Steps whose follower layers do not read leave side launches queued; the next resolve
     must run them before it rewrites the miss plan, or hot slots filled in that step hold

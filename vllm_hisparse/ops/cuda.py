@@ -291,7 +291,7 @@ def _layer_table(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.
 
 def _copy(mode: int, src_layers, dst_layers, a, b, count, n_outer: int, n_inner: int,
           rows_per_warp: int | None = None, ctas_per_sm: int | None = None,
-          pair_major: bool | None = None) -> None:
+          pair_major: bool | None = None, max_ctas: int = 0) -> None:
     if n_outer == 0 or n_inner == 0:
         return
     module = _module()
@@ -307,7 +307,8 @@ def _copy(mode: int, src_layers, dst_layers, a, b, count, n_outer: int, n_inner:
             module.copy_rows(mode, src, dst, row_bytes, int(src_layers[0].shape[0]),
                              int(dst_layers[0].shape[0]), a.data_ptr(), b.data_ptr(),
                              0 if count is None else count.data_ptr(), n_outer, n_inner, rpw,
-                             cps, stream.cuda_stream, src_stride, dst_stride, int(order))
+                             cps, stream.cuda_stream, src_stride, dst_stride, int(order),
+                             max_ctas)
 
 
 def gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
@@ -321,12 +322,16 @@ def gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
 
 
 def gather_rows_tuned(src_layers, dst_layers, miss_src, miss_dst, miss_count, *,
-                      rows_per_warp: int, ctas_per_sm: int,
-                      pair_major: bool | None = None) -> None:
-    """:func:`gather_rows` with explicit tuning (benchmarks)."""
+                      rows_per_warp: int | None, ctas_per_sm: int | None,
+                      pair_major: bool | None = None, max_ctas: int = 0) -> None:
+    """:func:`gather_rows` with explicit tuning: ``rows_per_warp`` / ``ctas_per_sm`` (None =
+    the process-wide setting, 0 = the kernel's default), ``max_ctas`` a cap on the whole grid
+    (0 = none; the side-stream prefetch keeps to a few SMs with it)."""
+    if isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 0:
+        raise ValueError(f"max_ctas must be a non-negative int, got {max_ctas!r}")
     _copy(_module().COPY_PLAN, src_layers, dst_layers, miss_src, miss_dst, miss_count,
           int(miss_src.shape[0]), int(miss_src.shape[1]), rows_per_warp, ctas_per_sm,
-          pair_major)
+          pair_major, max_ctas)
 
 
 def copy_blocks(src_layers, dst_layers, src_blocks, dst_blocks, block_size) -> None:

@@ -20,11 +20,11 @@ vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residen
   its row; hot hit → the slot's row; miss → an LRU victim slot) at the leader layer
   (``layer_index == 0``); followers reuse the leader's rows, exactly as vLLM's own group
   conversion shares one result. The misses are copied from the pinned host pool by the
-  binding's ``GroupGather``: by default every layer of the group in one launch at the leader
-  (``gather_mode="single"``); with ``gather_mode="side"`` (IndexShare prefetch) the leader's
-  launch runs on the compute stream before its attention and the followers' on a side
-  stream, each follower's conversion making the compute stream wait on that layer's own
-  ready event (a stream wait, no host sync; a no-op in single mode);
+  binding's ``GroupGather``: by default (``gather_mode="side"``, IndexShare prefetch) the
+  leader's launch runs on the compute stream before its attention and the followers' on a
+  side stream kept to a few SMs, each follower's conversion making the compute stream wait
+  on that layer's own ready event (a stream wait, no host sync); ``gather_mode="single"``
+  copies every layer of the group in one launch at the leader;
 * rows are translated to the index space the kernel asked for (``block_stride_rows``) and,
   when ``return_valid_counts``, compacted to the front with per-row counts.
 
@@ -127,9 +127,9 @@ class IndexGroupResidency:
         step: the worker's per-step view.
         record: optional callback ``(state_rows int32 [T], topk int32 [T, K])`` called at
             the leader for tracing (syncs; only when tracing is on).
-        gather_mode: ``"single"`` (every layer in one launch at the leader; the default,
-            ``hot_state.DEFAULT_GATHER_MODE`` says why) or ``"side"`` (followers' gathers on
-            a side stream, each follower waiting on its own event); see
+        gather_mode: ``"side"`` (followers' gathers on a side stream, each follower waiting
+            on its own event; the default, ``hot_state.DEFAULT_GATHER_MODE`` says why) or
+            ``"single"`` (every layer in one launch at the leader); see
             :class:`~vllm_hisparse.worker.hot_state.GroupGather`.
         gather_chunks: side-mode launch schedule (``None`` = the default).
     """

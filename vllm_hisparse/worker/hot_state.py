@@ -34,12 +34,11 @@ from vllm_hisparse import ops
 #: ``"side"``: leader's layer on the current stream, followers' on a side stream (one ready
 #: event per follower layer). ``"single"``: every layer in one launch on the current stream.
 GATHER_MODES = ("side", "single")
-#: ``"single"`` because it measured as fast as the best side schedule and faster than the
-#: others on the H200 decode-capacity benchmark (docs/benchmarks.md, "Decode capacity"): there
-#: the side-stream gathers hid no transfer time behind the stand-in compute kernels (which
-#: fill every SM and saturate HBM; the cause is not isolated yet). Side mode stays exact and
-#: capturable, for models and GPUs where the compute leaves room to overlap; measure first.
-DEFAULT_GATHER_MODE = "single"
+#: ``"side"``: the followers' transfers run under the compute of the layers before them. It
+#: pays only with the side launches kept to a few SMs (:data:`DEFAULT_SIDE_MAX_CTAS`); on
+#: the H200 decode-capacity benchmark (docs/benchmarks.md, "Decode capacity") it took the
+#: 32K step from 7.6 to 6.0 ms, and it is a single launch for an index group of one layer.
+DEFAULT_GATHER_MODE = "side"
 #: Launch schedule of side mode (see :func:`fit_chunks`): the leader with its first follower
 #: on the current stream, then followers in launches of 2, 4, 8, ... layers. A launch of one
 #: layer reads a position-major host pool at ~19 GB/s (one 4 KiB host page per row: the
@@ -58,6 +57,16 @@ DEFAULT_SIDE_CTAS_PER_SM = 1
 #: work gets freed SM slots before pending compute blocks. Measured: with no misses (4K) the
 #: empty side launches cost 0.06 ms per step instead of 0.36 ms; at 32K within noise.
 DEFAULT_SIDE_PRIORITY = -1
+#: Cap on the whole grid of a side-stream launch, in CTAs (0 = none, ``side_ctas_per_sm``
+#: alone decides). A gather CTA keeps dozens of ~2 µs host loads in flight; spread over
+#: every SM, those loads hold the memory pipeline that the compute kernels beside them need,
+#: and the compute slowed by as much as the gather hid (measured with
+#: ``bench_decode_capacity.py --trace``: 2.3 ms of gather ran hidden, the other kernels took
+#: 2.0 ms longer). 16 CTAs (8 warps, 4 rows each: ~340 KB in flight) still keep the PCIe
+#: link nearly busy (the side gathers took 3.5 ms instead of 3.3) and leave 116 SMs to the
+#: compute: step 7.6 → 6.0 ms at 32K. Measured on the H200 (132 SMs, PCIe Gen5): 8 CTAs
+#: 6.1 ms, 32 6.4, 64 7.0, uncapped 7.6.
+DEFAULT_SIDE_MAX_CTAS = 16
 
 
 def fit_chunks(spec: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -225,19 +234,21 @@ class HotState:
 class GroupGather:
     """Executes one index group's miss plan into the hot rows of its layers, layer by layer.
 
-    ``mode="single"`` (the default, :data:`DEFAULT_GATHER_MODE` says why): one
-    ``ops.gather_rows`` launch for every layer, on the current stream, before the leader's
-    attention.
+    ``mode="single"``: one ``ops.gather_rows`` launch for every layer, on the current
+    stream, before the leader's attention.
 
-    ``mode="side"`` (IndexShare prefetch): the launches follow ``chunks`` (:func:`fit_chunks`).
+    ``mode="side"`` (IndexShare prefetch; the default, :data:`DEFAULT_GATHER_MODE` says why):
+    the launches follow ``chunks`` (:func:`fit_chunks`).
     The first launch holds the leader and runs on the current (compute) stream: the leader's
     attention needs it now. The side stream then forks from the current stream (an event, so
     it also waits for everything before, the leader's gather included) and runs the other
     launches in layer order, recording one ready event per launch; every follower layer maps
-    to the event of the launch that holds it. :meth:`wait` makes the current stream wait on
-    that event only: no host sync, and the follower's attention runs as soon as its own rows
-    have landed. The plan is the leader's, replayed for the followers' bytes (exact: the
-    followers' hot slots are in lockstep with the leader's).
+    to the event of the launch that holds it. The host issues those launches at the first
+    follower's wait, after the leader's layer is queued (:meth:`launch` says why).
+    :meth:`wait` makes the current stream wait on that event only: no host sync, and the
+    follower's attention runs as soon as its own rows have landed. The plan is the leader's,
+    replayed for the followers' bytes (exact: the followers' hot slots are in lockstep with
+    the leader's).
 
     Memory safety: the side launches read the plan buffers of ``hot_state.resolve`` and write
     hot rows. Until they are joined (every follower waited, or :meth:`join`), the hot state
@@ -265,6 +276,8 @@ class GroupGather:
             :data:`DEFAULT_SIDE_CTAS_PER_SM`; 0 = the kernel's default grid).
         side_priority: CUDA priority of the side stream this creates (default
             :data:`DEFAULT_SIDE_PRIORITY`; ignored when ``side_stream`` is given).
+        side_max_ctas: cap on the whole grid of each side launch with the CUDA kernels
+            (default :data:`DEFAULT_SIDE_MAX_CTAS`; 0 = none).
     """
 
     def __init__(self, hot_state: HotState, host_layers: Sequence[torch.Tensor],
@@ -272,11 +285,12 @@ class GroupGather:
                  chunks: Sequence[int] | None = None,
                  side_stream: "torch.cuda.Stream | None" = None,
                  side_ctas_per_sm: int = DEFAULT_SIDE_CTAS_PER_SM,
-                 side_priority: int = DEFAULT_SIDE_PRIORITY):
-        if isinstance(side_ctas_per_sm, bool) or not isinstance(side_ctas_per_sm, int) \
-                or side_ctas_per_sm < 0:
-            raise ValueError(f"GroupGather: side_ctas_per_sm must be an int >= 0, got "
-                             f"{side_ctas_per_sm!r}")
+                 side_priority: int = DEFAULT_SIDE_PRIORITY,
+                 side_max_ctas: int = DEFAULT_SIDE_MAX_CTAS):
+        for name, value in (("side_ctas_per_sm", side_ctas_per_sm),
+                            ("side_max_ctas", side_max_ctas)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GroupGather: {name} must be an int >= 0, got {value!r}")
         if mode not in GATHER_MODES:
             raise ValueError(f"GroupGather: mode must be one of {', '.join(GATHER_MODES)}; "
                              f"got {mode!r}")
@@ -297,11 +311,12 @@ class GroupGather:
         self._chunk_of = [c for c, n in enumerate(self.chunks) for _ in range(n)]
         self._cuda = hot_state.device.type == "cuda"
         self.side_ctas_per_sm = side_ctas_per_sm
+        self.side_max_ctas = side_max_ctas
         # Side launches with a capped grid go to the tuned kernel entry directly; the layer
         # lists are checked once here by the checked op (an empty plan copies nothing) and
         # the plan buffers are the hot state's own, checked at every leader launch.
         self._side_kernel = None
-        if self._cuda and len(self.chunks) > 1 and side_ctas_per_sm \
+        if self._cuda and len(self.chunks) > 1 and (side_ctas_per_sm or side_max_ctas) \
                 and hot_state._ops.name != "reference":
             from vllm_hisparse.ops import cuda as cuda_ops
 
@@ -315,6 +330,8 @@ class GroupGather:
         self.side_priority = side_priority
         self._fork = None
         self._ready: list = []
+        # The plan whose side launches are not issued yet (see launch).
+        self._pending: ResolveResult | None = None
         # CPU: side launches not run yet, in stream order: (chunk index, launch).
         self._queue: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         # Chunks launched since the last join that the current stream has not waited on.
@@ -348,7 +365,8 @@ class GroupGather:
         if chunk and self._side_kernel is not None:
             self._side_kernel(self.host_layers[start:end], self.device_layers[start:end],
                               result.miss_src, result.miss_dst, result.miss_count,
-                              rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm)
+                              rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm,
+                              max_ctas=self.side_max_ctas)
         else:
             self.hot_state._ops.gather_rows(self.host_layers[start:end],
                                             self.device_layers[start:end], result.miss_src,
@@ -357,14 +375,36 @@ class GroupGather:
 
     def launch(self, result: ResolveResult) -> None:
         """Execute ``result``'s plan (just resolved by ``hot_state.resolve``): the leader's
-        launch now on the current stream, the followers' on the side stream."""
+        launch now on the current stream, the followers' on the side stream.
+
+        The side stream's fork point is recorded now (right after the leader's launch), but
+        the side launches are *issued* by the host at the first follower's :meth:`wait` (or a
+        join / fence), i.e. after the leader layer's own kernels are queued: their host-side
+        cost then overlaps the leader's GPU work instead of delaying its attention, and on
+        the GPU they still start as soon as the leader's launch is done."""
         self.hot_state.fence_side_work()
         self._gather_span(result, 0)
         if len(self.chunks) == 1:
             return
         if self._cuda:
-            side = self._side()
+            self._side()
             self._fork.record(torch.cuda.current_stream(self.hot_state.device))
+        self._pending = result
+        self._unjoined = set(range(1, len(self.chunks)))
+        self.hot_state._side_work = self
+
+    @property
+    def side_pending(self) -> bool:
+        """True between :meth:`launch` and the issue of its side launches (first follower
+        wait, join or fence)."""
+        return self._pending is not None
+
+    def _issue_side(self) -> None:
+        result, self._pending = self._pending, None
+        if result is None:
+            return
+        if self._cuda:
+            side = self._side()
             side.wait_event(self._fork)
             with torch.cuda.stream(side):
                 for chunk in range(1, len(self.chunks)):
@@ -373,8 +413,6 @@ class GroupGather:
         else:
             for chunk in range(1, len(self.chunks)):
                 self._queue.append((chunk, lambda c=chunk: self._gather_span(result, c)))
-        self._unjoined = set(range(1, len(self.chunks)))
-        self.hot_state._side_work = self
 
     def wait(self, layer_index: int) -> None:
         """Make the current stream wait until the rows of layer ``layer_index`` (0 = leader)
@@ -391,6 +429,7 @@ class GroupGather:
     def _wait_chunk(self, chunk: int) -> None:
         if chunk == 0 or chunk not in self._unjoined:
             return
+        self._issue_side()
         if self._cuda:
             torch.cuda.current_stream(self.hot_state.device).wait_event(self._ready[chunk])
         else:

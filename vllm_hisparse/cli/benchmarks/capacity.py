@@ -7,16 +7,20 @@ the sparse-MLA KV:
 * **hybrid**: a request keeps a hot region of ``--hot-rows`` rows plus its 2-page tail on the
   GPU and its whole KV in the pinned host pool (which then bounds the batch too).
 
-It then times a decode step of each batch on the GPU, layer by layer as a model runs it. Per
+It then times a decode step of each batch on the GPU, layer by layer as a model runs it
+(``--rounds`` timed runs of each, interleaved; medians over the rounds). Per
 index group (a leader layer that runs the indexer plus the followers that reuse its top-k):
 top-k → device rows at the leader (vLLM's block-table arithmetic for full; ``resolve`` +
 the group's gathers for hybrid); then per layer a stand-in sparse attention read of K rows
 per request (an index_select of the rows, which is what a sparse MLA kernel reads) followed
-by a stand-in for the layer's weight pass (a read of ``--weights-gib-per-layer`` from HBM;
+by a stand-in for the layer's weight pass (``--weights-gib-per-layer`` read from HBM;
 DeepSeek-V3.2 on 8 GPUs reads roughly 1.3 GiB of weights per layer per GPU per decode step;
-this term does not grow with the batch, which is why a larger batch pays). Selections come
-from :class:`TopkGenerator` (drifting locality), precomputed, one generator per request and
-index group.
+this term hardly grows with the batch, which is why a larger batch pays). ``--weight-pass
+sum`` (the default) reads the weights with one HBM-bound reduction; ``gemm`` multiplies every
+token of the batch by all of the layer's weights, a compute-heavy bound: a MoE layer's
+tokens each meet only a few experts, so its FLOPs per token are far fewer
+(docs/benchmarks.md). Selections come from :class:`TopkGenerator` (drifting locality),
+precomputed, one generator per request and index group.
 
 Hybrid steps run in each ``--gather-modes`` entry:
 
@@ -24,8 +28,9 @@ Hybrid steps run in each ``--gather-modes`` entry:
 * ``side`` / ``side:C1,C2,...`` / ``side...@N``: the leader's launch before its attention, the
   followers' on a side stream, each follower's attention waiting on its own event
   (``GroupGather``; ``C1,C2,...`` is the launch schedule, see ``hot_state.fit_chunks``, and
-  ``N`` the side launches' CTAs per SM, 0 = the kernel's default grid; ``~P`` the side
-  stream's priority, 0 = the compute stream's; ``side`` = the defaults);
+  ``N`` the side launches' CTAs per SM, 0 = the kernel's default grid; ``#M`` a cap on a side
+  launch's whole grid, in CTAs; ``~P`` the side stream's priority, 0 = the compute stream's;
+  ``side`` = the defaults);
 * ``noio``: resolve but no copy at all (an oracle, not exact: what the step would cost if
   the PCIe transfers were free).
 
@@ -36,6 +41,11 @@ alone, the weight pass added afterwards: no overlap possible), for comparison.
     vllm-hisparse bench capacity --index-group-layers 8 4   # and GLM-5.2-like groups of 4
     vllm-hisparse bench capacity --gather-modes single side side:1 side:2,2,4 noio
     vllm-hisparse bench capacity --layout layer      # the layer-major host pool
+    vllm-hisparse bench capacity --trace             # + how much gather time ran hidden
+
+``--trace`` profiles one step of every hybrid mode (``torch.profiler``, CUDA) and reports the
+gather kernels' time, the part of it that ran while other kernels ran (hidden) and the rest
+(exposed): the direct measure of overlap (``timeline.py``).
 
 ``--layout`` picks the host pool layout (position-major by default: the rows of all layers of a
 position are adjacent, docs/kernels.md); ``--rows-per-warp`` / ``--ctas-per-sm`` set the gather
@@ -54,11 +64,62 @@ import time
 import torch
 
 from vllm_hisparse.worker.host_pool import HostPool
-from vllm_hisparse.worker.hot_state import (DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_PRIORITY,
-                                            GroupGather, HotState, fit_chunks)
+from vllm_hisparse.worker.hot_state import (DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_MAX_CTAS,
+                                            DEFAULT_SIDE_PRIORITY, GroupGather, HotState,
+                                            fit_chunks)
 from vllm_hisparse.worker.synthetic import TopkGenerator
 
+from .timeline import gather_overlap, profile_kernels
+
 TAIL_PAGES = 2
+#: Hidden size of the GEMM weight pass (DeepSeek-V3.2's model dimension).
+HIDDEN = 7168
+WEIGHT_PASSES = ("gemm", "sum")
+
+
+class WeightPass:
+    """Stand-in for each layer's weight pass: ``bytes_per_layer`` of weights read from HBM.
+
+    ``sum``: one reduction over the layer's fp32 weights (HBM-bound, batch-independent: what
+    decode's weight reads cost). ``gemm``: ``[batch, HIDDEN] @ [HIDDEN, N]`` in bf16, N chosen
+    for the byte count; every token meets every weight, so it is compute-bound at large
+    batches, unlike a MoE layer (a sensitivity bound, not the default). Activations and
+    outputs are allocated once per batch size."""
+
+    def __init__(self, kind: str, num_layers: int, bytes_per_layer: int, device):
+        if kind not in WEIGHT_PASSES:
+            raise ValueError(f"weight pass {kind!r}: expected one of {', '.join(WEIGHT_PASSES)}")
+        self.kind = kind
+        self.device = device
+        if kind == "gemm":
+            cols = max(1, bytes_per_layer // (2 * HIDDEN))
+            self.weights = torch.empty((num_layers, HIDDEN, cols), dtype=torch.bfloat16,
+                                       device=device).uniform_(-0.01, 0.01)
+        else:
+            self.weights = torch.empty((num_layers, max(1, bytes_per_layer // 4)),
+                                       dtype=torch.float32, device=device).uniform_()
+        self._io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ms: dict[int, float] = {}
+
+    def __call__(self, layer: int, batch: int) -> None:
+        if self.kind == "sum":
+            self.weights[layer].sum()
+            return
+        if batch not in self._io:
+            self._io[batch] = (torch.randn((batch, HIDDEN), dtype=torch.bfloat16,
+                                           device=self.device),
+                               torch.empty((batch, self.weights.shape[2]),
+                                           dtype=torch.bfloat16, device=self.device))
+        x, y = self._io[batch]
+        torch.matmul(x, self.weights[layer], out=y)
+
+    def step_ms(self, batch: int) -> float:
+        """Median ms of every layer's pass at ``batch`` (measured once per batch)."""
+        if batch not in self._ms:
+            layers = range(self.weights.shape[0])
+            self._ms[batch] = statistics.median(time_steps(
+                lambda i: [self(layer, batch) for layer in layers], 10, 3))
+        return self._ms[batch]
 
 
 def plan_batches(context: int, a) -> dict:
@@ -86,14 +147,16 @@ def group_spans(num_layers: int, group_layers: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, num_layers)) for s in range(0, num_layers, size)]
 
 
-def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None, int, int]:
-    """``single`` | ``noio`` | ``side[:C1,C2,...][@N][~P]`` → (kind, chunk spec or None, side
-    CTAs per SM N (default ``DEFAULT_SIDE_CTAS_PER_SM``; 0 = the kernel's default grid), side
-    stream priority P (default ``DEFAULT_SIDE_PRIORITY``; 0 = the compute stream's))."""
+def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None, int, int, int]:
+    """``single`` | ``noio`` | ``side[:C1,C2,...][@N][#M][~P]`` → (kind, chunk spec or None,
+    side CTAs per SM N (default ``DEFAULT_SIDE_CTAS_PER_SM``; 0 = the kernel's default grid),
+    side stream priority P (default ``DEFAULT_SIDE_PRIORITY``; 0 = the compute stream's),
+    cap M on a side launch's whole grid in CTAs (default ``DEFAULT_SIDE_MAX_CTAS``; 0 = none))."""
     if text in ("single", "noio"):
-        return text, None, DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_PRIORITY
-    if text == "side" or text.startswith(("side:", "side@", "side~")):
+        return text, None, DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_PRIORITY, DEFAULT_SIDE_MAX_CTAS
+    if text == "side" or text.startswith(("side:", "side@", "side~", "side#")):
         rest, _, prio = text[4:].partition("~")
+        rest, _, grid = rest.partition("#")
         body, _, ctas = rest.partition("@")
         try:
             spec = tuple(int(c) for c in body[1:].split(",")) if body else None
@@ -101,14 +164,15 @@ def parse_mode(text: str) -> tuple[str, tuple[int, ...] | None, int, int]:
                 fit_chunks(spec, 1)
             ctas_per_sm = int(ctas) if ctas else DEFAULT_SIDE_CTAS_PER_SM
             priority = int(prio) if prio else DEFAULT_SIDE_PRIORITY
-            if ctas_per_sm < 0 or (body and not body.startswith(":")):
+            max_ctas = int(grid) if grid else DEFAULT_SIDE_MAX_CTAS
+            if ctas_per_sm < 0 or max_ctas < 0 or (body and not body.startswith(":")):
                 raise ValueError
         except ValueError:
-            raise ValueError(f"gather mode {text!r}: expected side[:C1,C2,...][@N][~P] with "
-                             f"positive ints C, N >= 0 and an int P") from None
-        return "side", spec, ctas_per_sm, priority
-    raise ValueError(f"gather mode {text!r}: expected single, side[:C1,C2,...][@N][~P] or "
-                     f"noio")
+            raise ValueError(f"gather mode {text!r}: expected side[:C1,C2,...][@N][#M][~P] "
+                             f"with positive ints C, N >= 0, M >= 0 and an int P") from None
+        return "side", spec, ctas_per_sm, priority, max_ctas
+    raise ValueError(f"gather mode {text!r}: expected single, side[:C1,C2,...][@N][#M][~P] "
+                     f"or noio")
 
 
 def time_steps(fn, steps: int, warmup: int) -> list[float]:
@@ -139,13 +203,16 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
     bs, k, ctx = a.block_size, a.topk, plan["context"]
     pages = plan["pages"]
     total_steps = a.steps + a.warmup
+    # One more step of selections than timed: --trace profiles it, right after the timed ones.
+    generated_steps = total_steps + 1
     dev = device_kv[0].device
     groups = group_spans(a.layers, group_layers)
     result = dict(plan, index_group_layers=[e - s for s, e in groups])
 
     def topk_for(batch: int, group: int) -> torch.Tensor:
         gens = [TopkGenerator(k, seed=r + 7919 * group) for r in range(batch)]
-        sel = torch.stack([torch.stack([g.select(ctx) for g in gens]) for _ in range(total_steps)])
+        sel = torch.stack([torch.stack([g.select(ctx) for g in gens])
+                           for _ in range(generated_steps)])
         return sel.to(dev)  # [steps, batch, K]
 
     read_buf = torch.empty((max(plan["full_batch"], plan["hybrid_batch"]) * k, a.row_bytes),
@@ -155,32 +222,34 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
         flat = rows.reshape(-1).clamp_min(0).to(torch.int64)
         torch.index_select(device_kv[layer], 0, flat, out=read_buf[:flat.numel()])
 
-    def weight_pass(layer: int) -> None:
+    def weight_pass(layer: int, batch: int) -> None:
         if weights is not None:
-            weights[layer].sum()
+            weights(layer, batch)
 
     # -- full residency: request r owns pages [r * pages, (r + 1) * pages) of the device pool
-    b = plan["full_batch"]
-    if b > 0:
-        sels = [topk_for(b, g) for g in range(len(groups))]
-        block_table = torch.arange(b * pages, dtype=torch.int64, device=dev).view(b, pages)
+    full_b = plan["full_batch"]
+    time_full = None
+    if full_b > 0:
+        full_sels = [topk_for(full_b, g) for g in range(len(groups))]
+        block_table = torch.arange(full_b * pages, dtype=torch.int64, device=dev).view(full_b,
+                                                                                       pages)
 
         def full_step(i, with_weights=True):
             for g, (first, end) in enumerate(groups):
-                s = sels[g][i].to(torch.int64)
+                s = full_sels[g][i].to(torch.int64)
                 rows = torch.where(s >= 0,
                                    block_table.gather(1, (s.clamp_min(0) // bs)) * bs + s % bs,
                                    torch.full_like(s, -1))
                 for layer in range(first, end):
                     attend(rows, layer)
                     if with_weights:
-                        weight_pass(layer)
+                        weight_pass(layer, full_b)
+
+        def time_full() -> float:
+            return statistics.median(time_steps(full_step, a.steps, a.warmup))
 
         result["full_kv_ms"] = statistics.median(
             time_steps(lambda i: full_step(i, False), a.steps, a.warmup))
-        result["full_step_ms"] = statistics.median(time_steps(full_step, a.steps, a.warmup))
-        result["full_tokens_per_s"] = b / (result["full_step_ms"] / 1e3)
-        del sels
 
     # -- hybrid: tail pages resident, the rest host-backed, hot region leased per request
     b = plan["hybrid_batch"]
@@ -247,7 +316,7 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
                         gathers[g].wait(j)
                     attend(res.out_rows, layer)
                     if with_weights:
-                        weight_pass(layer)
+                        weight_pass(layer, b)
 
         # Old-style figures: resolve + one gather of every layer alone, and the KV step.
         states = fresh_states()
@@ -262,23 +331,51 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
         result["hybrid_kv_ms"], _, _ = timed(
             lambda i: hybrid_step(i, states, gathers, with_weights=False), states)
 
-        modes = {}
-        for text in a.gather_modes:
-            kind, spec, ctas_per_sm, priority = parse_mode(text)
+        def time_mode(text: str, trace: bool) -> dict:
+            """One timed run of a gather mode from fresh hot regions (+ a profiled step)."""
+            kind, spec, ctas_per_sm, priority, max_ctas = parse_mode(text)
             states = fresh_states()
             gathers = None if kind == "noio" else [
                 GroupGather(st, host_layers[s:e], device_kv[s:e], mode=kind, chunks=spec,
-                            side_ctas_per_sm=ctas_per_sm, side_priority=priority)
+                            side_ctas_per_sm=ctas_per_sm, side_priority=priority,
+                            side_max_ctas=max_ctas)
                 for st, (s, e) in zip(states, groups)]
             ms, miss_rate, _ = timed(lambda i: hybrid_step(i, states, gathers), states)
-            modes[text] = dict(step_ms=ms, miss_rate=miss_rate,
-                               tokens_per_s=b / (ms / 1e3),
-                               chunks=[list(gg.chunks) for gg in gathers] if gathers else None)
+            out = dict(step_ms=ms, miss_rate=miss_rate,
+                       chunks=[list(gg.chunks) for gg in gathers] if gathers else None)
+            if trace:
+                out["timeline"] = gather_overlap(profile_kernels(
+                    lambda: hybrid_step(total_steps, states, gathers)))
+            return out
+
+    # -- the step times: full and every hybrid mode in turn, --rounds times (interleaved, so
+    # a drift of the machine moves all of them alike), medians over the rounds
+    full_rounds: list[float] = []
+    mode_rounds: dict[str, list[dict]] = {text: [] for text in a.gather_modes}
+    for rnd in range(a.rounds):
+        if time_full is not None:
+            full_rounds.append(time_full())
+        if b > 0:
+            for text in a.gather_modes:
+                trace = a.trace and dev.type == "cuda" and rnd == a.rounds - 1
+                mode_rounds[text].append(time_mode(text, trace))
+    if full_rounds:
+        result["full_step_ms"] = statistics.median(full_rounds)
+        result["full_step_ms_rounds"] = full_rounds
+        result["full_tokens_per_s"] = full_b / (result["full_step_ms"] / 1e3)
+    if b > 0:
+        modes = {}
+        for text, runs in mode_rounds.items():
+            ms = statistics.median(r["step_ms"] for r in runs)
+            modes[text] = dict(runs[-1], step_ms=ms, step_ms_rounds=[r["step_ms"] for r in runs],
+                               tokens_per_s=b / (ms / 1e3))
             if result.get("full_tokens_per_s"):
                 modes[text]["tokens_per_s_ratio"] = (modes[text]["tokens_per_s"]
                                                      / result["full_tokens_per_s"])
+                # each round's hybrid step against the full step timed just before it
+                modes[text]["tokens_per_s_ratio_rounds"] = [
+                    (b / r["step_ms"]) / (full_b / f) for r, f in zip(runs, full_rounds)]
         result["modes"] = modes
-        del sels, states
     if result.get("full_kv_ms") and result.get("hybrid_kv_ms"):
         result["tokens_per_s_ratio_kv_only"] = ((plan["hybrid_batch"] / result["hybrid_kv_ms"])
                                                 / (plan["full_batch"] / result["full_kv_ms"]))
@@ -306,7 +403,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--weights-gib-per-layer", type=float, default=1.3,
                    help="HBM read per layer standing in for the weight pass (0 = none)")
+    p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default="sum",
+                   help="weight pass stand-in: sum (an HBM-bound read of the weights, default) "
+                        "or gemm (every token times every weight: a compute-heavy bound)")
+    p.add_argument("--trace", action="store_true",
+                   help="profile one step of every hybrid mode and report how much of the "
+                        "gather time ran hidden under other kernels (GPU only)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed runs of the full step and of every gather mode, interleaved; "
+                        "the tables show the median over the rounds")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ops-backend", default="auto")
     p.add_argument("--layout", choices=["position", "layer"], default=None,
@@ -320,6 +426,8 @@ def main(argv=None) -> int:
             parse_mode(text)
         except ValueError as e:
             p.error(str(e))
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
     if any(n < 0 for n in a.index_group_layers):
         p.error("--index-group-layers: layers per index group must be >= 0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -348,12 +456,10 @@ def main(argv=None) -> int:
     print(f"host pool {host_pool.logical_gib:.1f} GiB ({host_pool.page_mode}, "
           f"{host_pool.layout}-major) ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    per_layer = int(a.weights_gib_per_layer * 2**30) // 4
-    weights = None
-    weight_ms = 0.0
-    if per_layer:
-        weights = torch.empty((a.layers, per_layer), dtype=torch.float32, device=device).uniform_()
-        weight_ms = statistics.median(time_steps(lambda i: weights.sum(), 10, 3))
+    per_layer_bytes = int(a.weights_gib_per_layer * 2**30)
+    weights = WeightPass(a.weight_pass, a.layers, per_layer_bytes, device) \
+        if per_layer_bytes else None
+    weight_ms = weights.step_ms(1) if weights is not None else 0.0
 
     results = []
     for group_layers in a.index_group_layers:
@@ -363,10 +469,12 @@ def main(argv=None) -> int:
             print(f"context {context}, {len(groups)} index group(s): full batch "
                   f"{plan['full_batch']}, hybrid batch {plan['hybrid_batch']} ...", flush=True)
             r = run_context(plan, device_kv, host_pool, weights, group_layers, a)
-            r["weight_pass_ms"] = weight_ms
+            r["weight_pass_ms"] = {b: weights.step_ms(b) if weights is not None else 0.0
+                                   for b in (r["full_batch"], r["hybrid_batch"]) if b > 0}
             if r.get("full_kv_ms") and r.get("hybrid_kv_ms"):
-                full = r["full_batch"] / (r["full_kv_ms"] + weight_ms)
-                hybrid = r["hybrid_batch"] / (r["hybrid_kv_ms"] + weight_ms)
+                full = r["full_batch"] / (r["full_kv_ms"] + r["weight_pass_ms"][r["full_batch"]])
+                hybrid = r["hybrid_batch"] / (r["hybrid_kv_ms"]
+                                              + r["weight_pass_ms"][r["hybrid_batch"]])
                 r["tokens_per_s_ratio_weight_added"] = hybrid / full
             results.append(r)
     host_layout = host_pool.layout
@@ -376,8 +484,8 @@ def main(argv=None) -> int:
     print(f"{a.layers} layers x {a.row_bytes} B rows, K = {a.topk}, hot rows {a.hot_rows}, "
           f"HBM for KV {a.hbm_gib} GiB, host pool {a.host_gib} GiB ({host_layout}-major), "
           f"gather tuning {a.rows_per_warp or 'default'} rows/warp, "
-          f"{a.ctas_per_sm or 'default'} CTAs/SM, weight pass {weight_ms:.2f} ms "
-          f"({a.weights_gib_per_layer} GiB/layer), "
+          f"{a.ctas_per_sm or 'default'} CTAs/SM, weight pass {a.weight_pass} "
+          f"{weight_ms:.2f} ms at batch 1 ({a.weights_gib_per_layer} GiB/layer), "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}")
     nan = float("nan")
     print("\nKV part timed alone, single launch (the earlier method; weight pass added after):")
@@ -393,7 +501,8 @@ def main(argv=None) -> int:
               f"| {100 * r.get('miss_rate', 0):.1f} % "
               f"| {r.get('tokens_per_s_ratio_kv_only', nan):.2f} "
               f"| {r.get('tokens_per_s_ratio_weight_added', nan):.2f} |")
-    print("\nLayered decode step (per layer: [wait] + attention read + weight pass):")
+    print(f"\nLayered decode step (per layer: [wait] + attention read + weight pass; medians "
+          f"of {a.rounds} interleaved rounds, the ratio's range over the rounds in brackets):")
     print("| context | index groups | full step ms | gather mode | launches per group "
           "| hybrid step ms | exposed IO ms (vs noio) | tok/s hybrid / full |")
     print("|---|---|---|---|---|---|---|---|")
@@ -403,14 +512,29 @@ def main(argv=None) -> int:
         for text, m in modes.items():
             chunks = m["chunks"][0] if m["chunks"] else []
             exposed = (m["step_ms"] - noio) if noio is not None else nan
+            per_round = m.get("tokens_per_s_ratio_rounds") or []
+            spread = (f" [{min(per_round):.2f}-{max(per_round):.2f}]"
+                      if len(per_round) > 1 else "")
             print(f"| {r['context']} | {'+'.join(map(str, r['index_group_layers']))} "
                   f"| {r.get('full_step_ms', nan):.3f} | {text} "
                   f"| {','.join(map(str, chunks)) or '-'} | {m['step_ms']:.3f} "
-                  f"| {exposed:.3f} | {m.get('tokens_per_s_ratio', nan):.2f} |")
+                  f"| {exposed:.3f} | {m.get('tokens_per_s_ratio', nan):.2f}{spread} |")
+    traced = [(r, text, m["timeline"]) for r in results
+              for text, m in r.get("modes", {}).items() if "timeline" in m]
+    if traced:
+        print("\nOne profiled step per mode (--trace; kernel times from torch.profiler, ms):")
+        print("| context | index groups | gather mode | step span | gather kernels "
+              "| of which hidden under other kernels | exposed | no kernel running |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r, text, t in traced:
+            print(f"| {r['context']} | {'+'.join(map(str, r['index_group_layers']))} | {text} "
+                  f"| {t['span_us'] / 1e3:.3f} | {t['gather_us'] / 1e3:.3f} "
+                  f"| {t['gather_hidden_us'] / 1e3:.3f} | {t['gather_exposed_us'] / 1e3:.3f} "
+                  f"| {t['idle_us'] / 1e3:.3f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(args=vars(a), device=device, host_layout=host_layout,
-                           weight_pass_ms=weight_ms, results=results), f, indent=2)
+                           weight_pass_batch1_ms=weight_ms, results=results), f, indent=2)
     return 0
 
 

@@ -1,0 +1,86 @@
+"""A few resolve launches of one benchmark case, for Nsight Compute (GPU only).
+
+    ncu --clock-control none --kernel-name regex:resolve_kernel --launch-skip 2 \
+        --launch-count 1 --set full --import-source yes -o resolve \
+        python3 benchmarks/profile_resolve.py --batch 64
+
+Builds the case of ``bench_kernels.py --only resolve`` (K = 2048, bs = 64, P = 2048, every
+selection host-backed, ``--miss`` of them misses), restores the hot state and flushes L2 before
+each of ``--launches`` launches, and checks the miss count of the last one.
+
+``--time`` instead prints a short table in the bench's harness (µs per launch, CUDA-graph
+replays): this kernel cold / warm L2 and the previous kernel cold, at ``--batches``, plus the
+cumulative time to each stop point at batch 64 (a quick check inside a short device lease).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from vllm_hisparse.cli.benchmarks.kernels import (_check_resolve, _reset, flush_l2,
+                                                  graph_time_resolve, make_resolve_sets,
+                                                  resolve_args)
+from vllm_hisparse.ops import cuda as cuda_ops
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=4096)
+    ap.add_argument("--miss", type=float, default=0.05)
+    ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--variant", type=int, default=0, help="_set_resolve_debug variant")
+    ap.add_argument("--time", action="store_true", help="print a timing table instead")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    a = ap.parse_args()
+    if a.time:
+        return time_table(a)
+    s = make_resolve_sets(a.batch, 2048, a.slots, a.miss, sets=1)[0]
+    cuda_ops._set_resolve_debug(variant=a.variant)
+    for _ in range(a.launches):
+        _reset(s)
+        flush_l2()
+        cuda_ops.resolve(*resolve_args(s))
+    torch.cuda.synchronize()
+    cuda_ops._set_resolve_debug()
+    cuda_ops.check_errors()
+    got = int(s["miss_count"].sum())
+    want = round(2048 * a.miss) * a.batch
+    print(f"profile_resolve: batch {a.batch}, D {a.slots}, miss {a.miss}: misses {got} "
+          f"(expected {want})")
+    return 0 if got == want else 1
+
+
+def time_table(a) -> int:
+    print(f"resolve, D {a.slots}, miss {a.miss:.0%}, µs per launch: this kernel cold / warm, "
+          "previous kernel cold", flush=True)
+    for B in a.batches:
+        sets = make_resolve_sets(B, 2048, a.slots, a.miss, sets=4)
+        cold = graph_time_resolve(sets, flush=True, iters=24)
+        warm = graph_time_resolve(sets, flush=False, iters=24)
+        cuda_ops._set_resolve_debug(variant=1)
+        try:
+            prev = graph_time_resolve(sets, flush=True, iters=24)
+        finally:
+            cuda_ops._set_resolve_debug()
+        _check_resolve(sets, B, a.miss)
+        print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   previous {prev:5.1f}", flush=True)
+        if B == 64:
+            stops = {}
+            try:
+                for stop in (1, 2, 3, 4, 5):
+                    cuda_ops._set_resolve_debug(stop=stop)
+                    stops[stop] = graph_time_resolve(sets, flush=True, iters=24)
+            finally:
+                cuda_ops._set_resolve_debug()
+            print("  to stop point (entry, B1, B2, B3, B5), cold: " +
+                  ", ".join(f"{v:.1f}" for v in stops.values()) + f", full {cold:.1f}",
+                  flush=True)
+        del sets
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
