@@ -267,6 +267,10 @@ def test_group_gather_rejects_bad_arguments():
         GroupGather(state, layers, layers * 2)
     with pytest.raises(ValueError, match="outside the index group of 1 layers"):
         GroupGather(state, layers, layers).wait(1)
+    with pytest.raises(ValueError, match="side_max_ctas must be an int >= 0, got -1"):
+        GroupGather(state, layers, layers, side_max_ctas=-1)
+    with pytest.raises(ValueError, match="side_ctas_per_sm must be an int >= 0, got True"):
+        GroupGather(state, layers, layers, side_ctas_per_sm=True)
 
 
 @pytest.mark.gpu

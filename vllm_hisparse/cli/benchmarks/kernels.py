@@ -131,15 +131,21 @@ def spin_clocks(ms: float = 30.0) -> None:
     torch.cuda._sleep(int(ms * 1e-3 * 1.98e9))
 
 
-def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True) -> float:
+def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True,
+                       launch=None) -> float:
     """Per-launch µs of resolve inside a CUDA graph: a graph of `iters` x [restore the hot
     state of set i, (flush L2), resolve set i] minus the same graph without the resolves,
     each the median of 7 replays timed with events. `steady`: one untimed replay and a
-    ~30 ms spin before each series, so that the GPU clocks are at their working level."""
+    ~30 ms spin before each series, so that the GPU clocks are at their working level.
+    `launch`: the resolve to time, called with `resolve_args(set)` (default: the CUDA op;
+    benchmarks/proto_resolve_cluster.py times its prototype with it)."""
+    ours = launch is None
+    launch = cuda_ops.resolve if ours else launch
+
     def build(with_resolve):
         for s in sets:  # warm-up outside capture (module load, smem opt-in)
             if with_resolve:
-                cuda_ops.resolve(*resolve_args(s))
+                launch(*resolve_args(s))
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -150,7 +156,7 @@ def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True) -> fl
                 if flush:
                     flush_l2()
                 if with_resolve:
-                    cuda_ops.resolve(*resolve_args(s))
+                    launch(*resolve_args(s))
         return g
 
     def replay_us(g):
@@ -174,7 +180,8 @@ def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True) -> fl
     t1 = replay_us(g1)
     t0 = replay_us(g0)
     del g1, g0
-    cuda_ops.check_errors()
+    if ours:
+        cuda_ops.check_errors()
     return max(0.0, (t1 - t0) / iters)
 
 
