@@ -381,7 +381,8 @@ class GroupGather:
         the side launches are *issued* by the host at the first follower's :meth:`wait` (or a
         join / fence), i.e. after the leader layer's own kernels are queued: their host-side
         cost then overlaps the leader's GPU work instead of delaying its attention, and on
-        the GPU they still start as soon as the leader's launch is done."""
+        the GPU they still start as soon as the leader's launch is done. Inside a CUDA-graph
+        capture they are issued here, so that they belong to the same capture as the fork."""
         self.hot_state.fence_side_work()
         self._gather_span(result, 0)
         if len(self.chunks) == 1:
@@ -392,6 +393,10 @@ class GroupGather:
         self._pending = result
         self._unjoined = set(range(1, len(self.chunks)))
         self.hot_state._side_work = self
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            # In a CUDA-graph capture the host cost is paid once; issuing now keeps fork and
+            # launches in the same capture (a later issue would wait on a captured event).
+            self._issue_side()
 
     @property
     def side_pending(self) -> bool:
