@@ -37,6 +37,20 @@ def test_index_share_presets_keep_fewer_indexer_keys_on_device(capsys):
         plans[model] = capsys.readouterr().out
     assert "(78 with an indexer)" in plans["glm-5.1"]
     assert "(21 with an indexer)" in plans["glm-5.2"]
+    # IndexShare prefetch can take the followers' copies off the critical path, not the
+    # leaders' launches; without IndexShare every copy stays on it.
+    assert "copies of 42 of 78 layers (each group's first launch)" in plans["glm-5.2"]
+    assert "no copy can be prefetched" in plans["glm-5.1"]
+
+
+def test_plan_reports_the_critical_path_share_of_the_io(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "glm-5.2", "--contexts", "32768", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    row = plan["contexts"][0]
+    assert plan["critical_path_layers"] == 42
+    assert row["io_ms_per_step_critical_path_at_best"] == pytest.approx(
+        row["io_ms_per_step_at_steady"] * 42 / 78)
 
 
 def test_small_host_pool_limits_the_steady_state(tmp_path):

@@ -61,3 +61,25 @@ def test_max_concurrency_admission_vs_steady_state():
     assert c.at_admission == min(1 + (device - admit) // steady, c.steady_state_host)
     assert c.full_only < c.at_admission <= c.steady_state_device
     assert c.steady_state_device / c.full_only > 3  # ~3.7x: the point of the hierarchy
+
+
+def test_critical_path_layers_with_index_share_prefetch():
+    from dataclasses import replace
+
+    from vllm_hisparse.core.capacity import GLM_52_FP8, critical_path_layers
+
+    # An indexer in every layer: nothing to prefetch.
+    assert critical_path_layers(DEEPSEEK_V32_FP8) == 61
+    # GLM-5.2: 78 layers over 21 leaders = 15 groups of 4 and 6 of 3; 2 layers of each exposed.
+    assert critical_path_layers(GLM_52_FP8) == 21 * 2 == 42
+    assert critical_path_layers(GLM_52_FP8, first_launch_layers=1) == 21
+    geo = lambda layers, groups: replace(DEEPSEEK_V32_FP8, num_sparse_layers=layers,
+                                         num_indexer_layers=groups)
+    assert critical_path_layers(geo(8, 1)) == 2      # the benchmark's default geometry
+    assert critical_path_layers(geo(8, 2)) == 4      # groups of 4 (GLM-5.2-like)
+    assert critical_path_layers(geo(5, 3)) == 2 + 2 + 1  # groups of 2, 2 and 1
+    assert critical_path_layers(geo(5, 3), first_launch_layers=3) == 5
+    with pytest.raises(ValueError, match="first_launch_layers must be >= 1"):
+        critical_path_layers(geo(8, 1), first_launch_layers=0)
+    with pytest.raises(ValueError, match="9 index groups for 8 sparse layers"):
+        critical_path_layers(geo(8, 9))

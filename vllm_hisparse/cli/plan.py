@@ -3,7 +3,8 @@
 For a model geometry (a preset or custom numbers), the HBM given to KV, the host RAM given to
 the pool and the contexts to serve, it prints the decode concurrency with full residency and
 with hybrid residency (steady state and at admission), the host memory that concurrency needs,
-the host→GPU traffic per decoded token at a given miss rate against the link, the recommended
+the host→GPU traffic per decoded token at a given miss rate against the link (and how much of
+it IndexShare prefetch can at best take off the step's critical path), the recommended
 ``device_buffer_size`` and ``host_pool_gib``, and the ``--kv-transfer-config`` to paste.
 
 All figures are per data-parallel replica (one attention replica: the KV it holds and the
@@ -21,6 +22,7 @@ from vllm_hisparse.core.capacity import (
     INDEXER_ROW_BYTES,
     PRESETS,
     ModelGeometry,
+    critical_path_layers,
     default_device_buffer_size_rows,
     host_memory,
     max_concurrency,
@@ -120,6 +122,7 @@ def make_plan(args) -> dict:
     kv_bytes = int(args.kv_gib * GIB)
     bytes_per_decoded_token = (args.spec_tokens + 1) * geo.top_k * args.miss_rate * \
         geo.num_sparse_layers * geo.row_bytes
+    exposed_layers = critical_path_layers(geo)
     rows = []
     for context in args.contexts:
         c = max_concurrency(geo, device_kv_bytes=kv_bytes, num_host_blocks=host.num_host_blocks,
@@ -134,6 +137,7 @@ def make_plan(args) -> dict:
             gain=(c.steady_state / c.full_only) if c.full_only else None,
             host_gib_for_device_limit=host_needed_gib,
             io_ms_per_step_at_steady=io_ms,
+            io_ms_per_step_critical_path_at_best=io_ms * exposed_layers / geo.num_sparse_layers,
         ))
     largest = max(args.contexts)
     worst = next(r for r in rows if r["context_tokens"] == largest)
@@ -156,6 +160,7 @@ def make_plan(args) -> dict:
         link_tokens_per_s=(args.link_gbs * 1e9 / bytes_per_decoded_token
                            if bytes_per_decoded_token else None),
         miss_rate=args.miss_rate, link_gbs=args.link_gbs, contexts=rows,
+        critical_path_layers=exposed_layers,
         recommended_host_pool_gib=recommended_host_gib, kv_transfer_config=kv_transfer_config,
     )
 
@@ -171,16 +176,25 @@ def run(args) -> int:
           f"{plan['host_bytes_per_token']} B")
     print()
     print("| context | full residency | hybrid, steady | hybrid, at admission | limited by "
-          "| gain | host GiB for device limit | I/O ms/step at steady |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| gain | host GiB for device limit | I/O ms/step at steady "
+          "| of which on the critical path, at best |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in plan["contexts"]:
         print(f"| {r['context_tokens']} | {r['full_only']} | {r['hybrid_steady']} "
               f"| {r['hybrid_at_admission']} | {r['steady_limited_by']} | {_gain(r['gain'])} "
-              f"| {r['host_gib_for_device_limit']:.0f} | {r['io_ms_per_step_at_steady']:.2f} |")
+              f"| {r['host_gib_for_device_limit']:.0f} | {r['io_ms_per_step_at_steady']:.2f} "
+              f"| {r['io_ms_per_step_critical_path_at_best']:.2f} |")
     print()
     print(f"I/O per decoded token at {100 * plan['miss_rate']:g} % misses: "
           f"{plan['io_bytes_per_decoded_token'] / MB:.2f} MB; a {plan['link_gbs']:g} GB/s link "
           f"sustains {plan['link_tokens_per_s'] or float('inf'):.0f} tokens/s of misses")
+    if plan["critical_path_layers"] < plan["layers"]:
+        print(f"IndexShare prefetch: the copies of {plan['critical_path_layers']} of "
+              f"{plan['layers']} layers (each group's first launch) stay on the critical path; "
+              f"the rest can run under compute (H200 benchmark: docs/benchmarks.md)")
+    else:
+        print("every layer runs its own indexer: no copy can be prefetched, all I/O is on the "
+              "critical path")
     print(f"recommended: host_pool_gib = {plan['recommended_host_pool_gib']}, "
           f"device_buffer_size = {plan['device_buffer_size']}")
     print()

@@ -9,7 +9,7 @@ Public API:
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
   :class:`ResidencyChange`, :class:`WorkerAcks`, :class:`TransferKind`, :class:`Residency`
 * capacity: :class:`ModelGeometry`, :func:`bytes_per_token`, :func:`max_concurrency`,
-  :func:`host_memory`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
+  :func:`host_memory`, :func:`critical_path_layers`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
 * errors: :class:`BackPressure`, :class:`HostPoolExhausted`, :class:`DevicePoolExhausted`,
   :class:`ProtocolError`
 """
@@ -21,6 +21,7 @@ from vllm_hisparse.core.capacity import (
     GLM_52_FP8,
     GLM_53_FP8,
     INDEXER_ROW_BYTES,
+    PREFETCH_FIRST_LAUNCH_LAYERS,
     PRESETS,
     ROW_BYTES_BF16,
     ROW_BYTES_FP8_DS_MLA,
@@ -29,6 +30,7 @@ from vllm_hisparse.core.capacity import (
     HostMemory,
     ModelGeometry,
     bytes_per_token,
+    critical_path_layers,
     default_device_buffer_size_rows,
     host_memory,
     max_concurrency,
@@ -74,6 +76,7 @@ __all__ = [
     "GLM_52_FP8",
     "GLM_53_FP8",
     "PRESETS",
+    "PREFETCH_FIRST_LAUNCH_LAYERS",
     "DevicePoolExhausted",
     "HiSparseCoreError",
     "HostBlockPool",
@@ -100,6 +103,7 @@ __all__ = [
     "TransferSpec",
     "WorkerAcks",
     "bytes_per_token",
+    "critical_path_layers",
     "default_device_buffer_size_rows",
     "host_block_bytes",
     "host_memory",

@@ -232,3 +232,29 @@ def max_concurrency(
         device_bytes_full_request=int(full_bytes),
         device_bytes_steady_request=int(steady_bytes),
     )
+
+
+#: Layers in the first gather launch of an index group with IndexShare prefetch (the leader and
+#: its first follower, on the compute stream; ``worker.hot_state.DEFAULT_SIDE_CHUNKS`` starts
+#: with it). The other followers' copies run on a side stream under earlier layers' compute.
+PREFETCH_FIRST_LAUNCH_LAYERS = 2
+
+
+def critical_path_layers(geometry: ModelGeometry,
+                         first_launch_layers: int = PREFETCH_FIRST_LAUNCH_LAYERS) -> int:
+    """Sparse layers whose miss copies stay on a decode step's critical path with IndexShare
+    prefetch: the first launch of every index group (``min(first_launch_layers, group
+    size)`` layers). The other layers' copies can run under compute, so this is the best
+    case; with an indexer in every layer (DeepSeek-V3.2) it is every layer.
+
+    Groups are the ``num_sparse_layers`` layers spread as evenly as possible over the
+    ``indexer_layers`` leaders (a model's real grouping may differ by a layer here and there).
+    """
+    if first_launch_layers < 1:
+        raise ValueError(f"first_launch_layers must be >= 1, got {first_launch_layers}")
+    layers, groups = geometry.num_sparse_layers, geometry.indexer_layers
+    if not 1 <= groups <= layers:
+        raise ValueError(f"{geometry.name}: {groups} index groups for {layers} sparse layers")
+    small, larger = divmod(layers, groups)  # `larger` groups of small + 1, the rest of small
+    return (larger * min(first_launch_layers, small + 1)
+            + (groups - larger) * min(first_launch_layers, small))

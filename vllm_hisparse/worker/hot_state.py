@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from vllm_hisparse import ops
+from vllm_hisparse.core.capacity import PREFETCH_FIRST_LAUNCH_LAYERS
 
 #: ``"side"``: leader's layer on the current stream, followers' on a side stream (one ready
 #: event per follower layer). ``"single"``: every layer in one launch on the current stream.
@@ -45,7 +46,7 @@ DEFAULT_GATHER_MODE = "side"
 #: translation limit, docs/kernels.md "Host pool layout"), two adjacent layers at nearly
 #: the same time per position, so the leader alone is no sooner ready than leader + one
 #: follower (measured: (1, 1, 2, 4) took 0.7-0.8 ms more per step than (2, 2, 4) at 32K).
-DEFAULT_SIDE_CHUNKS: tuple[int, ...] = (2, 2, 4, 8, 16, 32, 64)
+DEFAULT_SIDE_CHUNKS: tuple[int, ...] = (PREFETCH_FIRST_LAUNCH_LAYERS, 2, 4, 8, 16, 32, 64)
 #: Grid cap of the side-stream launches, in CTAs per SM (0 = the gather kernel's default, 4).
 #: The gather kernel's CTAs stride over the whole plan and stay resident until it is done;
 #: at 4 per SM (70 registers x 256 threads each) they hold nearly the whole register file,
