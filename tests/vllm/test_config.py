@@ -41,6 +41,8 @@ def test_defaults():
     assert config.eager_host_mirror is True
     assert config.ops_backend == "auto"
     assert config.record_trace is None
+    assert config.index_share_prefetch is True
+    assert config.prefetch_max_ctas == 16
 
 
 def test_default_device_buffer_size_follows_speculative_tokens():
@@ -55,10 +57,12 @@ def test_default_device_buffer_size_follows_speculative_tokens():
 def test_all_keys_accepted():
     config = parse(
         {"host_pool_gib": 1.5, "device_buffer_size": 8192, "eager_host_mirror": False,
-         "ops_backend": "reference", "record_trace": None}
+         "ops_backend": "reference", "record_trace": None, "index_share_prefetch": False,
+         "prefetch_max_ctas": 0}
     )
     assert (config.device_buffer_size, config.eager_host_mirror, config.ops_backend) == (
         8192, False, "reference")
+    assert (config.index_share_prefetch, config.prefetch_max_ctas) == (False, 0)
 
 
 def test_record_trace_path(tmp_path):
@@ -113,6 +117,15 @@ def test_bool_and_enum_keys():
         parse({"host_pool_gib": 1, "eager_host_mirror": "yes"})
     with pytest.raises(HiSparseConfigError, match="ops_backend='triton'.*auto | cuda | reference"):
         parse({"host_pool_gib": 1, "ops_backend": "triton"})
+
+
+@pytest.mark.parametrize("value", [-1, 4097, 16.0, True, "16", None])
+def test_prefetch_max_ctas_bad_values(value):
+    with pytest.raises(HiSparseConfigError,
+                       match=r"prefetch_max_ctas=.* accepted: an integer between 0 .* and 4096"):
+        parse({"host_pool_gib": 1, "prefetch_max_ctas": value})
+    with pytest.raises(HiSparseConfigError, match="index_share_prefetch=1.*true or false"):
+        parse({"host_pool_gib": 1, "index_share_prefetch": 1})
 
 
 def test_extra_config_must_be_a_mapping():

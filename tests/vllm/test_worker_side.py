@@ -292,6 +292,33 @@ def test_binds_vllm_allocated_packed_tensors(model_dir):
     assert role.host_pool.closed
 
 
+@pytest.mark.parametrize("extra, mode, max_ctas", [
+    (None, "side", 16),
+    ({"index_share_prefetch": False, "prefetch_max_ctas": 4}, "single", 4),
+])
+def test_prefetch_keys_reach_every_index_group_binding(model_dir, extra, mode, max_ctas):
+    vllm_config, kv_cache_config = planned(model_dir, 100, extra=extra)
+    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+                              huge_pages="never")
+    role.register_kv_caches(allocate(vllm_config, kv_cache_config))
+    bindings = [b for lane in role.lanes for b in lane.bindings]
+    assert bindings and all(b.gather.mode == mode and b.gather.side_max_ctas == max_ctas
+                            for b in bindings)
+    # Groups of 3 layers: side mode copies the leader and its first follower at the leader,
+    # the third layer on the side stream; single mode copies all 3 at once.
+    assert {b.gather.chunks for b in bindings} == {(2, 1) if mode == "side" else (3,)}
+    role.shutdown()
+
+
+def test_decode_loop_without_index_share_prefetch(model_dir):
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44, seed=5,
+              extra={"index_share_prefetch": False})
+    run_decode_loop(rig, steps=60)
+    assert int(Residency.MIXED) in rig.residency_seen and rig.reads_checked > 0
+    assert_nothing_leaked(rig)
+    rig.role.shutdown()
+
+
 def test_register_rejects_missing_layer(model_dir):
     vllm_config, kv_cache_config = planned(model_dir, 100)
     kv = allocate(vllm_config, kv_cache_config)

@@ -58,7 +58,8 @@ import numpy as np
 import torch
 
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
-from vllm_hisparse.worker.hot_state import DEFAULT_GATHER_MODE, GroupGather, HotState
+from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
+                                            GroupGather, HotState)
 
 #: Attribute under which a vLLM index group object carries its binding.
 BINDING_ATTR = "_vllm_hisparse_residency"
@@ -132,6 +133,8 @@ class IndexGroupResidency:
             ``"single"`` (every layer in one launch at the leader); see
             :class:`~vllm_hisparse.worker.hot_state.GroupGather`.
         gather_chunks: side-mode launch schedule (``None`` = the default).
+        prefetch_max_ctas: grid cap of the side-mode launches, in CTAs (0 = none; the
+            default is ``hot_state.DEFAULT_SIDE_MAX_CTAS``).
     """
 
     hot_state: HotState
@@ -142,6 +145,7 @@ class IndexGroupResidency:
     record: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     gather_mode: str = DEFAULT_GATHER_MODE
     gather_chunks: tuple[int, ...] | None = None
+    prefetch_max_ctas: int = DEFAULT_SIDE_MAX_CTAS
     _leader_rows: torch.Tensor | None = None
     _leader_token_rows: torch.Tensor | None = None
     _leader_step: int = -1
@@ -150,7 +154,8 @@ class IndexGroupResidency:
     def __post_init__(self):
         # Built now so that a bad mode or schedule fails at bind time, not in a forward.
         self._gather = GroupGather(self.hot_state, self.host_layers, self.device_layers,
-                                   mode=self.gather_mode, chunks=self.gather_chunks)
+                                   mode=self.gather_mode, chunks=self.gather_chunks,
+                                   side_max_ctas=self.prefetch_max_ctas)
 
     @property
     def num_layers(self) -> int:

@@ -7,15 +7,20 @@ roles, so each process fails with the same message.
 
 Extra-config keys (all per data-parallel replica):
 
-=====================  ========================================================  =====================
-key                    meaning                                                   default
-=====================  ========================================================  =====================
-``host_pool_gib``      pinned host memory for the sparse-MLA KV copy, GiB         required
-``device_buffer_size`` hot rows per request (a multiple of ``block_size``)        ``(q + 1) * top_k``
-``eager_host_mirror``  mirror new KV rows to the host pool as they are written    ``true``
-``ops_backend``        ``auto`` | ``cuda`` | ``reference`` (pure-torch twins)    ``auto``
-``record_trace``       file to record per-step top-k selections into              none
-=====================  ========================================================  =====================
+========================  =====================================================  =====================
+key                       meaning                                                default
+========================  =====================================================  =====================
+``host_pool_gib``         pinned host memory for the sparse-MLA KV copy, GiB      required
+``device_buffer_size``    hot rows per request (a multiple of ``block_size``)     ``(q + 1) * top_k``
+``eager_host_mirror``     mirror new KV rows to the host pool as written          ``true``
+``ops_backend``           ``auto`` | ``cuda`` | ``reference`` (pure-torch twins) ``auto``
+``record_trace``          file to record per-step top-k selections into           none
+``index_share_prefetch``  IndexShare followers' rows copied on a side stream      ``true``
+                          under earlier layers' compute (false: one launch per
+                          index group at its leader)
+``prefetch_max_ctas``     CTAs (SMs) those copies may use; 0 = every SM           ``16``
+                          (measured on an H200 over PCIe)
+========================  =====================================================  =====================
 
 ``q`` is the decode query length: 1 plus the number of speculative tokens.
 """
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
+# The default grid cap of the followers' copies (its docstring says why 16).
+from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
 
 #: The ``kv_connector`` name of this package's connector. Deliberately NOT
 #: ``HiSparseConnector``: that literal name switches on vLLM's in-tree HiSparse.
@@ -50,7 +57,12 @@ ACCEPTED_KEYS = (
     "eager_host_mirror",
     "ops_backend",
     "record_trace",
+    "index_share_prefetch",
+    "prefetch_max_ctas",
 )
+
+#: Upper bound of ``prefetch_max_ctas``: larger grids than this are never useful.
+MAX_PREFETCH_CTAS = 4096
 
 _GIB = 1 << 30
 
@@ -70,6 +82,10 @@ class HiSparseResidencyConfig:
     eager_host_mirror: bool
     ops_backend: str
     record_trace: str | None
+    index_share_prefetch: bool
+    """Followers' copies on a side stream (``GroupGather`` mode ``side``), else ``single``."""
+    prefetch_max_ctas: int
+    """Grid cap of the followers' copies, in CTAs (0 = none)."""
     top_k: int
     """Positions the model's indexer selects per query token (``index_topk``)."""
     block_size: int
@@ -254,6 +270,16 @@ def _parse_record_trace(extra: Mapping[str, Any]) -> str | None:
     return value
 
 
+def _parse_prefetch_max_ctas(extra: Mapping[str, Any]) -> int:
+    value = extra.get("prefetch_max_ctas", DEFAULT_SIDE_MAX_CTAS)
+    if not _is_int(value) or not 0 <= value <= MAX_PREFETCH_CTAS:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: prefetch_max_ctas={value!r} is invalid; accepted: an integer "
+            f"between 0 (no cap: every SM) and {MAX_PREFETCH_CTAS}."
+        )
+    return value
+
+
 def parse_extra_config(
     extra: Mapping[str, Any], *, top_k: int, block_size: int, max_decode_query_len: int
 ) -> HiSparseResidencyConfig:
@@ -272,6 +298,8 @@ def parse_extra_config(
         eager_host_mirror=_parse_bool(extra, "eager_host_mirror", True),
         ops_backend=_parse_ops_backend(extra),
         record_trace=_parse_record_trace(extra),
+        index_share_prefetch=_parse_bool(extra, "index_share_prefetch", True),
+        prefetch_max_ctas=_parse_prefetch_max_ctas(extra),
         top_k=top_k,
         block_size=block_size,
         max_decode_query_len=max_decode_query_len,

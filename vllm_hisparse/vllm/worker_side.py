@@ -275,7 +275,9 @@ class HiSparseWorkerRole:
                 device_layers=[views[i] for i in unit],
                 layout=layout, step=self.step_view,
                 record=self._record if (self._trace is not None and not self.lanes
-                                        and not lane.bindings) else None))
+                                        and not lane.bindings) else None,
+                gather_mode="side" if self.config.index_share_prefetch else "single",
+                prefetch_max_ctas=self.config.prefetch_max_ctas))
         return lane
 
     def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:
