@@ -1,6 +1,6 @@
 """A few resolve launches of one benchmark case, for Nsight Compute (GPU only).
 
-    ncu --clock-control none --kernel-name regex:resolve_kernel --launch-skip 2 \
+    ncu --clock-control none --kernel-name regex:resolve_fast --launch-skip 2 \
         --launch-count 1 --set full --import-source yes -o resolve \
         python3 benchmarks/profile_resolve.py --batch 64
 
@@ -9,8 +9,10 @@ selection host-backed, ``--miss`` of them misses), restores the hot state and fl
 each of ``--launches`` launches, and checks the miss count of the last one.
 
 ``--time`` instead prints a short table in the bench's harness (µs per launch, CUDA-graph
-replays): this kernel cold / warm L2 and the previous kernel cold, at ``--batches``, plus the
-cumulative time to each stop point at batch 64 (a quick check inside a short device lease).
+replays): the default launch (fast path) cold / warm L2 and the general kernel alone cold, at
+``--batches``, plus the cumulative time to each stop point at batch 64 (a quick check inside
+a short device lease). ``benchmarks/ncu_phases.py`` reads an ncu source export of the
+profile (instructions and stall reasons per barrier-delimited phase).
 """
 
 from __future__ import annotations
@@ -54,19 +56,19 @@ def main() -> int:
 
 
 def time_table(a) -> int:
-    print(f"resolve, D {a.slots}, miss {a.miss:.0%}, µs per launch: this kernel cold / warm, "
-          "previous kernel cold", flush=True)
+    print(f"resolve, D {a.slots}, miss {a.miss:.0%}, µs per launch: default (fast path) cold / "
+          "warm, general kernel alone cold", flush=True)
     for B in a.batches:
         sets = make_resolve_sets(B, 2048, a.slots, a.miss, sets=4)
         cold = graph_time_resolve(sets, flush=True, iters=24)
         warm = graph_time_resolve(sets, flush=False, iters=24)
-        cuda_ops._set_resolve_debug(variant=1)
+        cuda_ops._set_resolve_debug(variant=2)
         try:
-            prev = graph_time_resolve(sets, flush=True, iters=24)
+            general = graph_time_resolve(sets, flush=True, iters=24)
         finally:
             cuda_ops._set_resolve_debug()
         _check_resolve(sets, B, a.miss)
-        print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   previous {prev:5.1f}", flush=True)
+        print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   general {general:5.1f}", flush=True)
         if B == 64:
             stops = {}
             try:
@@ -75,7 +77,7 @@ def time_table(a) -> int:
                     stops[stop] = graph_time_resolve(sets, flush=True, iters=24)
             finally:
                 cuda_ops._set_resolve_debug()
-            print("  to stop point (entry, B1, B2, B3, B5), cold: " +
+            print("  default, to stop point (entry, B0, B1, B2, B3), cold: " +
                   ", ".join(f"{v:.1f}" for v in stops.values()) + f", full {cold:.1f}",
                   flush=True)
         del sets

@@ -44,7 +44,8 @@ struct ResolveParams {
   long long* stats;            // [3] or nullptr
   int32_t* error;              // [4] device error record, sticky until cleared
   int32_t* error_host;         // [4] pinned host mirror written by the kernel (or nullptr)
-  unsigned long long* debug_times;  // [9] phase timestamps of CTA 0 (benchmarks) or nullptr
+  unsigned long long* debug_times;  // [10] phase timestamps of CTA 0 and (at [9]) the
+                                    // fast path's hand-offs (benchmarks, tests) or nullptr
   int num_tokens;              // T
   int k;                       // K
   int num_rows;                // R
@@ -58,7 +59,7 @@ struct ResolveParams {
   int hot_blocks_in_smem;      // D / bs when the hot_blocks row is staged in shared memory
   int stage_pages;             // P when the request's residency and host_blocks rows are
                                // staged in shared memory, else 0; set by launch_resolve
-  int position_bitmap_words;   // (variant 1 only) words of the position bitmap, 0 = none
+  int fast_stage_pages;        // the fast path's staged page rows (P or 0), set by launch_resolve
   int debug_stop;              // benchmarks: 0 = run; s > 0 = every CTA returns at stop s
                                // (1 = at entry: the launch floor; see docs/kernels.md)
 };
@@ -72,6 +73,11 @@ struct ResolveLaunchInfo {
   int victim_capacity;
   int hot_blocks_in_smem;
   int stage_pages;       // P when residency / host_blocks rows are staged (num_pages given)
+  size_t general_smem_bytes;  // dynamic shared memory of the general kernel alone
+  int fast_path;         // 1: the fast-path kernel is launched (when the rows are aligned)
+  int fast_kpt;          // its selections per thread
+  int fast_spt;          // its slots per thread
+  int fast_stage_pages;  // P when the fast path stages the residency / host_blocks rows
 };
 
 // Shared-memory plan for a launch. `max_tokens_per_request` bounds the union that one CTA's
@@ -82,8 +88,10 @@ ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int 
                                       int max_tokens_per_request, int threads = 0,
                                       int num_pages = 0);
 
-// Benchmarks only: variant 0 = the kernel (default), 1 = the previous kernel (kept for
-// same-session comparisons); stop > 0 makes every CTA return at that stop (docs/kernels.md).
+// Benchmarks and tests only: variant 0 = the default (the fast-path kernel, which hands what
+// it cannot take to the general path), 2 = the general kernel alone for every request (1 was
+// the previous kernel, removed); stop > 0 makes every CTA return at that stop
+// (docs/kernels.md).
 void set_resolve_debug(int variant, int stop);
 
 // Launches one CTA per token (non-leading tokens of a request exit at once). Returns a CUDA

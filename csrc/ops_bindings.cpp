@@ -84,6 +84,9 @@ py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
   d["victim_capacity"] = info.victim_capacity;
   d["hot_blocks_in_smem"] = info.hot_blocks_in_smem;
   d["stage_pages"] = info.stage_pages;
+  d["general_smem_bytes"] = info.general_smem_bytes;
+  d["fast_path"] = static_cast<bool>(info.fast_path);
+  d["fast_stage_pages"] = info.fast_stage_pages;
   return d;
 }
 
@@ -176,8 +179,8 @@ void register_ops(py::module_& m) {
         py::arg("num_slots"), py::arg("block_size"), py::arg("max_tokens_per_request"),
         py::arg("threads") = 0, py::arg("num_pages") = 0);
   m.def("set_resolve_debug", &set_resolve_debug,
-        "Benchmarks only: kernel variant (0 = current, 1 = previous) and stop point (0 = none) "
-        "of later resolve launches.",
+        "Benchmarks and tests only: kernel variant (0 = default, 2 = the general kernel "
+        "alone) and stop point (0 = none) of later resolve launches.",
         py::arg("variant") = 0, py::arg("stop") = 0);
   m.def("copy_rows", &copy_rows_py, "Launch a multi-layer row copy (plan, pairs or blocks).",
         py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("row_bytes"),

@@ -74,3 +74,24 @@ def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_pat
 def test_bench_decode_capacity_rejects_a_bad_gather_mode():
     r = run("bench_decode_capacity.py", "--gather-modes", "side:0")
     assert r.returncode == 2 and "expected side[:C1,C2,...][@N][#M][~P]" in r.stderr
+
+
+def test_ncu_phases_sums_each_barrier_delimited_phase(tmp_path):
+    """Executed instructions and stall samples add up per phase; a barrier closes a phase."""
+    rows = [
+        ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+         "stall_wait", "stall_barrier", "stall_wait (Not Issued)"],
+        ["0x10", "LDG.E R2, [R4]", "3", "4", "1", "0", "0"],
+        ["0x20", "BAR.SYNC.DEFER_BLOCKING 0x0", "5", "4", "0", "5", "0"],
+        ["0x30", "ATOMS.CAS R9, [R9], R22, R23", "2", "12", "2", "0", "0"],
+        ["0x40", "EXIT", "0", "0", "0", "0", "0"],
+    ]
+    path = tmp_path / "src.csv"
+    path.write_text('"report header"\n' + "\n".join(",".join(f'"{c}"' for c in r) for r in rows))
+    r = run("ncu_phases.py", str(path), "--warps", "4")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "executed warp instructions per warp: 5"
+    assert lines[1].startswith("phase 0: static     2  executed/warp      2  samples     8")
+    assert "barrier 5" in lines[1] and "wait 1" in lines[1]
+    assert lines[2].startswith("phase 1: static     2  executed/warp      3  samples     2")

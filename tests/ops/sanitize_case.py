@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python tests/ops/sanitize_case.py
 
 Resolves a batch with spec-decode requests (2 and 6 tokens of K = 2048), hits, misses, duplicates, padding, a fully
-resident request and stats, then runs gather_rows (pinned host -> device), copy_blocks (both
+resident request and stats, and single-token requests at K = 2048, D = 4096 (the fast path), then runs gather_rows (pinned host -> device), copy_blocks (both
 directions), mirror_rows and a gather from row-strided (position-major) host layers, and checks every result against the reference twins. Also
 exercises the error path (one failing request). Exits non-zero on any mismatch.
 """
@@ -54,6 +54,29 @@ def main() -> int:
     cuda_ops.resolve(*gpu_long.args())
     cuda_ops.check_errors(DEV)
     assert_same(ref.state(), gpu_long.state(), "resolve, 6-token requests")
+
+    # Single-token requests at the production shape (K = 2048, D = 4096): the fast path,
+    # one of them with a repeated miss (handed to the general path in the same launch).
+    fast_case = big_case(rng, num_requests=4, tokens_per_request=1, k=2048, num_slots=4096,
+                         block_size=64, num_pages=512, resident_fraction=0.3,
+                         hit_fraction=0.7, padding=0.02)
+    topk = fast_case.topk.clone()
+    for t in range(topk.shape[0]):  # distinct selections per row, as the indexer gives
+        seen = set()
+        for k, p in enumerate(topk[t].tolist()):
+            if p >= 0 and p in seen:
+                topk[t, k] = -1
+            seen.add(p)
+    topk[3, 1] = topk[3, 0]  # request 3 repeats a position (a miss or not: exact either way)
+    fast_case.topk = topk.contiguous()
+    for step in range(2):
+        ref = fast_case.clone()
+        gpu_fast = fast_case.clone(DEV)
+        reference.resolve(*ref.args())
+        cuda_ops.resolve(*gpu_fast.args())
+        cuda_ops.check_errors(DEV)
+        assert_same(ref.state(), gpu_fast.state(), f"resolve, single-token step {step}")
+        fast_case = ref
 
     # gather the last plan into device rows
     L, row_bytes = 2, 656

@@ -441,6 +441,156 @@ def test_resolve_chunk_boundary_case_and_its_errors():
 
 
 # --------------------------------------------------------------------------------------
+# resolve: the fast path and its hand-offs to the general path
+# --------------------------------------------------------------------------------------
+
+
+def run_counted(case: ResolveCase, with_stats: bool = True):
+    """Like run_both, plus the number of requests the fast path handed to the general path."""
+    ref = case.clone()
+    gpu = case.clone(DEV)
+    args_ref = ref.args()[:-1] + (ref.stats if with_stats else None,)
+    args_gpu = gpu.args()[:-1] + (gpu.stats if with_stats else None,)
+    reference.resolve(*args_ref)
+    dt = torch.zeros(10, dtype=torch.int64, device=DEV)
+    cuda_ops._resolve(*args_gpu, debug_times=dt)
+    cuda_ops.check_errors(DEV)
+    return ref.state(), gpu.state(), int(dt[9])
+
+
+def distinct_rows(case: ResolveCase) -> ResolveCase:
+    """Repeated positions within a token's row become padding (the indexer's top-k has none)."""
+    topk = case.topk.clone()
+    for t in range(topk.shape[0]):
+        seen = set()
+        for k, p in enumerate(topk[t].tolist()):
+            if p >= 0 and p in seen:
+                topk[t, k] = -1
+            seen.add(p)
+    case.topk = topk.contiguous()
+    return case
+
+
+@pytest.mark.parametrize("num_slots", [4096, 8192, 2048])
+def test_resolve_fast_path_takes_single_token_requests(num_slots):
+    """Single-token requests with distinct selections (residents, hits, misses, padding) are
+    resolved by the fast path alone, exactly, over several steps, with and without stats."""
+    rng = random.Random(51 + num_slots)
+    if not fast_path_launched(2048, num_slots, 64, 1024):
+        pytest.skip("no fast path in this thread configuration")
+    case = big_case(rng, num_requests=6, tokens_per_request=1, k=2048, num_slots=num_slots,
+                    block_size=64, num_pages=1024, resident_fraction=0.3, hit_fraction=0.7,
+                    padding=0.02)
+    case = distinct_rows(case)
+    for step in range(3):
+        ref, gpu, handed = run_counted(case, with_stats=step != 1)
+        assert_same(ref, gpu, f"D {num_slots} step {step}")
+        assert handed == 0, f"step {step}: {handed} requests handed off"
+        case.slot_pos, case.lru = ref["slot_pos"], ref["lru"]
+        sel = case.topk.clone()
+        m = torch.rand(sel.shape) < 0.1
+        sel[m] = torch.randint(0, 1024 * 64, (int(m.sum()),), dtype=torch.int32)
+        case.topk = sel
+        case = distinct_rows(case)
+
+
+def fast_path_launched(k: int, num_slots: int, block_size: int, num_pages: int) -> bool:
+    return bool(cuda_ops.resolve_launch_info(1, k, num_slots, block_size,
+                                             num_pages)["fast_path"])
+
+
+def test_resolve_fast_path_shapes():
+    """The fast path takes the production shapes at the default 1,024 threads, and not what it
+    cannot hold (K > D, a block size that is not a power of two, K or D past its CTA)."""
+    if cuda_ops._resolve_threads == 512:
+        pytest.skip("checks the default 1,024-thread configuration")
+    assert fast_path_launched(2048, 4096, 64, 2048)
+    assert fast_path_launched(2048, 8192, 64, 2048)
+    assert fast_path_launched(512, 1024, 64, 256)
+    assert not fast_path_launched(2048, 1024, 64, 256)  # K > D
+    assert not fast_path_launched(96, 480, 48, 16)  # bs not a power of two
+    assert not fast_path_launched(4096, 8192, 64, 2048)  # K past 2 per thread
+    assert not fast_path_launched(2048, 16384, 64, 2048)  # D past 8 per thread
+    info = cuda_ops.resolve_launch_info(64, 2048, 4096, 64, 2048)
+    assert info["smem_bytes"] >= info["general_smem_bytes"]
+
+
+def test_resolve_fast_path_hands_off_what_it_cannot_decide():
+    """A repeated miss, a multi-token request, two slots holding one position: handed to the
+    general path (counted), and the results still equal the reference."""
+    rng = random.Random(52)
+    if not fast_path_launched(512, 1024, 64, 256):
+        pytest.skip("no fast path in this thread configuration")
+    base = distinct_rows(big_case(rng, num_requests=4, tokens_per_request=1, k=512,
+                                  num_slots=1024, block_size=64, num_pages=256,
+                                  resident_fraction=0.2, hit_fraction=0.5))
+    ref, gpu, handed = run_counted(base)
+    assert_same(ref, gpu, "distinct")
+    assert handed == 0
+    # a repeated miss in request 0 (its first two host-backed misses made equal)
+    rep = base.clone()
+    r = int(rep.token_rows[0])
+    held = set(rep.slot_pos[r].tolist())
+    misses = [k for k, p in enumerate(rep.topk[0].tolist())
+              if p >= 0 and int(rep.residency[r, p // 64]) < 0 and p not in held]
+    rep.topk[0, misses[1]] = rep.topk[0, misses[0]]
+    ref, gpu, handed = run_counted(rep)
+    assert_same(ref, gpu, "repeated miss")
+    assert handed == 1
+    # a repeated hit or resident position stays on the fast path
+    hit = base.clone()
+    hits = [k for k, p in enumerate(hit.topk[0].tolist()) if p >= 0 and p in held]
+    hit.topk[0, hits[1]] = hit.topk[0, hits[0]]
+    ref, gpu, handed = run_counted(hit)
+    assert_same(ref, gpu, "repeated hit")
+    assert handed == 0
+    # two slots of request 1 holding one position: no effect unless the request selects it
+    # (then DUPLICATE_SLOT, reported by the general path as by the reference)
+    r1 = int(base.token_rows[1])
+    chosen = set(base.topk[1].tolist())
+    unsel_slots = [s for s, p in enumerate(base.slot_pos[r1].tolist()) if p not in chosen]
+    free = unsel_slots[0]  # a slot that no selection hits: overwriting it changes no hit
+    unsel = int(base.slot_pos[r1, unsel_slots[1]])
+    held1 = [p for p in base.slot_pos[r1].tolist() if p >= 0]
+    dup = base.clone()
+    dup.slot_pos[r1, free] = unsel
+    ref, gpu, handed = run_counted(dup)
+    assert_same(ref, gpu, "duplicate slot, not selected")
+    assert handed == 0
+    sel = next(p for p in held1 if p in chosen)
+    dup = base.clone()
+    dup.slot_pos[r1, free] = sel
+    dup.topk = dup.topk[1:2].contiguous()
+    dup.token_rows = dup.token_rows[1:2].contiguous()
+    dup.out_rows = dup.miss_src = dup.miss_dst = dup.miss_count = None
+    dup.__post_init__()
+    expect_error(dup, ResolveErrorCode.DUPLICATE_SLOT)
+    # multi-token requests: every one handed over, results exact
+    multi = cap_distinct(big_case(rng, num_requests=3, tokens_per_request=2, k=512,
+                                  num_slots=1024, block_size=64, num_pages=256,
+                                  resident_fraction=0.2, hit_fraction=0.5, dup=0.1))
+    ref, gpu, handed = run_counted(multi)
+    assert_same(ref, gpu, "two tokens")
+    assert handed == 3
+
+
+def test_resolve_general_kernel_alone_random_cases():
+    """The general path (variant 2: the kernel the fast path hands over to, launched for every
+    request) on random cases, so it stays exact even where the fast path would take over."""
+    rng = random.Random(53)
+    cuda_ops._set_resolve_debug(variant=2)
+    try:
+        for i in range(300):
+            check_case(random_case(rng), with_stats=(i % 3 != 0), what=f"general case {i}")
+        case = big_case(rng, num_requests=4, tokens_per_request=1, k=2048, num_slots=4096,
+                        block_size=64, num_pages=1024, resident_fraction=0.3, hit_fraction=0.6,
+                        dup=0.05, padding=0.01)
+        check_case(cap_distinct(case), what="general, production shape")
+    finally:
+        cuda_ops._set_resolve_debug()
+
+
+# --------------------------------------------------------------------------------------
 # resolve: errors
 # --------------------------------------------------------------------------------------
 

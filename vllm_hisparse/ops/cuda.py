@@ -203,8 +203,14 @@ def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
 
 def _resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
              out_rows, miss_src, miss_dst, miss_count, stats=None, debug_times=None) -> None:
-    """resolve; ``debug_times`` (int64 [9] on the device) receives %globaltimer stamps of the
-    phase ends of CTA 0 (benchmarks; stamps 0-6, see docs/kernels.md)."""
+    """resolve; ``debug_times`` (int64 [10] on the device) receives %globaltimer stamps of the
+    phase ends of CTA 0 (benchmarks; stamps 0-6, clock64 at 7-8, see docs/kernels.md), and
+    ``debug_times[9]`` is raised by one for every request that the fast path hands to the
+    general path."""
+    if debug_times is not None and (debug_times.dtype != torch.int64 or debug_times.numel() < 10
+                                    or debug_times.device != topk.device):
+        raise ValueError("debug_times must be an int64 tensor of >= 10 elements on the device "
+                         "of topk")
     device = topk.device
     state = _error_state(device)
     with state.lock:
@@ -237,12 +243,14 @@ def resolve_launch_info(num_tokens: int, k: int, num_slots: int, block_size: int
 
 
 def _set_resolve_debug(variant: int = 0, stop: int = 0) -> None:
-    """Benchmarks only: ``variant`` 1 launches the previous resolve kernel (same-session
-    comparisons); ``stop`` > 0 makes every CTA of later launches return at that stop point
-    (1 = at entry, the launch floor; 2 = after the row loads; 3 = after classify; 4 = after
-    hit marking; 5 = after the scans and victims). Outputs are then incomplete."""
-    if variant not in (0, 1) or stop not in range(6):
-        raise ValueError(f"variant must be 0 or 1 and stop in 0..5, got {variant!r}, {stop!r}")
+    """Benchmarks and tests only: ``variant`` 0 = the default (the fast-path kernel, which
+    hands the requests it cannot take to the general path), 2 = the general kernel alone for
+    every request (same-session comparisons; 1, the previous kernel, was removed); ``stop`` > 0
+    makes every CTA of later launches return at that stop point (1 = at entry, the launch
+    floor; then after each barrier, see docs/kernels.md). Outputs are then incomplete."""
+    if variant not in (0, 2) or stop not in range(6):
+        raise ValueError(f"variant must be 0 or 2 and stop in 0..5, got {variant!r}, "
+                         f"{stop!r}")
     _module().set_resolve_debug(variant, stop)
 
 

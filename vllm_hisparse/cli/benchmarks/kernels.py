@@ -5,8 +5,9 @@
 * resolve without IO: batch 1/16/64/128/256, K = 2048, D = 4096 and 8192, miss rates
   0/5/15/50 % (of the selections; the rest are hot hits), per-launch time from CUDA-graph
   replays with and without the resolves, L2 flushed before each launch (cold) or not (warm);
-  at 5 % also the previous kernel and the 1-token hash; the time to each stop point of the
-  kernel (launch floor, row loads, classify, hit marking, scans) and CTA 0's phase stamps;
+  at 5 % also the general kernel alone (the path the fast path hands requests to) and the
+  1-token shared-memory plan; the time to each stop point of the default kernel (launch floor,
+  row loads, slot table, classify, scan partials) and CTA 0's phase stamps;
 * gather_rows GB/s for 2K/16K/128K scattered rows of 656 and 1152 B from a pinned host pool,
   against the contiguous DMA (cudaMemcpyAsync) and contiguous zero-copy ceilings measured in
   the same run, plus a sweep of rows-in-flight per warp and CTAs per SM;
@@ -204,11 +205,11 @@ def _check_resolve(sets, B, miss):
 def resolve_phase_stamps(B: int, reps: int = 9, steady: bool = True) -> dict:
     """Median %globaltimer intervals of CTA 0 (µs), cold L2, D 4096, miss 5 %, and the SM
     clock of that CTA (clock64 cycles over globaltimer ns between stamps 0 and 6)."""
-    names = ["row loads", "classify+insert", "hit marking", "scan partials",
-             "scans+victims", "writes"]
+    names = ["row loads", "slot table", "classify", "scan partials", "LRU order+victims",
+             "misses+writes"]
     sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
     s = sets[0]
-    dt = torch.zeros(9, dtype=torch.int64, device=DEV)
+    dt = torch.zeros(10, dtype=torch.int64, device=DEV)
     acc = []
     for _ in range(reps):
         _reset(s)
@@ -241,22 +242,22 @@ def bench_resolve(quick: bool):
                     # the bench's earlier method: no untimed replay, no spin (idle clocks)
                     row["us_idle_clocks"] = graph_time_resolve(sets, flush=True, iters=iters,
                                                                steady=False)
-                    cuda_ops._set_resolve_debug(variant=1)
+                    cuda_ops._set_resolve_debug(variant=2)
                     try:
-                        row["us_previous_idle_clocks"] = graph_time_resolve(
+                        row["us_general_idle_clocks"] = graph_time_resolve(
                             sets, flush=True, iters=iters, steady=False)
                     finally:
                         cuda_ops._set_resolve_debug()
                 if miss == 0.05:
-                    # the hash sized for 1 token per request, and the previous kernel
+                    # shared memory planned for 1 token per request, and the general kernel
                     cuda_ops.set_max_tokens_per_request(1)
                     row["us_1tok"] = graph_time_resolve(sets, flush=True, iters=iters)
                     cuda_ops.set_max_tokens_per_request(4)
-                    cuda_ops._set_resolve_debug(variant=1)
+                    cuda_ops._set_resolve_debug(variant=2)
                     try:
-                        row["us_previous"] = graph_time_resolve(sets, flush=True, iters=iters)
-                        row["us_previous_warm_l2"] = graph_time_resolve(sets, flush=False,
-                                                                        iters=iters)
+                        row["us_general"] = graph_time_resolve(sets, flush=True, iters=iters)
+                        row["us_general_warm_l2"] = graph_time_resolve(sets, flush=False,
+                                                                       iters=iters)
                     finally:
                         cuda_ops._set_resolve_debug()
                 rows.append(row)
@@ -267,11 +268,11 @@ def bench_resolve(quick: bool):
         "(default); per-launch time from CUDA-graph replays with and without the resolves, "
         "after a 30 ms spin (working clocks)")
     r = next(r for r in rows if r["D"] == 4096 and r["batch"] == 64 and r["miss"] == 0.05)
-    log(f"batch 64, D 4096, miss 5 %, cold, without the spin (earlier method): this kernel "
-        f"{r['us_idle_clocks']:.1f} µs, previous kernel {r['us_previous_idle_clocks']:.1f} µs")
+    log(f"batch 64, D 4096, miss 5 %, cold, without the spin (earlier method): default "
+        f"{r['us_idle_clocks']:.1f} µs, general kernel alone {r['us_general_idle_clocks']:.1f} µs")
     log(f"{'D':>6} {'batch':>6} | " + " | ".join(f"miss {int(m * 100):>2}% cold/warm"
                                                  for m in misses)
-        + " | 5%: previous kernel cold/warm, 1-token hash cold")
+        + " | 5%: general kernel alone cold/warm, 1-token plan cold")
     for D in (4096, 8192):
         for B in batches:
             cells = []
@@ -282,12 +283,12 @@ def bench_resolve(quick: bool):
                 if m == 0.05:
                     r5 = r
             log(f"{D:>6} {B:>6} | " + " | ".join(cells) +
-                f" | {r5['us_previous']:6.1f} / {r5['us_previous_warm_l2']:5.1f}, "
+                f" | {r5['us_general']:6.1f} / {r5['us_general_warm_l2']:5.1f}, "
                 f"{r5['us_1tok']:5.1f}")
 
     # Cumulative time to each stop point (every CTA returns there), same harness, cold L2.
-    stops = ["entry (launch floor)", "row loads + B1", "classify + B2", "hit marking + B3",
-             "scans + victims + B5", "full"]
+    stops = ["entry (launch floor)", "row loads + B0", "slot table + B1", "classify + B2",
+             "scan partials + B3", "full"]
     cum = {}
     for B in (1, 64, 256):
         sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=4)
