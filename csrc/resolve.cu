@@ -54,6 +54,16 @@ __device__ __forceinline__ int hash_index(int key, int cap) {
                                    static_cast<unsigned>(cap)));
 }
 
+// Inclusive sum of v over the lanes of a warp (all 32 lanes call).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += n;
+  }
+  return v;
+}
+
 // L2 prefetch of a row that is read by scattered gathers (not staged).
 __device__ __forceinline__ void prefetch_l2(const void* base, long long bytes) {
   const char* p = static_cast<const char*>(base);
@@ -694,12 +704,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     if (ref[u] >= 0 && hit_or_flag(i, ref[u])) flags |= 1u << u;
   }
   // One barrier for two scans: hit ranks in LRU order, miss ranks in first-reference order.
-  int incl_h = my_hits;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl_h, d);
-    if (lane >= d) incl_h += n;
-  }
+  const int incl_h = warp_inclusive_sum(my_hits, lane);
   if (lane == 31) s.hits[warp] = incl_h;
 #pragma unroll
   for (int u = 0; u < kRefsInRegs; ++u) {
@@ -728,12 +733,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
   // thread's warp, total).
   auto warp_prefix = [&](const int* parts, int& total) -> int {
     const int wt = lane < nwarps ? parts[lane] : 0;
-    int incl = wt;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += n;
-    }
+    const int incl = warp_inclusive_sum(wt, lane);
     total = __shfl_sync(0xffffffffu, incl, 31);
     return __shfl_sync(0xffffffffu, incl - wt, warp);
   };

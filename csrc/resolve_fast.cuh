@@ -361,12 +361,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
     for (int k = 0; k < SPT; ++k) my_hits += is_hit(lru_slot(k));
   }
   const int mine = (__popc(miss_bits) << 16) | my_hits;
-  int incl = mine;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += n;
-  }
+  int incl = warp_inclusive_sum(mine, lane);
   if (lane == 31) c.part[warp] = incl;
   mark_time2(p, 4);
   __syncthreads();  // ---- B3: scan partials --------------------------------------------------
@@ -374,12 +369,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
   int total;
   {
     const int wt = lane < nwarps ? c.part[lane] : 0;
-    int wincl = wt;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, wincl, d);
-      if (lane >= d) wincl += n;
-    }
+    const int wincl = warp_inclusive_sum(wt, lane);
     total = __shfl_sync(0xffffffffu, wincl, 31);
     incl += __shfl_sync(0xffffffffu, wincl - wt, warp);
   }

@@ -19,10 +19,25 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_cuda_ops import DEV, assert_same, big_case, cap_distinct, layers, random_plan  # noqa: E402
+from test_cuda_ops import (DEV, assert_same, big_case, cap_distinct, distinct_rows,  # noqa: E402
+                           layers, random_plan)
 from vllm_hisparse.ops import cuda as cuda_ops  # noqa: E402
 from vllm_hisparse.ops import reference  # noqa: E402
 from vllm_hisparse.ops.errors import ResolveError  # noqa: E402
+
+
+def resolve_steps(case, steps: int, what: str):
+    """`steps` resolves of `case` on the GPU and by the reference, each from the reference's
+    state after the previous one; every output compared. Returns the last (ref, gpu) cases."""
+    for step in range(steps):
+        ref = case.clone()
+        gpu = case.clone(DEV)
+        reference.resolve(*ref.args())
+        cuda_ops.resolve(*gpu.args())
+        cuda_ops.check_errors(DEV)
+        assert_same(ref.state(), gpu.state(), f"{what} step {step}")
+        case = ref
+    return ref, gpu
 
 
 def main() -> int:
@@ -34,49 +49,23 @@ def main() -> int:
     # request 0 fully resident
     r0 = int(case.token_rows[0])
     case.residency[r0] = torch.arange(case.residency.shape[1], dtype=torch.int32) + 10_000
-    for step in range(2):
-        ref = case.clone()
-        gpu = case.clone(DEV)
-        reference.resolve(*ref.args())
-        cuda_ops.resolve(*gpu.args())
-        cuda_ops.check_errors(DEV)
-        assert_same(ref.state(), gpu.state(), f"resolve step {step}")
-        case = ref
+    case, gpu = resolve_steps(case, 2, "resolve")
 
     # Spec-decode requests of 6 tokens of K = 2048: past one register chunk of selections
     # per thread, the kernel's multi-chunk path (barriers between chunks).
     long_case = cap_distinct(big_case(rng, num_requests=2, tokens_per_request=6, k=2048,
                                       num_slots=8192, block_size=64, num_pages=512,
                                       resident_fraction=0.3, hit_fraction=0.5, dup=0.1))
-    ref = long_case.clone()
-    gpu_long = long_case.clone(DEV)
-    reference.resolve(*ref.args())
-    cuda_ops.resolve(*gpu_long.args())
-    cuda_ops.check_errors(DEV)
-    assert_same(ref.state(), gpu_long.state(), "resolve, 6-token requests")
+    resolve_steps(long_case, 1, "resolve, 6-token requests")
 
-    # Single-token requests at the production shape (K = 2048, D = 4096): the fast path,
-    # one of them with a repeated miss (handed to the general path in the same launch).
+    # Single-token requests at the production shape (K = 2048, D = 4096): the fast path; one
+    # of them repeats a position (a repeated miss is handed to the general path in the launch).
     fast_case = big_case(rng, num_requests=4, tokens_per_request=1, k=2048, num_slots=4096,
                          block_size=64, num_pages=512, resident_fraction=0.3,
                          hit_fraction=0.7, padding=0.02)
-    topk = fast_case.topk.clone()
-    for t in range(topk.shape[0]):  # distinct selections per row, as the indexer gives
-        seen = set()
-        for k, p in enumerate(topk[t].tolist()):
-            if p >= 0 and p in seen:
-                topk[t, k] = -1
-            seen.add(p)
-    topk[3, 1] = topk[3, 0]  # request 3 repeats a position (a miss or not: exact either way)
-    fast_case.topk = topk.contiguous()
-    for step in range(2):
-        ref = fast_case.clone()
-        gpu_fast = fast_case.clone(DEV)
-        reference.resolve(*ref.args())
-        cuda_ops.resolve(*gpu_fast.args())
-        cuda_ops.check_errors(DEV)
-        assert_same(ref.state(), gpu_fast.state(), f"resolve, single-token step {step}")
-        fast_case = ref
+    fast_case = distinct_rows(fast_case)  # distinct selections per row, as the indexer gives
+    fast_case.topk[3, 1] = fast_case.topk[3, 0]  # request 3 repeats a position (exact either way)
+    resolve_steps(fast_case, 2, "resolve, single-token")
 
     # gather the last plan into device rows
     L, row_bytes = 2, 656
