@@ -954,10 +954,12 @@ cudaError_t launch_fast(const ResolveParams& p, size_t smem_bytes, cudaStream_t 
 }
 
 // The fast path's instantiation for a shape (selections and slots per thread), or false when
-// only the general kernel can take it: bs a power of two dividing D, K <= D, an instantiated
+// only the general kernel can take it: bs a power of two dividing D, K <= D, at most one hot
+// block per thread, an instantiated
 // (kpt, spt, threads, general_spt) that holds K and D (see resolve_fast.cuh).
 bool fast_shape(int K, int D, int bs, int P, int threads, int general_spt, int& kpt, int& spt) {
   if (bs <= 0 || (bs & (bs - 1)) != 0 || D % bs != 0 || K < 1 || K > D) return false;
+  if (D / bs > threads) return false;  // one hot block per thread is staged
   if (static_cast<long long>(P) * bs >= INT_MAX) return false;
   kpt = threads == 512 ? 4 : 2;
   if (K % kpt != 0 || K > kpt * threads) return false;
@@ -1066,8 +1068,9 @@ ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int 
   }
   // Spare hash entries of the general path: with the fast path only in the room its plan
   // takes anyway. Every byte of shared memory past that comes out of the L1 cache, which
-  // holds the fused kernel's few spilled registers (measured: 229 KB of shared memory made
-  // the fast path 0.4 µs slower at batch 64, D 4096, and 2.7 µs at D 8192).
+  // holds the fused kernel's spilled registers (measured: the same single-token launch
+  // planned for 4 tokens, 224 KiB, ran 0.4 µs slower than planned for 1, 149 KiB, at batch
+  // 64, D 4096, and 2.7 µs slower at D 8192).
   long long phys_budget = budget;
   if (info.fast_path) {
     phys_budget = static_cast<long long>(fast_bytes);

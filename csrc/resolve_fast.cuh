@@ -117,7 +117,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
   const int D = p.num_slots;
   const int bs = p.block_size;  // a power of two (launch_resolve checks)
   const int bs_shift = __ffs(bs) - 1;
-  const int n_hotb = D >> bs_shift;
+  const int n_hotb = D >> bs_shift;  // <= THREADS (launch_resolve checks)
   const long long base = static_cast<long long>(t) * K;
   const int i0 = tid * KPT;  // this thread's selections: i0 .. i0 + KPT - 1
   const int j0 = tid * SPT;  // this thread's slots and LRU entries: j0 .. j0 + SPT - 1

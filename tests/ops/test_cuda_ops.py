@@ -499,22 +499,6 @@ def fast_path_launched(k: int, num_slots: int, block_size: int, num_pages: int) 
                                              num_pages)["fast_path"])
 
 
-def test_resolve_fast_path_shapes():
-    """The fast path takes the production shapes at the default 1,024 threads, and not what it
-    cannot hold (K > D, a block size that is not a power of two, K or D past its CTA)."""
-    if cuda_ops._resolve_threads == 512:
-        pytest.skip("checks the default 1,024-thread configuration")
-    assert fast_path_launched(2048, 4096, 64, 2048)
-    assert fast_path_launched(2048, 8192, 64, 2048)
-    assert fast_path_launched(512, 1024, 64, 256)
-    assert not fast_path_launched(2048, 1024, 64, 256)  # K > D
-    assert not fast_path_launched(96, 480, 48, 16)  # bs not a power of two
-    assert not fast_path_launched(4096, 8192, 64, 2048)  # K past 2 per thread
-    assert not fast_path_launched(2048, 16384, 64, 2048)  # D past 8 per thread
-    info = cuda_ops.resolve_launch_info(64, 2048, 4096, 64, 2048)
-    assert info["smem_bytes"] >= info["general_smem_bytes"]
-
-
 def test_resolve_fast_path_hands_off_what_it_cannot_decide():
     """A repeated miss, a multi-token request, two slots holding one position: handed to the
     general path (counted), and the results still equal the reference."""
