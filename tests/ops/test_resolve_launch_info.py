@@ -7,6 +7,7 @@ CI builds it with nvcc), and is skipped where it was not.
 from __future__ import annotations
 
 import pytest
+import torch
 
 cuda_ops = pytest.importorskip("vllm_hisparse.ops.cuda")
 if not cuda_ops.available():  # pragma: no cover - no CUDA toolkit at install time
@@ -66,3 +67,16 @@ def test_shared_memory_of_the_two_paths():
     assert not alone["fast_path"] and alone["fast_stage_pages"] == 0
     assert alone["smem_bytes"] == alone["general_smem_bytes"]
     assert alone["hash_capacity"] > alone["union_capacity"]  # spare entries up to the budget
+
+
+def test_benchmark_hooks_reject_bad_arguments():
+    """The removed previous kernel (variant 1) and malformed debug_times name the problem."""
+    with pytest.raises(ValueError, match="variant must be 0 or 2"):
+        cuda_ops._set_resolve_debug(variant=1)
+    with pytest.raises(ValueError, match="stop in 0..5"):
+        cuda_ops._set_resolve_debug(stop=6)
+    topk = torch.zeros((1, 4), dtype=torch.int32)
+    args = (topk, torch.zeros(1, dtype=torch.int32)) + (None,) * 5 + (4,) + (None,) * 4
+    for bad in (torch.zeros(9, dtype=torch.int64), torch.zeros(10, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="debug_times must be an int64 tensor"):
+            cuda_ops._resolve(*args, debug_times=bad)
