@@ -32,20 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ACTIVE_TAIL_PAGES = 2
-"""The last pages of a running request that are never released (new KV is written there,
-and an in-flight step may still read them)."""
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv  # noqa: F401  (re-exported)
 
 _WORD_BITS = 64
 _ALL_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 # _LOW_BITS[k] = the k lowest bits set (k = 0 .. 64): the word mask of rows [lo, hi) is
 # _LOW_BITS[hi] & ~_LOW_BITS[lo], two table lookups instead of shifts and clips.
 _LOW_BITS = np.array([(1 << k) - 1 for k in range(_WORD_BITS + 1)], dtype=np.uint64)
-
-
-def cdiv(a, b):
-    """Ceiling division for ints and int arrays."""
-    return -(-a // b)
 
 
 class PageTables:
