@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker bench capacity sanitize}"
+STEPS="${STEPS:-build test worker simulate bench capacity sanitize}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -75,6 +75,39 @@ if has bench; then
   timeout 330 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     > "$OUT/bench.log" 2>&1
   note "bench rc=$?"
+fi
+
+if has simulate; then
+  # End to end: vLLM 0.33's real Scheduler + both connector roles + our kernels, through the
+  # vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle). The default
+  # simulate on the reference ops (CPU) and on the kernels (CUDA) must give identical counters;
+  # then GPU-sized workloads (DeepSeek-V3.2 and GLM-5.2 geometry) too slow for the CPU.
+  BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
+  if [[ ! -f "$BUNDLE" ]]; then
+    note "simulate skipped: no vLLM bundle at $BUNDLE"
+  else
+    rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp
+    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+    timeout 240 "${SIM[@]}" --device cpu --json "$OUT/sim_cpu.json" > "$OUT/sim_cpu.log" 2>&1
+    note "simulate --device cpu rc=$?"
+    timeout 240 "${SIM[@]}" --device cuda --ops-backend cuda --json "$OUT/sim_cuda.json" \
+      > "$OUT/sim_cuda.log" 2>&1
+    note "simulate --device cuda rc=$?"
+    $PY /tmp/vbundle/compare.py "$OUT/sim_cpu.json" "$OUT/sim_cuda.json" > "$OUT/sim_compare.log" 2>&1
+    note "simulate cpu vs cuda: $(tail -n 1 "$OUT/sim_compare.log")"
+    # GPU-sized: 61 sparse layers with an indexer each (DeepSeek-V3.2) and 78 layers in
+    # IndexShare groups of 4 (GLM-5.2-like), K 2048, 32K-token prompts, a pool that cannot
+    # hold every request in full.
+    for geo in "dsv32 --layers 61 --layers-per-indexer 1" "glm52 --layers 78 --layers-per-indexer 4"; do
+      set -- $geo; name=$1; shift
+      timeout "${SIM_LARGE_TIMEOUT:-200}" "${SIM[@]}" --device cuda --ops-backend cuda "$@" \
+        --top-k 2048 --prefill-top-k 2048 --prompt-len 32768 --output-len ${SIM_LARGE_OUTPUT:-32} \
+        --requests ${SIM_LARGE_REQUESTS:-8} --device-blocks ${SIM_LARGE_BLOCKS:-3000} \
+        --max-num-seqs 8 --max-num-batched-tokens 8192 \
+        --json "$OUT/sim_$name.json" > "$OUT/sim_$name.log" 2>&1
+      note "simulate $name (cuda) rc=$?: $(grep -E 'verdict|mismatch|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-300)"
+    done
+  fi
 fi
 
 if has sanitize; then
