@@ -100,12 +100,13 @@ if has simulate; then
     # hold every request in full.
     for geo in "dsv32 --layers 61 --layers-per-indexer 1" "glm52 --layers 78 --layers-per-indexer 4"; do
       set -- $geo; name=$1; shift
-      timeout "${SIM_LARGE_TIMEOUT:-200}" "${SIM[@]}" --device cuda --ops-backend cuda "$@" \
-        --top-k 2048 --prefill-top-k 2048 --prompt-len 32768 --output-len ${SIM_LARGE_OUTPUT:-32} \
-        --requests ${SIM_LARGE_REQUESTS:-8} --device-blocks ${SIM_LARGE_BLOCKS:-3000} \
+      timeout "${SIM_LARGE_TIMEOUT:-170}" "${SIM[@]}" --device cuda --ops-backend cuda "$@" \
+        --top-k 2048 --prompt-len 32768 --output-len ${SIM_LARGE_OUTPUT:-32} \
+        --requests ${SIM_LARGE_REQUESTS:-8} --device-blocks ${SIM_LARGE_BLOCKS:-16000} \
         --max-num-seqs 8 --max-num-batched-tokens 8192 \
         --json "$OUT/sim_$name.json" > "$OUT/sim_$name.log" 2>&1
-      note "simulate $name (cuda) rc=$?: $(grep -E 'verdict|mismatch|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-300)"
+      rc=$?
+      note "simulate $name (cuda) rc=$rc: $(grep -E '^exact|^MISMATCH|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-240)"
     done
   fi
 fi
