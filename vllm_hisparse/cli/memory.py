@@ -42,9 +42,12 @@ def available_memory() -> tuple[int | None, str]:
     return min(limits)
 
 
-def check_fits_in_memory(flag: str, gib: float, *, what: str = "the host pool") -> None:
-    """Raise ``ValueError`` naming ``flag`` when ``gib`` GiB cannot be allocated here."""
+def check_fits_in_memory(flag: str, gib: float, *, what: str = "the host pool",
+                         total_gib: float | None = None) -> None:
+    """Raise ``ValueError`` naming ``flag`` (given ``gib``) when ``what`` (``total_gib``,
+    default ``gib``) cannot be allocated here."""
+    total_gib = gib if total_gib is None else total_gib
     free, how = available_memory()
-    if free is not None and gib * GIB > free:
-        raise ValueError(f"{flag}={gib:g} does not fit: {what} needs {gib:g} GiB, this machine "
-                         f"can allocate {free / GIB:.1f} GiB ({how})")
+    if free is not None and total_gib * GIB > free:
+        raise ValueError(f"{flag}={gib:g} does not fit: {what} would take {total_gib:g} GiB, "
+                         f"this machine can allocate {free / GIB:.1f} GiB ({how})")
