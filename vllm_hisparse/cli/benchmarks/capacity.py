@@ -450,15 +450,15 @@ def main(argv=None) -> int:
     for name, value in defaults.items():
         if getattr(a, name) is None:
             setattr(a, name, value)
-    if device == "cpu":
-        print("vllm-hisparse bench capacity: no CUDA device: a CPU smoke run with the reference "
-              "ops and CPU-sized defaults (the figures mean nothing)", file=sys.stderr)
     try:  # on the CPU the "HBM" is host memory too
         check_fits_in_memory("--host-gib", a.host_gib, total_gib=a.host_gib + (
             a.hbm_gib if device == "cpu" else 0), what="the host pool" + (
             " with --hbm-gib (host memory on the CPU)" if device == "cpu" else ""))
     except ValueError as e:
         p.error(str(e))
+    if device == "cpu":
+        print("vllm-hisparse bench capacity: no CUDA device: a CPU smoke run with the reference "
+              "ops and CPU-sized defaults (the figures mean nothing)", file=sys.stderr)
 
     rows_per_layer = int(a.hbm_gib * GIB) // (a.layers * a.row_bytes)
     rows_per_layer -= rows_per_layer % a.block_size
