@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return SUBCOMMANDS[args.command].run(args)
         except (CliError, ValueError, OSError) as exc:
-            parser.exit(2, f"vllm-hisparse {args.command}: error: {exc}\n")
+            message = " ".join(str(exc).split())  # one line, whatever raised it
+            parser.exit(2, f"vllm-hisparse {args.command}: error: {message}\n")
 
 
 if __name__ == "__main__":
