@@ -73,8 +73,17 @@ def test_custom_geometry_and_spec_tokens(tmp_path):
     (["plan", "--model", "custom", "--layers", "4"], "--model custom needs --row-bytes"),
     (["plan", "--layers", "4"], "--layers is only for --model custom"),
     (["plan", "--model", "custom", "--layers", "4", "--row-bytes", "100"], "multiple of 16"),
-    (["plan", "--kv-gib", "0"], "--kv-gib must be positive"),
-    (["plan", "--miss-rate", "2"], "--miss-rate must be in [0, 1]"),
+    (["plan", "--kv-gib", "0"], "argument --kv-gib: expected a finite number > 0, got '0'"),
+    (["plan", "--kv-gib", "nan"], "argument --kv-gib: expected a finite number > 0, got 'nan'"),
+    (["plan", "--host-gib", "inf"], "argument --host-gib: expected a finite number > 0"),
+    (["plan", "--link-gbs", "-40"], "argument --link-gbs: expected a finite number > 0"),
+    (["plan", "--miss-rate", "2"], "argument --miss-rate: expected a number in [0, 1], got '2'"),
+    (["plan", "--miss-rate", "nan"], "argument --miss-rate: expected a number in [0, 1]"),
+    (["plan", "--contexts", "0"], "argument --contexts: expected an integer > 0, got '0'"),
+    (["plan", "--spec-tokens", "-1"], "argument --spec-tokens: expected an integer >= 0"),
+    (["plan", "--top-k", "0"], "argument --top-k: expected an integer > 0"),
+    (["plan", "--json", "/nonexistent-dir/p.json"], "argument --json: /nonexistent-dir/p.json: "
+     "directory /nonexistent-dir does not exist"),
     (["plan", "--device-buffer-size", "100"], "multiple of the block size"),
     (["plan", "--device-buffer-size", "1024"], "cannot hold one step's selections"),
     (["plan", "--spec-tokens", "20"], "at most 32768"),
@@ -84,4 +93,6 @@ def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert text in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert text in err
+    assert err.count("\n") == 1 and err.startswith("vllm-hisparse plan: error: ")  # one line

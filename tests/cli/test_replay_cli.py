@@ -40,10 +40,12 @@ def test_replay_reads_a_recorded_trace(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,text", [
-    (["replay", "--capacities", "0"], "--capacities must be positive"),
+    (["replay", "--capacities", "0"], "argument --capacities: expected an integer > 0"),
     (["replay", "--policies", "clock"], "invalid choice: 'clock'"),
     (["replay", "--trace", "/nonexistent/t.npz"], "not a vllm-hisparse selection trace"),
-    (["replay", "--steps", "-1"], "--steps must be positive"),
+    (["replay", "--steps", "-1"], "argument --steps: expected an integer > 0, got '-1'"),
+    (["replay", "--requests", "0"], "argument --requests: expected an integer > 0"),
+    (["replay", "--seed", "-3"], "argument --seed: expected an integer >= 0"),
     (["replay", "--top-k", "512", "--context", "4096", "--requests", "1", "--steps", "2",
       "--capacities", "8"], "smaller than the largest selection set"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 TARGETS = ("kernels", "capacity", "reference")
 
@@ -25,13 +26,24 @@ def add_parser(sub) -> None:
                    help="arguments for the benchmark (see `vllm-hisparse bench TARGET --help`)")
 
 
+def default_targets() -> tuple[list[str], str]:
+    """The benchmarks ``bench`` runs without a target, and why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ["kernels", "capacity"], (f"a CUDA device is visible "
+                                         f"({torch.cuda.get_device_name()})")
+    return ["reference"], ("no CUDA device is visible (kernels and capacity time CUDA "
+                           "kernels; reference times the CPU ops)")
+
+
 def run(args) -> int:
     if args.target is None:
-        import torch
-
-        targets = ["kernels", "capacity"] if torch.cuda.is_available() else ["reference"]
         if args.args:
             raise ValueError("benchmark arguments need a target: vllm-hisparse bench TARGET ...")
+        targets, why = default_targets()
+        print(f"vllm-hisparse bench: no target given, running {' and '.join(targets)}: {why}",
+              file=sys.stderr, flush=True)
     else:
         targets = [args.target]
     status = 0

@@ -17,8 +17,9 @@ import dataclasses
 import json
 import math
 
+from vllm_hisparse.cli.args import fraction, nonneg_int, output_path, positive_float, positive_int
+from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.core.capacity import (
-    GIB,
     INDEXER_ROW_BYTES,
     PRESETS,
     ModelGeometry,
@@ -27,8 +28,12 @@ from vllm_hisparse.core.capacity import (
     host_memory,
     max_concurrency,
 )
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB
 
 MB = 1e6
+#: Below this concurrency gain plan does not recommend the connector: a few more requests do
+#: not pay for the misses' host→GPU traffic on every step.
+MIN_GAIN = 1.1
 
 
 def add_parser(sub) -> None:
@@ -36,31 +41,32 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("--model", default="deepseek-v3.2", choices=sorted(PRESETS) + ["custom"],
                    help="geometry preset, or 'custom' with --layers etc. (default: %(default)s)")
-    p.add_argument("--layers", type=int, help="custom: sparse-MLA layers")
-    p.add_argument("--indexer-layers", type=int, help="custom: layers holding indexer keys "
+    p.add_argument("--layers", type=positive_int, help="custom: sparse-MLA layers")
+    p.add_argument("--indexer-layers", type=nonneg_int, help="custom: layers holding indexer keys "
                    "(default: all; fewer with IndexShare)")
-    p.add_argument("--row-bytes", type=int, help="custom: bytes of one token's KV in one layer "
+    p.add_argument("--row-bytes", type=positive_int, help="custom: bytes of one token's KV in one layer "
                    "(656 fp8_ds_mla, 1152 bf16)")
-    p.add_argument("--indexer-row-bytes", type=int, default=INDEXER_ROW_BYTES)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--kv-gib", type=float, default=60.0,
+    p.add_argument("--indexer-row-bytes", type=positive_int, default=INDEXER_ROW_BYTES,
+                   help="custom: bytes of one token's indexer key (default: %(default)s)")
+    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--top-k", type=positive_int, default=2048)
+    p.add_argument("--kv-gib", type=positive_float, default=60.0,
                    help="HBM given to KV per replica; read it from vLLM's startup log "
                         "(default: %(default)s)")
-    p.add_argument("--host-gib", type=float, default=384.0,
+    p.add_argument("--host-gib", type=positive_float, default=384.0,
                    help="host RAM the pool may pin per replica (default: %(default)s)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072],
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[8192, 32768, 131072],
                    metavar="TOKENS", help="context lengths to plan for (default: %(default)s)")
-    p.add_argument("--spec-tokens", type=int, default=0,
+    p.add_argument("--spec-tokens", type=nonneg_int, default=0,
                    help="speculative tokens per step (MTP); sizes the hot region")
-    p.add_argument("--device-buffer-size", type=int,
+    p.add_argument("--device-buffer-size", type=positive_int,
                    help="hot rows per request (default: (spec tokens + 2) * top_k, page aligned)")
-    p.add_argument("--miss-rate", type=float, default=0.05,
+    p.add_argument("--miss-rate", type=fraction, default=0.05,
                    help="fraction of selections read from host (see `replay`; default 0.05)")
-    p.add_argument("--link-gbs", type=float, default=40.0,
+    p.add_argument("--link-gbs", type=positive_float, default=40.0,
                    help="host→GPU bandwidth for scattered rows, GB/s (default: %(default)s, "
                         "measured zero-copy gather of 656 B rows on H200 PCIe Gen5)")
-    p.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the plan as JSON")
 
 
 def _geometry(args) -> ModelGeometry:
@@ -82,21 +88,7 @@ def _geometry(args) -> ModelGeometry:
 
 
 def _check(args) -> None:
-    positive = ["block_size", "top_k", "kv_gib", "host_gib", "link_gbs", "indexer_row_bytes"]
-    positive += [n for n in ("layers", "row_bytes", "device_buffer_size")
-                 if getattr(args, n) is not None]
-    for name in positive:
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, name)}")
-    if args.indexer_layers is not None and args.indexer_layers < 0:
-        raise ValueError("--indexer-layers must be >= 0")
-    if args.spec_tokens < 0:
-        raise ValueError("--spec-tokens must be >= 0")
-    if not 0 <= args.miss_rate <= 1:
-        raise ValueError(f"--miss-rate must be in [0, 1], got {args.miss_rate}")
-    if any(c <= 0 for c in args.contexts):
-        raise ValueError(f"--contexts must be positive, got {args.contexts}")
+    # Signs, finiteness and ranges are checked by each flag's type while parsing.
     if args.row_bytes is not None and args.row_bytes % 16:
         raise ValueError(f"--row-bytes must be a multiple of 16 (the copy kernels move 16 B "
                          f"words), got {args.row_bytes}")
@@ -139,15 +131,20 @@ def make_plan(args) -> dict:
             io_ms_per_step_at_steady=io_ms,
             io_ms_per_step_critical_path_at_best=io_ms * exposed_layers / geo.num_sparse_layers,
         ))
-    largest = max(args.contexts)
-    worst = next(r for r in rows if r["context_tokens"] == largest)
-    recommended_host_gib = math.ceil(min(args.host_gib, max(
-        worst["host_gib_for_device_limit"], largest * geo.host_bytes_per_token / GIB)))
-    extra = {"host_pool_gib": recommended_host_gib}
-    if args.device_buffer_size is not None or args.spec_tokens:
-        extra["device_buffer_size"] = hot_rows
-    kv_transfer_config = {"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": extra}
+        rows[-1]["not_recommended_because"] = _why_not(rows[-1], c, args, geo, hot_rows,
+                                                       pages * geo.mla_page_bytes / GIB)
+    winners = [r for r in rows if r["not_recommended_because"] is None]
+    recommended_host_gib = kv_transfer_config = None
+    if winners:  # sized for the longest context where the connector pays
+        worst = max(winners, key=lambda r: r["context_tokens"])
+        recommended_host_gib = math.ceil(min(args.host_gib, max(
+            worst["host_gib_for_device_limit"],
+            worst["context_tokens"] * geo.host_bytes_per_token / GIB)))
+        extra = {"host_pool_gib": recommended_host_gib}
+        if args.device_buffer_size is not None or args.spec_tokens:
+            extra["device_buffer_size"] = hot_rows
+        kv_transfer_config = {"kv_connector": "HiSparseResidencyConnector",
+                              "kv_role": "kv_both", "kv_connector_extra_config": extra}
     return dict(
         model=geo.name, layers=geo.num_sparse_layers, indexer_layers=geo.indexer_layers,
         row_bytes=geo.row_bytes, block_size=geo.block_size, top_k=geo.top_k,
@@ -161,8 +158,32 @@ def make_plan(args) -> dict:
                            if bytes_per_decoded_token else None),
         miss_rate=args.miss_rate, link_gbs=args.link_gbs, contexts=rows,
         critical_path_layers=exposed_layers,
+        recommended=bool(winners), min_gain=MIN_GAIN,
         recommended_host_pool_gib=recommended_host_gib, kv_transfer_config=kv_transfer_config,
     )
+
+
+def _why_not(row: dict, c, args, geo: ModelGeometry, hot_rows: int,
+             host_gib_per_request: float) -> str | None:
+    """Why the connector does not pay at this context (None: it does)."""
+    context = row["context_tokens"]
+    if row["hybrid_steady"] == 0:
+        if c.steady_state_device == 0:
+            return (f"no {context}-token request fits in --kv-gib {args.kv_gib:g}, even with "
+                    f"hybrid residency")
+        return (f"--host-gib {args.host_gib:g} holds no whole {context}-token request "
+                f"({host_gib_per_request:.1f} GiB each)")
+    gain = row["gain"]
+    if gain is None or gain >= MIN_GAIN:  # None: only hybrid residency fits a request
+        return None
+    if row["steady_limited_by"] == "host":
+        return (f"the host pool limits hybrid residency to {row['hybrid_steady']} requests "
+                f"(full residency: {row['full_only']}, gain {gain:.2f}x < {MIN_GAIN}x); "
+                f"--host-gib {math.ceil(row['host_gib_for_device_limit'])} would lift it")
+    resident_rows = hot_rows + ACTIVE_TAIL_PAGES * geo.block_size
+    return (f"the hot region and tail ({resident_rows} rows) are too close to the whole "
+            f"{context}-token context: hybrid residency frees too little HBM (gain "
+            f"{gain:.2f}x < {MIN_GAIN}x)")
 
 
 def run(args) -> int:
@@ -195,13 +216,22 @@ def run(args) -> int:
     else:
         print("every layer runs its own indexer: no copy can be prefetched, all I/O is on the "
               "critical path")
-    print(f"recommended: host_pool_gib = {plan['recommended_host_pool_gib']}, "
-          f"device_buffer_size = {plan['device_buffer_size']}")
-    print()
-    print("--kv-transfer-config '" + json.dumps(plan["kv_transfer_config"]) + "'")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(plan, f, indent=2)
+    for r in plan["contexts"]:
+        if plan["recommended"] and r["not_recommended_because"]:
+            print(f"at {r['context_tokens']} tokens the connector does not pay: "
+                  f"{r['not_recommended_because']}")
+    if not plan["recommended"]:
+        print("not recommended: the connector does not pay at any of these contexts:")
+        for r in plan["contexts"]:
+            print(f"  {r['context_tokens']} tokens: {r['not_recommended_because']}")
+        print("serve without it (plain vLLM), or plan for longer contexts")
+    else:
+        print(f"recommended: host_pool_gib = {plan['recommended_host_pool_gib']}, "
+              f"device_buffer_size = {plan['device_buffer_size']}")
+        print()
+        print("--kv-transfer-config '" + json.dumps(plan["kv_transfer_config"]) + "'")
+    if args.json and not write_json("--json", args.json, plan, command="plan"):
+        return 1
     return 0
 
 

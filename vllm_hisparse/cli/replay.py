@@ -10,6 +10,11 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
+
+from vllm_hisparse.cli.args import nonneg_int, output_path, positive_int
+from vllm_hisparse.cli.output import write_file, write_json
+from vllm_hisparse.cli.plots import replay_plot
 from vllm_hisparse.core.replacement import POLICIES, replay
 from vllm_hisparse.core.trace import SelectionTrace, synthetic_trace
 
@@ -23,29 +28,55 @@ def add_parser(sub) -> None:
                    "embedded synthetic trace)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
                    metavar="POLICY", help=f"from {', '.join(POLICIES)} (default: all)")
-    p.add_argument("--capacities", nargs="+", type=int, default=list(DEFAULT_CAPACITIES),
-                   metavar="ROWS", help="hot-region sizes in rows (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=4, help="synthetic trace: requests")
-    p.add_argument("--steps", type=int, default=100, help="synthetic trace: decode steps")
-    p.add_argument("--top-k", type=int, default=2048, help="synthetic trace: selections/step")
-    p.add_argument("--context", type=int, default=32768, help="synthetic trace: context tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--plot", metavar="PNG", help="plot miss rate vs hot-region size (matplotlib)")
+    p.add_argument("--capacities", nargs="+", type=positive_int,
+                   default=list(DEFAULT_CAPACITIES), metavar="ROWS",
+                   help="hot-region sizes in rows (default: %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=4, help="synthetic trace: requests")
+    p.add_argument("--steps", type=positive_int, default=100, help="synthetic trace: decode steps")
+    p.add_argument("--top-k", type=positive_int, default=2048,
+                   help="synthetic trace: selections/step")
+    p.add_argument("--context", type=positive_int, default=32768,
+                   help="synthetic trace: context tokens")
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--json", metavar="PATH", type=output_path, help="write the results as JSON")
+    p.add_argument("--plot", metavar="PNG", type=output_path,
+                   help="plot miss rate vs hot-region size (matplotlib)")
+
+
+def load_trace(path: str) -> SelectionTrace:
+    """``SelectionTrace.load`` with every malformation reported as ``--trace PATH: ...``."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta_text = str(data["meta"]) if "meta" in data.files else None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--trace {path}: not a vllm-hisparse selection trace ({exc})") from None
+    if meta_text is None:
+        raise ValueError(f"--trace {path}: not a vllm-hisparse selection trace (no 'meta')")
+    try:
+        meta = json.loads(meta_text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--trace {path}: malformed 'meta': not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"--trace {path}: malformed 'meta': expected a JSON object, got "
+                         f"{type(meta).__name__}")
+    for key in ("top_k", "block_size"):
+        value = meta.get(key)
+        if value is not None and not (isinstance(value, int) and value > 0):
+            raise ValueError(f"--trace {path}: malformed 'meta': {key} must be a positive "
+                             f"integer, got {value!r}")
+    try:
+        return SelectionTrace.load(path)
+    except (ValueError, IndexError, TypeError) as exc:  # the arrays' shapes and offsets
+        text = str(exc)
+        raise ValueError(f"--trace {text}" if text.startswith(path)
+                         else f"--trace {path}: {text}") from None
 
 
 def run(args) -> int:
-    for name in ("capacities",):
-        bad = [c for c in getattr(args, name) if c <= 0]
-        if bad:
-            raise ValueError(f"--{name} must be positive, got {bad}")
     if args.trace:
-        trace = SelectionTrace.load(args.trace)
+        trace = load_trace(args.trace)
         source = args.trace
     else:
-        for name in ("requests", "steps", "top_k", "context"):
-            if getattr(args, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
         trace = synthetic_trace(args.requests, args.steps, args.top_k, args.context, args.seed)
         source = (f"synthetic ({args.requests} requests x {args.steps} steps, K = {args.top_k}, "
                   f"{args.context}-token context)")
@@ -65,31 +96,12 @@ def run(args) -> int:
     print("|---" * (len(args.policies) + 1) + "|")
     for c in capacities:
         print(f"| {c} | " + " | ".join(f"{100 * rate[(p, c)]:.2f} %" for p in args.policies) + " |")
+    written = True
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"trace": source, "results": [
-                {"policy": r.policy, "capacity_rows": r.capacity, "references": r.references,
-                 "misses": r.misses, "miss_rate": r.miss_rate} for r in results]}, f, indent=2)
+        written &= write_json("--json", args.json, {"trace": source, "results": [
+            {"policy": r.policy, "capacity_rows": r.capacity, "references": r.references,
+             "misses": r.misses, "miss_rate": r.miss_rate} for r in results]}, command="replay")
     if args.plot:
-        _plot(args.plot, args.policies, capacities, rate, source)
-    return 0
-
-
-def _plot(path, policies, capacities, rate, source) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from exc
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p in policies:
-        ax.plot(capacities, [100 * rate[(p, c)] for c in capacities], marker="o", label=p)
-    ax.set_xlabel("hot region (rows per request)")
-    ax.set_ylabel("miss rate (%)")
-    ax.set_title(source if len(source) < 60 else source[:57] + "...", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        written &= write_file("--plot", args.plot, lambda path: replay_plot(
+            path, args.policies, capacities, rate, source), command="replay")
+    return 0 if written else 1

@@ -14,10 +14,12 @@ names the request, step and layer) or any other failure of the system; 2 on bad 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 import time
+
+from vllm_hisparse.cli.args import output_path
+from vllm_hisparse.cli.memory import check_fits_in_memory
+from vllm_hisparse.cli.output import write_file, write_json
 
 RUNS = ("both", "with", "without")
 
@@ -97,10 +99,11 @@ def add_parser(sub) -> None:
                    help="which runs (default: %(default)s)")
     r.add_argument("--max-steps", type=int, default=20_000, metavar="N",
                    help="fail a run that has not finished after N steps (default: %(default)s)")
-    r.add_argument("--json", metavar="PATH", help="write the spec, both runs and the verdict "
-                   "as JSON (also on failure)")
+    r.add_argument("--json", metavar="PATH", type=output_path, help="write the spec, both "
+                   "runs and the verdict as JSON (also on failure)")
+    r.add_argument("--plot", metavar="PNG", type=output_path, help="plot running requests, "
+                   "free device blocks and hit / miss rates per step of each run (matplotlib)")
     r.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    r.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logging")
 
 
 def _spec(args):
@@ -202,25 +205,51 @@ def format_table(results: dict) -> str:
     return "\n".join(out)
 
 
+class StepSeries:
+    """Per-step figures of each run for ``--plot``, from the engine's progress reports."""
+
+    def __init__(self, forward=None):
+        self.forward = forward
+        self.runs: dict[str, dict[str, list[int]]] = {}
+        self._last = (0, 0, 0)
+
+    def __call__(self, p) -> None:
+        if p.label not in self.runs:
+            self.runs[p.label] = {k: [] for k in ("step", "running", "free_blocks", "resident",
+                                                  "hot_hits", "misses")}
+            self._last = (0, 0, 0)
+        run = self.runs[p.label]
+        counts = (p.resident, p.hot_hits, p.misses)
+        for key, value, last in zip(("resident", "hot_hits", "misses"), counts, self._last):
+            run[key].append(value - last)  # the counters are cumulative: this step's share
+        self._last = counts
+        run["step"].append(p.step)
+        run["running"].append(p.running)
+        run["free_blocks"].append(p.free_blocks)
+        if self.forward is not None:
+            self.forward(p)
+
+
 def run(args) -> int:
     if args.threads <= 0:
         raise ValueError(f"--threads={args.threads} is invalid; accepted: a positive integer")
-    if not args.verbose:
-        # vLLM configures its logger at import (to stdout); keep the table clean.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        import logging
+    import torch  # before vLLM: its logging is set up at first import (cli/quiet.py)
 
-        logging.getLogger("vllm_hisparse").setLevel(logging.WARNING)
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationFailure
 
     spec = _spec(args)
     spec.validate()  # ValueError -> exit 2 with the option's name
-    import torch
-
+    if spec.device_blocks < 2:  # vLLM's own message would blame gpu_memory_utilization
+        raise ValueError(f"--device-blocks={spec.device_blocks} is invalid: vLLM keeps one "
+                         "block back (its null block); accepted: at least 2, and enough for "
+                         "one request of --prompt-len + --output-len in every KV cache group")
+    if spec.host_pool_gib is not None:
+        check_fits_in_memory("--host-pool-gib", spec.host_pool_gib)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     bar = None if args.quiet else ProgressBar()
-    engine = SimulationEngine(spec, progress=bar)
+    series = StepSeries(bar) if args.plot else None
+    engine = SimulationEngine(spec, progress=series or bar)
     results: dict = {}
     report = {"command": "simulate", "spec": dataclasses.asdict(spec),
               "workload": [dataclasses.asdict(p) for p in engine.workload],
@@ -248,20 +277,29 @@ def run(args) -> int:
         torch.set_num_threads(threads)
         engine.close()
         report["wall_s"] = time.perf_counter() - started
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
     if results:
-        jitter = f" (+-{spec.length_jitter:.0%})" if spec.length_jitter else ""
-        shared = (f", {spec.shared_prefix_len} shared" if spec.shared_prefix_len else "")
-        print(f"workload: {spec.num_requests} requests, prompt {spec.prompt_len}{shared} + "
-              f"output {spec.output_len} tokens{jitter}, "
-              f"{spec.arrival} arrival; model: {spec.num_layers} sparse layers "
-              f"({spec.layers_per_indexer} per indexer), block {spec.block_size}, top-k "
-              f"{spec.top_k}; {spec.device_blocks} device blocks; device {spec.device}")
+        print(_workload_line(spec))
         print(format_table(results))
     if status == 0:
         total = sum(r.rows_checked for r in results.values())
         print(f"exact: all {total:,} rows read through the conversion path matched their ground "
               f"truth ({time.perf_counter() - started:.1f} s)")
-    return status
+    written = True
+    if args.json:
+        written &= write_json("--json", args.json, report, command="simulate")
+    if args.plot and series.runs:
+        from vllm_hisparse.cli.plots import simulate_plot
+
+        written &= write_file("--plot", args.plot, lambda path: simulate_plot(
+            path, series.runs, _workload_line(spec)), command="simulate")
+    return status or (0 if written else 1)
+
+
+def _workload_line(spec) -> str:
+    jitter = f" (+-{spec.length_jitter:.0%})" if spec.length_jitter else ""
+    shared = f", {spec.shared_prefix_len} shared" if spec.shared_prefix_len else ""
+    return (f"workload: {spec.num_requests} requests, prompt {spec.prompt_len}{shared} + "
+            f"output {spec.output_len} tokens{jitter}, {spec.arrival} arrival; model: "
+            f"{spec.num_layers} sparse layers ({spec.layers_per_indexer} per indexer), block "
+            f"{spec.block_size}, top-k {spec.top_k}; {spec.device_blocks} device blocks; "
+            f"device {spec.device}")

@@ -54,8 +54,6 @@ kernel's tuning (0 = its defaults).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 import sys
@@ -63,6 +61,11 @@ import time
 
 import torch
 
+from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_path,
+                                    positive_float, positive_int)
+from vllm_hisparse.cli.memory import check_fits_in_memory
+from vllm_hisparse.cli.output import write_json
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import (DEFAULT_SIDE_CTAS_PER_SM, DEFAULT_SIDE_MAX_CTAS,
                                             DEFAULT_SIDE_PRIORITY, GroupGather, HotState,
@@ -71,7 +74,14 @@ from vllm_hisparse.worker.synthetic import TopkGenerator
 
 from .timeline import gather_overlap, profile_kernels
 
-TAIL_PAGES = 2
+# Flags whose default depends on the machine: a GPU run's sizes, or a CPU smoke run small
+# enough for a laptop (the GPU sizes would allocate 28 GiB of host memory).
+GPU_DEFAULTS = dict(contexts=[4096, 32768, 131072], hbm_gib=4.0, host_gib=24.0, layers=8,
+                    topk=2048, hot_rows=4096, block_size=64, weights_gib_per_layer=1.3,
+                    steps=20, rounds=3, warmup=5)
+CPU_DEFAULTS = dict(contexts=[256, 2048], hbm_gib=0.01, host_gib=0.05, layers=2, topk=64,
+                    hot_rows=256, block_size=16, weights_gib_per_layer=0.001, steps=2,
+                    rounds=1, warmup=1)
 #: Hidden size of the GEMM weight pass (DeepSeek-V3.2's model dimension).
 HIDDEN = 7168
 WEIGHT_PASSES = ("gemm", "sum")
@@ -122,18 +132,23 @@ class WeightPass:
         return self._ms[batch]
 
 
+def _defaults_text(defaults: dict) -> str:
+    return ", ".join(f"--{k.replace('_', '-')} " + (" ".join(map(str, v)) if isinstance(v, list)
+                                                     else str(v)) for k, v in defaults.items())
+
+
 def plan_batches(context: int, a) -> dict:
     bs = a.block_size
     pages = math.ceil(context / bs)
     row_layer_bytes = a.layers * a.row_bytes
     full_request_bytes = pages * bs * row_layer_bytes
-    hbm = int(a.hbm_gib * 2**30)
-    host = int(a.host_gib * 2**30)
+    hbm = int(a.hbm_gib * GIB)
+    host = int(a.host_gib * GIB)
     full = min(a.max_batch, hbm // full_request_bytes)
-    if pages * bs <= a.hot_rows + TAIL_PAGES * bs:
+    if pages * bs <= a.hot_rows + ACTIVE_TAIL_PAGES * bs:
         hybrid, hybrid_device_rows = full, pages * bs  # short requests stay fully resident
     else:
-        hybrid_device_rows = a.hot_rows + TAIL_PAGES * bs
+        hybrid_device_rows = a.hot_rows + ACTIVE_TAIL_PAGES * bs
         hybrid = min(a.max_batch, hbm // (hybrid_device_rows * row_layer_bytes),
                      host // full_request_bytes)
     return dict(context=context, pages=pages, full_batch=int(full), hybrid_batch=int(hybrid),
@@ -264,7 +279,7 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
             if tokens_all_resident:
                 resident = range(pages)
             else:
-                resident = range(pages - TAIL_PAGES, pages)
+                resident = range(pages - ACTIVE_TAIL_PAGES, pages)
                 leases.append((r, list(range(next_block, next_block + hot_blocks_per_req))))
                 next_block += hot_blocks_per_req
             for p in resident:
@@ -383,12 +398,12 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
-    p.add_argument("--hbm-gib", type=float, default=4.0, help="HBM given to the MLA KV")
-    p.add_argument("--host-gib", type=float, default=24.0, help="pinned host pool")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--index-group-layers", type=int, nargs="+", default=[0],
+    p = CliParser(prog="vllm-hisparse bench capacity", description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=positive_int, nargs="+")
+    p.add_argument("--hbm-gib", type=positive_float, help="HBM given to the MLA KV")
+    p.add_argument("--host-gib", type=positive_float, help="pinned host pool")
+    p.add_argument("--layers", type=positive_int)
+    p.add_argument("--index-group-layers", type=nonneg_int, nargs="+", default=[0],
                    help="layers per index group (leader + followers), one run each; 0 = one "
                         "group of every layer (the default, IndexShare over 8 layers); 4 = "
                         "GLM-5.2-like (21 leaders for 78 layers, ~3.7 layers per group)")
@@ -396,12 +411,12 @@ def main(argv=None) -> int:
                    help="hybrid gather modes: single, side, side:C1,C2,... (launch schedule), "
                         "side...@N (side launches' CTAs per SM), side...~P (side stream "
                         "priority, 0 = the compute stream's), noio (no copies: an oracle)")
-    p.add_argument("--row-bytes", type=int, default=656)
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--hot-rows", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--weights-gib-per-layer", type=float, default=1.3,
+    p.add_argument("--row-bytes", type=positive_int, default=656)
+    p.add_argument("--topk", type=positive_int)
+    p.add_argument("--hot-rows", type=positive_int)
+    p.add_argument("--block-size", type=positive_int)
+    p.add_argument("--max-batch", type=positive_int, default=256)
+    p.add_argument("--weights-gib-per-layer", type=nonneg_float,
                    help="HBM read per layer standing in for the weight pass (0 = none)")
     p.add_argument("--weight-pass", choices=WEIGHT_PASSES, default="sum",
                    help="weight pass stand-in: sum (an HBM-bound read of the weights, default) "
@@ -409,37 +424,47 @@ def main(argv=None) -> int:
     p.add_argument("--trace", action="store_true",
                    help="profile one step of every hybrid mode and report how much of the "
                         "gather time ran hidden under other kernels (GPU only)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--steps", type=positive_int)
+    p.add_argument("--rounds", type=positive_int,
                    help="timed runs of the full step and of every gather mode, interleaved; "
                         "the tables show the median over the rounds")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=nonneg_int)
     p.add_argument("--ops-backend", default="auto")
     p.add_argument("--layout", choices=["position", "layer"], default=None,
                    help="host pool layout (default: HostPool's default, position-major)")
-    p.add_argument("--rows-per-warp", type=int, default=0, help="gather tuning (0 = default)")
-    p.add_argument("--ctas-per-sm", type=int, default=0, help="gather tuning (0 = default)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--rows-per-warp", type=nonneg_int, default=0,
+                   help="gather tuning (0 = default)")
+    p.add_argument("--ctas-per-sm", type=nonneg_int, default=0,
+                   help="gather tuning (0 = default)")
+    p.add_argument("--json", metavar="PATH", type=output_path)
+    p.epilog = ("Defaults: on a GPU " + _defaults_text(GPU_DEFAULTS) + "; without one (a CPU "
+                "smoke run) " + _defaults_text(CPU_DEFAULTS) + ".")
     a = p.parse_args(argv)
     for text in a.gather_modes:
         try:
             parse_mode(text)
         except ValueError as e:
             p.error(str(e))
-    if a.rounds < 1:
-        p.error("--rounds must be >= 1")
-    if any(n < 0 for n in a.index_group_layers):
-        p.error("--index-group-layers: layers per index group must be >= 0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    defaults = GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    try:  # on the CPU the "HBM" is host memory too
+        check_fits_in_memory("--host-gib", a.host_gib, total_gib=a.host_gib + (
+            a.hbm_gib if device == "cpu" else 0), what="the host pool" + (
+            " with --hbm-gib (host memory on the CPU)" if device == "cpu" else ""))
+    except ValueError as e:
+        p.error(str(e))
     if device == "cpu":
-        print("bench_decode_capacity: no CUDA device, running on the CPU with the reference ops "
-              "(a smoke run: the figures mean nothing)", file=sys.stderr)
+        print("vllm-hisparse bench capacity: no CUDA device: a CPU smoke run with the reference "
+              "ops and CPU-sized defaults (the figures mean nothing)", file=sys.stderr)
 
-    rows_per_layer = int(a.hbm_gib * 2**30) // (a.layers * a.row_bytes)
+    rows_per_layer = int(a.hbm_gib * GIB) // (a.layers * a.row_bytes)
     rows_per_layer -= rows_per_layer % a.block_size
     device_kv = [torch.randint(0, 256, (rows_per_layer, a.row_bytes), dtype=torch.uint8,
                                device=device) for _ in range(a.layers)]
-    host_blocks = int(a.host_gib * 2**30) // (a.layers * a.block_size * a.row_bytes)
+    host_blocks = int(a.host_gib * GIB) // (a.layers * a.block_size * a.row_bytes)
     if device == "cuda" and (a.rows_per_warp or a.ctas_per_sm):
         from vllm_hisparse.ops import cuda as cuda_ops
         cuda_ops.set_copy_tuning(a.rows_per_warp, a.ctas_per_sm)
@@ -456,7 +481,7 @@ def main(argv=None) -> int:
     print(f"host pool {host_pool.logical_gib:.1f} GiB ({host_pool.page_mode}, "
           f"{host_pool.layout}-major) ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
-    per_layer_bytes = int(a.weights_gib_per_layer * 2**30)
+    per_layer_bytes = int(a.weights_gib_per_layer * GIB)
     weights = WeightPass(a.weight_pass, a.layers, per_layer_bytes, device) \
         if per_layer_bytes else None
     weight_ms = weights.step_ms(1) if weights is not None else 0.0
@@ -531,10 +556,10 @@ def main(argv=None) -> int:
                   f"| {t['span_us'] / 1e3:.3f} | {t['gather_us'] / 1e3:.3f} "
                   f"| {t['gather_hidden_us'] / 1e3:.3f} | {t['gather_exposed_us'] / 1e3:.3f} "
                   f"| {t['idle_us'] / 1e3:.3f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(args=vars(a), device=device, host_layout=host_layout,
-                           weight_pass_batch1_ms=weight_ms, results=results), f, indent=2)
+    if a.json and not write_json("--json", a.json, dict(
+            args=vars(a), device=device, host_layout=host_layout,
+            weight_pass_batch1_ms=weight_ms, results=results), command="bench capacity"):
+        return 1
     return 0
 
 

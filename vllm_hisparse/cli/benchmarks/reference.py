@@ -10,14 +10,14 @@ arguments). Prints a table; ``--json PATH`` writes the numbers.
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
 
 import torch
 
+from vllm_hisparse.cli.args import CliParser, fraction, output_path, positive_int
+from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.ops import reference
 
 
@@ -66,17 +66,20 @@ def build_case(num_requests: int, k: int, num_slots: int, context_tokens: int, b
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--hot-slots", type=int, default=4096)
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--resident", type=float, default=0.3, help="fraction of selections resident")
-    p.add_argument("--miss", type=float, default=0.05, help="fraction of selections that miss")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--json", metavar="PATH")
+    p = CliParser(prog="vllm-hisparse bench reference", description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=positive_int, default=64)
+    p.add_argument("--topk", type=positive_int, default=2048)
+    p.add_argument("--hot-slots", type=positive_int, default=4096)
+    p.add_argument("--context", type=positive_int, default=32768)
+    p.add_argument("--block-size", type=positive_int, default=64)
+    p.add_argument("--resident", type=fraction, default=0.3,
+                   help="fraction of selections resident")
+    p.add_argument("--miss", type=fraction, default=0.05,
+                   help="fraction of selections that miss")
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--json", metavar="PATH", type=output_path)
     a = p.parse_args(argv)
+    _check(p, a)
 
     times_ms = []
     stats = None
@@ -104,10 +107,31 @@ def main(argv=None) -> int:
     print(f"| reference.resolve (CPU, {result['torch_threads']} threads) | {a.requests} | {a.topk} "
           f"| {a.hot_slots} | {'/'.join(map(str, stats))} | {median_ms:.1f} "
           f"| {result['us_per_request']:.0f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+    if a.json and not write_json("--json", a.json, result, command="bench reference"):
+        return 1
     return 0
+
+
+def _check(p, a) -> None:
+    """The shape constraints ``build_case`` relies on, as flag errors."""
+    pages = a.context // a.block_size
+    if a.context % a.block_size or pages < 4:
+        p.error(f"--context {a.context} must be a multiple of --block-size {a.block_size} "
+                f"and hold at least 4 pages")
+    if a.resident + a.miss > 1:
+        p.error(f"--resident {a.resident:g} + --miss {a.miss:g} must be at most 1")
+    if a.hot_slots % a.block_size:
+        p.error(f"--hot-slots {a.hot_slots} must be a multiple of --block-size {a.block_size}")
+    if a.hot_slots > 32768:
+        p.error(f"--hot-slots {a.hot_slots}: at most 32768 (int16 LRU)")
+    host_rows = (pages - pages // 4 - 2) * a.block_size
+    if a.hot_slots + int(a.topk * a.miss) > host_rows:
+        p.error(f"--hot-slots {a.hot_slots} + the misses of --topk {a.topk} need more "
+                f"host-backed positions than --context {a.context} has ({host_rows})")
+    if int(a.topk * a.resident) > max(pages // 4, 2) * a.block_size or \
+            a.topk - int(a.topk * a.resident) - int(a.topk * a.miss) > a.hot_slots:
+        p.error(f"--topk {a.topk} does not fit the case: more resident or hit selections "
+                f"than --context / --hot-slots hold")
 
 
 if __name__ == "__main__":

@@ -286,6 +286,12 @@ class Progress:
     waiting: int
     finished: int
     total: int
+    # For per-step plots: the BlockPool's free blocks after the step, and the worker's
+    # selection counters so far (distinct resident / hot hit / miss selections).
+    free_blocks: int = 0
+    resident: int = 0
+    hot_hits: int = 0
+    misses: int = 0
 
 
 # ================================================================================ layers
@@ -670,9 +676,11 @@ class _Run:
                         self._release_slot(out.request_id)
             self._account_blocks()
             if self.engine.progress is not None:
-                self.engine.progress(Progress(self.label, self.step, running,
-                                              len(self.scheduler.waiting), result.finished,
-                                              len(self.engine.workload)))
+                self.engine.progress(Progress(
+                    self.label, self.step, running, len(self.scheduler.waiting),
+                    result.finished, len(self.engine.workload),
+                    self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    result.resident, result.hot_hits, result.misses))
         result.steps = self.step
         result.mean_running = running_sum / max(1, self.step)
         if result.finished != len(self.engine.workload):
