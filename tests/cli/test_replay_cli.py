@@ -17,10 +17,10 @@ def test_replay_prints_a_table_and_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(SMALL + ["--json", str(out), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0] == "| hot rows | hisparse | lru | fifo | random | belady |"
+    assert table.splitlines()[0] == "| hot rows | hisparse | lru | fifo | random | current | belady |"
     assert len(table.splitlines()) == 2 + 3
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 5 * 3
+    assert len(data["results"]) == 6 * 3
     for capacity in (256, 512, 1024):
         rates = {r["policy"]: r["miss_rate"] for r in data["results"]
                  if r["capacity_rows"] == capacity}

@@ -10,6 +10,7 @@ replace positions that are not in S. Policies differ only in which positions the
 | ``lru`` | least recent first | every position used this step becomes most recent, misses and hits alike, in position order |
 | ``fifo`` | oldest inserted first | none: hits keep their place |
 | ``random`` | uniformly random | — |
+| ``current`` | everything not needed this step (only the current selections stay: "swap-vanilla") | — |
 | ``belady`` | the one used again furthest in the future (or never) | — (needs the future: an offline optimum) |
 
 Empty slots are used before anything is replaced, as ``-1`` entries at the least recent end,
@@ -24,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-POLICIES = ("hisparse", "lru", "fifo", "random", "belady")
+POLICIES = ("hisparse", "lru", "fifo", "random", "current", "belady")
 _EMPTY = -1
 _NEVER = np.iinfo(np.int64).max
 
@@ -91,6 +92,9 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
             keep = np.ones(capacity, dtype=bool)
             keep[victims] = False
             order = np.concatenate([order[keep], missing])
+        elif policy == "current":
+            order = np.concatenate([np.full(capacity - needed.shape[0], _EMPTY, dtype=np.int64),
+                                    needed])
         elif policy == "random":
             candidates = np.flatnonzero(~hit)
             empty = candidates[order[candidates] == _EMPTY]
