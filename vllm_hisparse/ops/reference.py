@@ -149,6 +149,8 @@ def _plan_request(
         dup = int(torch.nonzero(holders > 1)[0])
         raise ResolveError(ResolveErrorCode.DUPLICATE_SLOT, row, int(hb_positions[dup]),
                            int(sorted_slot[left[dup]]))
+    # The kernel's order: the lru is read (and checked) only past every check above.
+    _checks.check_lru_rows(torch.tensor([row]), lru_row[None])
     is_hit = holders == 1
     hb_slot = torch.full_like(hb_positions, -1)
     hb_slot[is_hit] = sorted_slot[left[is_hit]]
@@ -245,6 +247,7 @@ def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slo
     num_rows = residency.shape[0]
     k = topk.shape[1]
     runs = _request_runs(token_rows.tolist(), num_rows)
+    _checks.check_resolve_tables(token_rows, residency, host_blocks, hot_blocks, block_size)
 
     plans: list[_RequestPlan] = []
     for row, first_token, num_tokens in runs:
@@ -319,14 +322,8 @@ def gather_rows(
     Destinations within one call must be distinct (``resolve`` guarantees it).
     """
     _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
-    k = miss_src.shape[1]
-    _checks.check_row_ids("miss_count", miss_count, k + 1)
-    take = (torch.arange(k, device=miss_count.device)[None, :]
-            < miss_count.to(torch.int64)[:, None])
-    src_rows = miss_src[take].to(torch.int64)
-    dst_rows = miss_dst[take].to(torch.int64)
-    _checks.check_row_ids("miss_src", src_rows, src_layers[0].shape[0])
-    _checks.check_row_ids("miss_dst", dst_rows, dst_layers[0].shape[0])
+    src_rows, dst_rows = _checks.check_gather_values(src_layers, dst_layers, miss_src,
+                                                     miss_dst, miss_count)
     _copy_rows_all_layers(src_layers, dst_layers, src_rows, dst_rows)
 
 
@@ -350,8 +347,8 @@ def copy_blocks(
         block_size: rows per block.
     """
     _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
-    src_b, dst_b = _paired_ids("src_blocks", src_blocks, src_layers[0].shape[0] // block_size,
-                               "dst_blocks", dst_blocks, dst_layers[0].shape[0] // block_size)
+    src_b, dst_b = _checks.check_block_copy_values(src_layers, dst_layers, src_blocks,
+                                                   dst_blocks, block_size)
     offsets = torch.arange(block_size, device=src_b.device)
     src_rows = (src_b[:, None] * block_size + offsets).reshape(-1)
     dst_rows = (dst_b[:, None] * block_size + offsets).reshape(-1)
@@ -374,17 +371,6 @@ def mirror_rows(
         src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip.
     """
     _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
-    s, d = _paired_ids("src_rows", src_rows, src_layers[0].shape[0],
-                       "dst_rows", dst_rows, dst_layers[0].shape[0])
+    s, d = _checks.check_row_copy_values(src_layers, dst_layers, src_rows, dst_rows)
     _copy_rows_all_layers(src_layers, dst_layers, s, d)
 
-
-def _paired_ids(src_name: str, src_ids: torch.Tensor, src_limit: int, dst_name: str,
-                dst_ids: torch.Tensor, dst_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (src, dst) id pairs without ``-1`` on either side, as int64, range-checked."""
-    keep = (src_ids >= 0) & (dst_ids >= 0)
-    src = src_ids[keep].to(torch.int64)
-    dst = dst_ids[keep].to(torch.int64)
-    _checks.check_row_ids(src_name, src, src_limit)
-    _checks.check_row_ids(dst_name, dst, dst_limit)
-    return src, dst
