@@ -166,3 +166,94 @@ def _cap_host_backed(sel: list[list[int]], residency_row: torch.Tensor, bs: int,
             new_row.append(p)
         out.append(new_row)
     return out
+
+
+def max_block_id(block_size: int) -> int:
+    """The largest block id whose rows (``block * block_size + offset``) fit int32."""
+    return (1 << 31) // block_size - 1
+
+
+def adversarial_cases():
+    """Valid edge cases as (name, case): every op check must accept them."""
+    rng = random.Random(7)
+    yield "empty batch", ResolveCase(
+        torch.zeros((0, 4), dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+        torch.full((2, 3), -1, dtype=torch.int32), torch.full((2, 3), -1, dtype=torch.int32),
+        torch.full((2, 1), -1, dtype=torch.int32), torch.full((2, 4), -1, dtype=torch.int32),
+        torch.arange(4, dtype=torch.int16).repeat(2, 1), 4)
+    c = random_case(random.Random(1), max_rows=4)
+    c.token_rows = torch.full_like(c.token_rows, -1)
+    yield "padding tokens only", c
+    c = random_case(random.Random(2), max_rows=4, k=8)
+    c.topk = torch.full_like(c.topk, -1)
+    yield "padding selections only", c
+    yield "all resident", random_case(random.Random(3), resident_fraction=1.0)
+    c = random_case(random.Random(4), resident_fraction=0.0, hot_blocks_per_request=4)
+    c.slot_pos.fill_(-1)
+    yield "all miss", c
+    c = random_case(random.Random(5), resident_fraction=0.0, k=16)
+    c.topk = torch.where(c.topk >= 0, c.topk[:, :1].expand_as(c.topk), c.topk).contiguous()
+    yield "one position repeated", c
+    # Largest sizes: D = 32768 (int16 lru), K = 2048, block 64, block ids at the int32 edge.
+    bs, num_pages, d, k = 64, 64, 32768, 2048
+    edge = max_block_id(bs)
+    residency = torch.full((1, num_pages), -1, dtype=torch.int32)
+    residency[0, ::2] = edge - torch.arange(0, num_pages, 2, dtype=torch.int32)
+    host_blocks = (edge - num_pages - torch.arange(num_pages, dtype=torch.int32)).reshape(1, -1)
+    hot_blocks = (torch.arange(d // bs, dtype=torch.int32) + 1000).reshape(1, -1)
+    slot_pos = torch.full((1, d), -1, dtype=torch.int32)
+    slot_pos[0, :num_pages * bs // 4] = torch.arange(0, num_pages * bs, 4, dtype=torch.int32)
+    lru = torch.tensor(rng.sample(range(d), d), dtype=torch.int16).reshape(1, d)
+    topk = torch.tensor([rng.sample(range(num_pages * bs), k)], dtype=torch.int32)
+    yield "max sizes, ids at the int32 edge", ResolveCase(topk, i32([0]), residency, host_blocks,
+                                                          hot_blocks, slot_pos, lru, bs)
+
+
+def input_defect_cases():
+    """Invalid ``resolve`` inputs that only the data checks catch, as (name, case, error class,
+    ResolveErrorCode or None, message fragment). Built on one base case: D = 8, K = 4, bs = 4,
+    positions 12, 16, 25 host-backed (12 and 16 hits), 30 resident."""
+    from vllm_hisparse.ops import errors
+
+    def base() -> ResolveCase:
+        residency = torch.full((1, 8), -1, dtype=torch.int32)
+        residency[0, 7] = 9
+        return ResolveCase(
+            topk=i32([[12, 16, 25, 30]]), token_rows=i32([0]), residency=residency,
+            host_blocks=i32([[100 + p for p in range(8)]]), hot_blocks=i32([[20, 21]]),
+            slot_pos=i32([list(range(10, 18))]),
+            lru=torch.arange(8, dtype=torch.int16).reshape(1, 8), block_size=4)
+
+    c = base()
+    c.lru[0, 3] = 8
+    yield ("lru value D", c, errors.ResolveError, errors.ResolveErrorCode.CORRUPT_LRU,
+           "holds 8, outside [0, 8)")
+    c = base()
+    c.lru[0, 5] = -3
+    yield ("lru value negative", c, errors.ResolveError, errors.ResolveErrorCode.CORRUPT_LRU,
+           "holds -3, outside [0, 8)")
+    c = base()
+    c.lru[0, 6] = 2
+    yield ("lru slot twice", c, errors.ResolveError, errors.ResolveErrorCode.DUPLICATE_LRU_SLOT,
+           "holds slot 2 more than once")
+    c = base()
+    c.residency[0, 2] = -2
+    yield "residency -2", c, errors.NegativeIdError, None, "residency[0, 2] holds -2"
+    c = base()
+    c.host_blocks[0, 6] = -5
+    yield "host_blocks -5", c, errors.NegativeIdError, None, "host_blocks[0, 6] holds -5"
+    c = base()
+    c.hot_blocks[0, 1] = -2
+    yield "hot_blocks -2", c, errors.NegativeIdError, None, "hot_blocks[0, 1] holds -2"
+    c = base()
+    c.residency[0, 7] = max_block_id(4) + 1
+    yield ("residency overflows int32", c, errors.RowOverflowError, None,
+           f"residency[0, 7] holds block {max_block_id(4) + 1}")
+    c = base()
+    c.host_blocks[0, 6] = 1 << 30
+    yield ("host_blocks overflows int32", c, errors.RowOverflowError, None,
+           f"host_blocks[0, 6] holds block {1 << 30}")
+    c = base()
+    c.hot_blocks[0, 0] = (1 << 31) - 1
+    yield ("hot_blocks overflows int32", c, errors.RowOverflowError, None,
+           "overflow int32")
