@@ -1,4 +1,5 @@
-"""Inputs for ``resolve`` tests: a builder for hand-made cases and a random case generator.
+"""Inputs for op tests: a builder for hand-made ``resolve`` cases, a random case generator,
+valid edge cases, and inputs only the data checks reject (``resolve`` and the copies).
 
 Shared by the reference tests (CPU) and the kernel tests (GPU), so both see the same cases.
 """
@@ -257,3 +258,38 @@ def input_defect_cases():
     c.hot_blocks[0, 0] = (1 << 31) - 1
     yield ("hot_blocks overflows int32", c, errors.RowOverflowError, None,
            "overflow int32")
+
+
+def copy_defect_cases():
+    """Invalid copy inputs only the data checks catch, as (name, op, id lists, error class,
+    message fragment), for src = 2 layers of 64 rows, dst = 2 layers of 40 rows, block_size 4
+    (see :func:`call_copy`)."""
+    from vllm_hisparse.ops import errors
+
+    dup, neg = errors.DuplicateDestinationError, errors.NegativeIdError
+    yield ("gather: one destination twice in a row", "gather_rows", ([[3, 4]], [[1, 1]], [2]),
+           dup, "miss_dst[0, 0] and miss_dst[0, 1] both hold 1")
+    yield ("gather: one destination in two rows", "gather_rows",
+           ([[3, 4], [5, 6]], [[7, 0], [2, 7]], [1, 2]),
+           dup, "miss_dst[0, 0] and miss_dst[1, 1] both hold 7")
+    yield ("gather: counted source -1", "gather_rows", ([[3, -1]], [[1, 2]], [2]),
+           neg, "miss_src[0, 1] holds -1 within miss_count")
+    yield ("gather: counted destination -2", "gather_rows", ([[3, 4]], [[-2, 2]], [1]),
+           neg, "miss_dst[0, 0] holds -2 within miss_count")
+    yield ("copy_blocks: one destination twice", "copy_blocks", ([1, 2, 3], [4, -1, 4]),
+           dup, "dst_blocks[0] and dst_blocks[2] both hold 4")
+    yield ("copy_blocks: source -2", "copy_blocks", ([1, -2], [0, 1]),
+           neg, "src_blocks[1] holds -2: the only negative id is the -1")
+    yield ("copy_blocks: destination -3 next to padding", "copy_blocks", ([-1, 2], [-3, 1]),
+           neg, "dst_blocks[0] holds -3")
+    yield ("mirror_rows: one destination twice", "mirror_rows", ([1, 2], [39, 39]),
+           dup, "dst_rows[0] and dst_rows[1] both hold 39")
+    yield ("mirror_rows: source -5", "mirror_rows", ([-5], [0]), neg, "src_rows[0] holds -5")
+
+
+def call_copy(backend, op: str, src_layers, dst_layers, id_lists, device="cpu") -> None:
+    """``backend.<op>(src_layers, dst_layers, *ids)`` with the id lists as int32 tensors on
+    ``device`` (``copy_blocks`` gets block_size 4)."""
+    ids = [torch.tensor(x, dtype=torch.int32, device=device) for x in id_lists]
+    rest = (4,) if op == "copy_blocks" else ()
+    getattr(backend, op)(src_layers, dst_layers, *ids, *rest)

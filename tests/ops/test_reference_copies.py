@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from resolve_cases import random_case
+from resolve_cases import call_copy, copy_defect_cases, random_case
 from vllm_hisparse import ops
 from vllm_hisparse.ops import errors, reference
 
@@ -174,46 +174,13 @@ def i32(x) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.int32)
 
 
-def copy_defect_cases():
-    """Invalid copy inputs only the data checks catch: (name, call(src, dst), error, text) with
-    src = 2 layers of 64 rows, dst = 2 layers of 40 rows (32 B rows), block_size 4 for blocks."""
-    yield ("gather: one destination twice in a row",
-           lambda s, d: ops.gather_rows(s, d, i32([[3, 4]]), i32([[1, 1]]), i32([2])),
-           errors.DuplicateDestinationError, "miss_dst[0, 0] and miss_dst[0, 1] both hold 1")
-    yield ("gather: one destination in two rows",
-           lambda s, d: ops.gather_rows(s, d, i32([[3, 4], [5, 6]]), i32([[7, 0], [2, 7]]),
-                                        i32([1, 2])),
-           errors.DuplicateDestinationError, "miss_dst[0, 0] and miss_dst[1, 1] both hold 7")
-    yield ("gather: counted source -1",
-           lambda s, d: ops.gather_rows(s, d, i32([[3, -1]]), i32([[1, 2]]), i32([2])),
-           errors.NegativeIdError, "miss_src[0, 1] holds -1 within miss_count")
-    yield ("gather: counted destination -2",
-           lambda s, d: ops.gather_rows(s, d, i32([[3, 4]]), i32([[-2, 2]]), i32([1])),
-           errors.NegativeIdError, "miss_dst[0, 0] holds -2 within miss_count")
-    yield ("copy_blocks: one destination twice",
-           lambda s, d: ops.copy_blocks(s, d, i32([1, 2, 3]), i32([4, -1, 4]), 4),
-           errors.DuplicateDestinationError, "dst_blocks[0] and dst_blocks[2] both hold 4")
-    yield ("copy_blocks: source -2",
-           lambda s, d: ops.copy_blocks(s, d, i32([1, -2]), i32([0, 1]), 4),
-           errors.NegativeIdError, "src_blocks[1] holds -2: the only negative id is the -1")
-    yield ("copy_blocks: destination -3 next to padding",
-           lambda s, d: ops.copy_blocks(s, d, i32([-1, 2]), i32([-3, 1]), 4),
-           errors.NegativeIdError, "dst_blocks[0] holds -3")
-    yield ("mirror_rows: one destination twice",
-           lambda s, d: ops.mirror_rows(s, d, i32([1, 2]), i32([39, 39]), ),
-           errors.DuplicateDestinationError, "dst_rows[0] and dst_rows[1] both hold 39")
-    yield ("mirror_rows: source -5",
-           lambda s, d: ops.mirror_rows(s, d, i32([-5]), i32([0])),
-           errors.NegativeIdError, "src_rows[0] holds -5")
-
-
-@pytest.mark.parametrize("name,call,error,text", list(copy_defect_cases()),
+@pytest.mark.parametrize("name,op,ids,error,text", list(copy_defect_cases()),
                          ids=[c[0] for c in copy_defect_cases()])
-def test_copy_defects_raise_named_errors_and_copy_nothing(name, call, error, text):
+def test_copy_defects_raise_named_errors_and_copy_nothing(name, op, ids, error, text):
     src, dst = layers(2, 64, 32, 31), layers(2, 40, 32, 32)
     before = snapshot(dst)
     with pytest.raises(error, match=re.escape(text)) as info:
-        call(src, dst)
+        call_copy(ops, op, src, dst, ids)
     assert isinstance(info.value, ValueError)
     assert info.value.argument == text.split("[")[0]
     assert all(torch.equal(a, b) for a, b in zip(dst, before))
