@@ -210,10 +210,10 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` have a byte in common. Exact for contiguous tensors and for
-    row-strided views with one row stride (the layers of one position-major pool interleave
-    without sharing a byte)."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+    """Whether ``a`` and ``b`` (on one device) have a byte in common. Exact for contiguous
+    tensors and for row-strided views with one row stride (the layers of one position-major
+    pool interleave without sharing a byte)."""
+    if a.numel() == 0 or b.numel() == 0:
         return False
     a0, a1 = _byte_span(a)
     b0, b1 = _byte_span(b)
@@ -236,34 +236,37 @@ def _aliased(out_name: str, other_name: str) -> None:
 
 def check_no_aliasing(written: Sequence[tuple[str, torch.Tensor]],
                       read: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """No tensor of ``written`` overlaps another of ``written`` or one of ``read``."""
-    for i, (name, t) in enumerate(written):
-        for other_name, other in list(written[:i]) + list(read):
-            if _shares_memory(t, other):
+    """No tensor of ``written`` overlaps another of ``written`` or one of ``read`` (all
+    contiguous and on one device, as the callers have checked)."""
+    spans = []
+    for name, t in list(written) + list(read):
+        start = t.data_ptr()
+        spans.append((name, start, start + t.nbytes))
+    for i in range(len(written)):
+        name, a0, a1 = spans[i]
+        for other_name, b0, b1 in spans[:i] + spans[len(written):]:
+            if a0 < b1 and b0 < a1:
                 _aliased(name, other_name)
-
-
-def _hull(ts: Sequence[torch.Tensor]) -> tuple[int, int]:
-    spans = [_byte_span(t) for t in ts if t.numel()]
-    return (min(s for s, _ in spans), max(e for _, e in spans)) if spans else (0, 0)
 
 
 def _check_layer_aliasing(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
                           ids: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """No destination layer overlaps a source layer or an index tensor. Layers of one list are
-    one device each (checked before); pairs are compared only where the lists' address hulls
-    meet, so the usual call (source and destination in different pools) costs O(L)."""
+    """No destination layer overlaps a source layer or an index tensor. Only tensors on the
+    destinations' device and in one storage with a destination are compared byte-wise, so the
+    usual call (sources in host memory, destinations on the GPU) costs one storage lookup per
+    destination layer and index tensor."""
     dst_dev = dst_layers[0].device
-    lo, hi = _hull(dst_layers)
-    others = [(f"src_layers[{j}]", s) for j, s in enumerate(src_layers)] + list(ids)
+    others = [(name, t) for name, t in ids if t.device == dst_dev]
+    if src_layers[0].device == dst_dev:
+        others += [(f"src_layers[{j}]", t) for j, t in enumerate(src_layers)]
+    if not others:
+        return
+    by_storage: dict[int, list[int]] = {}
+    for i, d in enumerate(dst_layers):
+        by_storage.setdefault(d.untyped_storage().data_ptr(), []).append(i)
     for other_name, other in others:
-        if other.device != dst_dev or other.numel() == 0:
-            continue
-        o0, o1 = _byte_span(other)
-        if o1 <= lo or hi <= o0:
-            continue
-        for i, d in enumerate(dst_layers):
-            if _shares_memory(d, other):
+        for i in by_storage.get(other.untyped_storage().data_ptr(), ()):
+            if _shares_memory(dst_layers[i], other):
                 _aliased(f"dst_layers[{i}]", other_name)
 
 
