@@ -359,12 +359,12 @@ def check_lru_rows(rows: torch.Tensor, lru_rows: torch.Tensor) -> None:
         i, j = _first_index(outside)
         raise ResolveError(ResolveErrorCode.CORRUPT_LRU, int(rows[i]), int(values[i, j]),
                            num_slots)
-    sorted_values = torch.sort(values, dim=1).values
-    twice = sorted_values[:, 1:] == sorted_values[:, :-1]
+    offsets = torch.arange(values.shape[0], device=values.device)[:, None] * num_slots
+    counts = torch.bincount((values + offsets).reshape(-1), minlength=values.numel())
+    twice = counts.view(values.shape) > 1
     if bool(twice.any()):
-        i, j = _first_index(twice)
-        raise ResolveError(ResolveErrorCode.DUPLICATE_LRU_SLOT, int(rows[i]),
-                           int(sorted_values[i, j]), num_slots)
+        i, slot = _first_index(twice)
+        raise ResolveError(ResolveErrorCode.DUPLICATE_LRU_SLOT, int(rows[i]), slot, num_slots)
 
 
 def _hot_state_rows(topk: torch.Tensor, token_rows: torch.Tensor, residency: torch.Tensor,
