@@ -14,7 +14,11 @@ Conventions shared by all ops:
 
 ``resolve`` raises :class:`~vllm_hisparse.ops.errors.ResolveError` (a ``ValueError``) for
 every broken precondition and then leaves every output and every IN/OUT tensor untouched,
-because all requests are checked before anything is written.
+because all requests are checked before anything is written. Every twin also runs the
+data-dependent checks of ``ops/_checks.py`` (negative or int32-overflowing ids, duplicate
+destinations, a corrupt ``lru``), which the CUDA backend runs only with
+``HISPARSE_CHECK_INPUTS=1``; they raise the ``OpInputError`` subclasses of ``ops/errors.py``
+before anything is copied.
 """
 
 from __future__ import annotations
@@ -234,7 +238,14 @@ def resolve(
         ResolveError: a position outside ``[0, P * bs)``; a host-backed page with host block
             -1; more distinct host-backed positions than D; a request's tokens not contiguous;
             a state row outside ``[-1, R)``; a needed hot slot whose hot block is -1; one
-            host-backed position held by two slots. Nothing is written when it raises.
+            host-backed position held by two slots; an ``lru`` value outside ``[0, D)``
+            (``CORRUPT_LRU``) or a slot twice in it (``DUPLICATE_LRU_SLOT``), for a request
+            with a host-backed selection only, after the checks before it (the kernel's order).
+        NegativeIdError, RowOverflowError: a ``residency``/``host_blocks``/``hot_blocks`` entry
+            of a state row in the batch below -1, or a block whose rows overflow int32.
+        AliasedOutputError, MetaTensorError: an output or IN/OUT tensor sharing memory with
+            another argument; a tensor on the meta device.
+        Nothing is written when it raises.
     """
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
                                lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
@@ -319,7 +330,9 @@ def gather_rows(
         miss_src, miss_dst: int32 ``[T, K]`` source and destination rows.
         miss_count: int32 ``[T]``, each in ``[0, K]``.
 
-    Destinations within one call must be distinct (``resolve`` guarantees it).
+    Destinations within one call must be distinct (``resolve`` guarantees it); a repeated
+    destination raises ``DuplicateDestinationError``, a negative counted id
+    ``NegativeIdError``.
     """
     _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
     src_rows, dst_rows = _checks.check_gather_values(src_layers, dst_layers, miss_src,
@@ -343,7 +356,9 @@ def copy_blocks(
 
     Args:
         src_layers, dst_layers: L uint8 ``[blocks * block_size, row_bytes]`` tensors each.
-        src_blocks, dst_blocks: int32 ``[N]`` block ids, ``-1`` = skip.
+        src_blocks, dst_blocks: int32 ``[N]`` block ids, ``-1`` = skip; other negatives raise
+            ``NegativeIdError``, a destination block of two kept entries
+            ``DuplicateDestinationError``.
         block_size: rows per block.
     """
     _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
@@ -368,7 +383,9 @@ def mirror_rows(
 
     Args:
         src_layers, dst_layers: L uint8 ``[rows, row_bytes]`` tensors each.
-        src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip.
+        src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip; other negatives raise
+            ``NegativeIdError``, a destination row of two kept entries
+            ``DuplicateDestinationError``.
     """
     _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
     s, d = _checks.check_row_copy_values(src_layers, dst_layers, src_rows, dst_rows)
