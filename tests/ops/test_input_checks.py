@@ -142,9 +142,11 @@ def _lru_cases():
     for name, case, _, code, _ in DEFECTS:
         if code is not None and name not in DEBUG_ONLY:
             yield name, case
-    for name, mutate in (("lru and hot block missing", lambda c: c.hot_blocks.__setitem__((0, 0), -1)),
-                         ("lru and duplicate slot", lambda c: c.slot_pos.__setitem__((0, 5), 12)),
-                         ("lru and bad position", lambda c: c.topk.__setitem__((0, 1), 40))):
+    second_defects = (
+        ("lru and hot block missing", lambda c: c.hot_blocks.__setitem__((0, 0), -1)),
+        ("lru and duplicate slot", lambda c: c.slot_pos.__setitem__((0, 5), 12)),
+        ("lru and bad position", lambda c: c.topk.__setitem__((0, 1), 40)))
+    for name, mutate in second_defects:
         case = next(c for n, c, *_ in input_defect_cases() if n == "lru value D")
         mutate(case)
         yield name, case
