@@ -1,4 +1,5 @@
-"""Inputs for ``resolve`` tests: a builder for hand-made cases and a random case generator.
+"""Inputs for op tests: a builder for hand-made ``resolve`` cases, a random case generator,
+valid edge cases, and inputs only the data checks reject (``resolve`` and the copies).
 
 Shared by the reference tests (CPU) and the kernel tests (GPU), so both see the same cases.
 """
@@ -166,3 +167,129 @@ def _cap_host_backed(sel: list[list[int]], residency_row: torch.Tensor, bs: int,
             new_row.append(p)
         out.append(new_row)
     return out
+
+
+def max_block_id(block_size: int) -> int:
+    """The largest block id whose rows (``block * block_size + offset``) fit int32."""
+    return (1 << 31) // block_size - 1
+
+
+def adversarial_cases():
+    """Valid edge cases as (name, case): every op check must accept them."""
+    rng = random.Random(7)
+    yield "empty batch", ResolveCase(
+        torch.zeros((0, 4), dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+        torch.full((2, 3), -1, dtype=torch.int32), torch.full((2, 3), -1, dtype=torch.int32),
+        torch.full((2, 1), -1, dtype=torch.int32), torch.full((2, 4), -1, dtype=torch.int32),
+        torch.arange(4, dtype=torch.int16).repeat(2, 1), 4)
+    c = random_case(random.Random(1), max_rows=4)
+    c.token_rows = torch.full_like(c.token_rows, -1)
+    yield "padding tokens only", c
+    c = random_case(random.Random(2), max_rows=4, k=8)
+    c.topk = torch.full_like(c.topk, -1)
+    yield "padding selections only", c
+    yield "all resident", random_case(random.Random(3), resident_fraction=1.0)
+    c = random_case(random.Random(4), resident_fraction=0.0, hot_blocks_per_request=4)
+    c.slot_pos.fill_(-1)
+    yield "all miss", c
+    c = random_case(random.Random(5), resident_fraction=0.0, k=16)
+    c.topk = torch.where(c.topk >= 0, c.topk[:, :1].expand_as(c.topk), c.topk).contiguous()
+    yield "one position repeated", c
+    # Largest sizes: D = 32768 (int16 lru), K = 2048, block 64, block ids at the int32 edge.
+    bs, num_pages, d, k = 64, 64, 32768, 2048
+    edge = max_block_id(bs)
+    residency = torch.full((1, num_pages), -1, dtype=torch.int32)
+    residency[0, ::2] = edge - torch.arange(0, num_pages, 2, dtype=torch.int32)
+    host_blocks = (edge - num_pages - torch.arange(num_pages, dtype=torch.int32)).reshape(1, -1)
+    hot_blocks = (torch.arange(d // bs, dtype=torch.int32) + 1000).reshape(1, -1)
+    slot_pos = torch.full((1, d), -1, dtype=torch.int32)
+    slot_pos[0, :num_pages * bs // 4] = torch.arange(0, num_pages * bs, 4, dtype=torch.int32)
+    lru = torch.tensor(rng.sample(range(d), d), dtype=torch.int16).reshape(1, d)
+    topk = torch.tensor([rng.sample(range(num_pages * bs), k)], dtype=torch.int32)
+    yield "max sizes, ids at the int32 edge", ResolveCase(topk, i32([0]), residency, host_blocks,
+                                                          hot_blocks, slot_pos, lru, bs)
+
+
+def input_defect_cases():
+    """Invalid ``resolve`` inputs that only the data checks catch, as (name, case, error class,
+    ResolveErrorCode or None, message fragment). Built on one base case: D = 8, K = 4, bs = 4,
+    positions 12, 16, 25 host-backed (12 and 16 hits), 30 resident."""
+    from vllm_hisparse.ops import errors
+
+    def base() -> ResolveCase:
+        residency = torch.full((1, 8), -1, dtype=torch.int32)
+        residency[0, 7] = 9
+        return ResolveCase(
+            topk=i32([[12, 16, 25, 30]]), token_rows=i32([0]), residency=residency,
+            host_blocks=i32([[100 + p for p in range(8)]]), hot_blocks=i32([[20, 21]]),
+            slot_pos=i32([list(range(10, 18))]),
+            lru=torch.arange(8, dtype=torch.int16).reshape(1, 8), block_size=4)
+
+    c = base()
+    c.lru[0, 3] = 8
+    yield ("lru value D", c, errors.ResolveError, errors.ResolveErrorCode.CORRUPT_LRU,
+           "holds 8, outside [0, 8)")
+    c = base()
+    c.lru[0, 5] = -3
+    yield ("lru value negative", c, errors.ResolveError, errors.ResolveErrorCode.CORRUPT_LRU,
+           "holds -3, outside [0, 8)")
+    c = base()
+    c.lru[0, 6] = 2
+    yield ("lru slot twice", c, errors.ResolveError, errors.ResolveErrorCode.DUPLICATE_LRU_SLOT,
+           "holds slot 2 more than once")
+    c = base()
+    c.residency[0, 2] = -2
+    yield "residency -2", c, errors.NegativeIdError, None, "residency[0, 2] holds -2"
+    c = base()
+    c.host_blocks[0, 6] = -5
+    yield "host_blocks -5", c, errors.NegativeIdError, None, "host_blocks[0, 6] holds -5"
+    c = base()
+    c.hot_blocks[0, 1] = -2
+    yield "hot_blocks -2", c, errors.NegativeIdError, None, "hot_blocks[0, 1] holds -2"
+    c = base()
+    c.residency[0, 7] = max_block_id(4) + 1
+    yield ("residency overflows int32", c, errors.RowOverflowError, None,
+           f"residency[0, 7] holds block {max_block_id(4) + 1}")
+    c = base()
+    c.host_blocks[0, 6] = 1 << 30
+    yield ("host_blocks overflows int32", c, errors.RowOverflowError, None,
+           f"host_blocks[0, 6] holds block {1 << 30}")
+    c = base()
+    c.hot_blocks[0, 0] = (1 << 31) - 1
+    yield ("hot_blocks overflows int32", c, errors.RowOverflowError, None,
+           "overflow int32")
+
+
+def copy_defect_cases():
+    """Invalid copy inputs only the data checks catch, as (name, op, id lists, error class,
+    message fragment), for src = 2 layers of 64 rows, dst = 2 layers of 40 rows, block_size 4
+    (see :func:`call_copy`)."""
+    from vllm_hisparse.ops import errors
+
+    dup, neg = errors.DuplicateDestinationError, errors.NegativeIdError
+    yield ("gather: one destination twice in a row", "gather_rows", ([[3, 4]], [[1, 1]], [2]),
+           dup, "miss_dst[0, 0] and miss_dst[0, 1] both hold 1")
+    yield ("gather: one destination in two rows", "gather_rows",
+           ([[3, 4], [5, 6]], [[7, 0], [2, 7]], [1, 2]),
+           dup, "miss_dst[0, 0] and miss_dst[1, 1] both hold 7")
+    yield ("gather: counted source -1", "gather_rows", ([[3, -1]], [[1, 2]], [2]),
+           neg, "miss_src[0, 1] holds -1 within miss_count")
+    yield ("gather: counted destination -2", "gather_rows", ([[3, 4]], [[-2, 2]], [1]),
+           neg, "miss_dst[0, 0] holds -2 within miss_count")
+    yield ("copy_blocks: one destination twice", "copy_blocks", ([1, 2, 3], [4, -1, 4]),
+           dup, "dst_blocks[0] and dst_blocks[2] both hold 4")
+    yield ("copy_blocks: source -2", "copy_blocks", ([1, -2], [0, 1]),
+           neg, "src_blocks[1] holds -2: the only negative id is the -1")
+    yield ("copy_blocks: destination -3 next to padding", "copy_blocks", ([-1, 2], [-3, 1]),
+           neg, "dst_blocks[0] holds -3")
+    yield ("mirror_rows: one destination twice", "mirror_rows", ([1, 2], [39, 39]),
+           dup, "dst_rows[0] and dst_rows[1] both hold 39")
+    yield ("mirror_rows: source -5", "mirror_rows", ([-5], [0]), neg, "src_rows[0] holds -5")
+
+
+def call_copy(backend, op: str, src_layers, dst_layers, id_lists, device="cpu") -> None:
+    """``backend.<op>(src_layers, dst_layers, *ids)`` with the id lists as int32 tensors on
+    ``device`` (``copy_blocks`` gets block_size 4)."""
+    ids = [torch.tensor(x, dtype=torch.int32, device=device) for x in id_lists]
+    rest = (4,) if op == "copy_blocks" else ()
+    getattr(backend, op)(src_layers, dst_layers, *ids, *rest)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
 
-from resolve_cases import random_case
+from resolve_cases import call_copy, copy_defect_cases, random_case
 from vllm_hisparse import ops
-from vllm_hisparse.ops import reference
+from vllm_hisparse.ops import errors, reference
 
 ROW_BYTES = (656, 1152, 16)
 
@@ -167,6 +168,88 @@ def _plan(count: int = 1, src_row: int = 3):
     return (torch.tensor([[src_row, 0]], dtype=torch.int32),
             torch.tensor([[1, 0]], dtype=torch.int32),
             torch.tensor([count], dtype=torch.int32))
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name,op,ids,error,text", list(copy_defect_cases()),
+                         ids=[c[0] for c in copy_defect_cases()])
+def test_copy_defects_raise_named_errors_and_copy_nothing(name, op, ids, error, text):
+    src, dst = layers(2, 64, 32, 31), layers(2, 40, 32, 32)
+    before = snapshot(dst)
+    with pytest.raises(error, match=re.escape(text)) as info:
+        call_copy(ops, op, src, dst, ids)
+    assert isinstance(info.value, ValueError)
+    assert info.value.argument == text.split("[")[0]
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
+
+
+def test_copies_accept_what_the_contract_allows():
+    """Repeated sources, destinations repeated only past miss_count or beside a -1, and -1
+    padding are all valid."""
+    src, dst = layers(2, 64, 32, 33), layers(2, 40, 32, 34)
+    ops.gather_rows(src, dst, i32([[5, 5, 9]]), i32([[1, 2, 1]]), i32([2]))
+    assert all(torch.equal(d[1], s[5]) and torch.equal(d[2], s[5]) for s, d in zip(src, dst))
+    ops.copy_blocks(src, dst, i32([1, -1, 1, 2]), i32([3, 3, 4, -1]), 4)
+    assert all(torch.equal(d[12:16], s[4:8]) and torch.equal(d[16:20], s[4:8])
+               for s, d in zip(src, dst))
+    ops.mirror_rows(src, dst, i32([-1, 7, 8]), i32([0, 0, -1]))
+    assert all(torch.equal(d[0], s[7]) for s, d in zip(src, dst))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_resolve_plans_pass_the_gather_checks(seed):
+    """Every plan resolve writes has distinct destinations within its counts."""
+    case = random_case(random.Random(70_000 + seed), resident_fraction=0.3)
+    reference.resolve(*case.args())
+    bs = case.block_size
+    host_rows = int(case.host_blocks.max()) * bs + bs
+    device_rows = int(max(case.residency.max(), case.hot_blocks.max())) * bs + bs
+    src, dst = layers(1, host_rows, 16, seed), layers(1, device_rows, 16, seed + 1)
+    ops.gather_rows(src, dst, case.miss_src, case.miss_dst, case.miss_count)
+
+
+@pytest.mark.parametrize("call,text", [
+    (lambda s, d, v: ops.gather_rows(s, s, i32([[1]]), i32([[2]]), i32([1])),
+     "dst_layers[0] shares memory with src_layers[0]"),
+    (lambda s, d, v: ops.mirror_rows([d[1], d[0]], d, i32([1]), i32([2])),
+     "dst_layers[1] shares memory with src_layers[0]"),
+    (lambda s, d, v: ops.copy_blocks(s, d, d[1].view(torch.int32)[0, :2], i32([0, 1]), 4),
+     "dst_layers[1] shares memory with src_blocks"),
+    (lambda s, d, v: ops.mirror_rows([v[0]], [v[0]], i32([1]), i32([2])),
+     "dst_layers[0] shares memory with src_layers[0]"),
+    (lambda s, d, v: ops.mirror_rows([v[0]], [v[1]], i32([1]), i32([2])), None),
+    (lambda s, d, v: ops.copy_blocks([v[1], v[2]], [v[0], v[1]], i32([1]), i32([2]), 4),
+     "dst_layers[1] shares memory with src_layers[0]"),
+])
+def test_destinations_aliasing_other_arguments_are_rejected(call, text):
+    """Exact for row-strided views: two layers of one position-major pool interleave without
+    sharing a byte, so copying between them is allowed."""
+    src, dst = layers(2, 64, 32, 35), layers(2, 40, 32, 36)
+    _, views = strided_layers(3, 40, 48, 37)
+    if text is None:
+        call(src, dst, views)
+        return
+    with pytest.raises(errors.AliasedOutputError, match=re.escape(text)):
+        call(src, dst, views)
+
+
+@pytest.mark.parametrize("call,text", [
+    (lambda s, d: ops.gather_rows([s[0].to("meta"), s[1]], d, i32([[1]]), i32([[2]]), i32([1])),
+     "src_layers[0] is a meta tensor"),
+    (lambda s, d: ops.copy_blocks(s, [x.to("meta") for x in d], i32([1]), i32([2]), 4),
+     "dst_layers[0] is a meta tensor"),
+    (lambda s, d: ops.mirror_rows(s, d, i32([1]).to("meta"), i32([2])),
+     "src_rows is a meta tensor"),
+    (lambda s, d: ops.gather_rows(s, d, i32([[1]]), i32([[2]]), i32([1]).to("meta")),
+     "miss_count is a meta tensor"),
+])
+def test_meta_tensors_are_rejected(call, text):
+    src, dst = layers(2, 64, 32, 38), layers(2, 40, 32, 39)
+    with pytest.raises(errors.MetaTensorError, match=re.escape(text)):
+        call(src, dst)
 
 
 def test_reference_twins_share_signatures_with_public_ops():

@@ -9,9 +9,10 @@ import re
 import pytest
 import torch
 
-from resolve_cases import ResolveCase, i32, random_case
+from resolve_cases import (ResolveCase, adversarial_cases, i32, input_defect_cases,
+                          random_case)
 from vllm_hisparse import ops
-from vllm_hisparse.ops import reference
+from vllm_hisparse.ops import errors, reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 
 
@@ -93,6 +94,10 @@ def naive_resolve(case: ResolveCase):
                     raise NaiveError(ResolveErrorCode.DUPLICATE_SLOT)
                 if holders:
                     hit_slot[p] = holders[0]
+            if any(not 0 <= s < num_slots for s in lru[r]):
+                raise NaiveError(ResolveErrorCode.CORRUPT_LRU)
+            if len(set(lru[r])) != num_slots:
+                raise NaiveError(ResolveErrorCode.DUPLICATE_LRU_SLOT)
             hit_slots = set(hit_slot.values())
             evictable = [s for s in lru[r] if s not in hit_slots]
             misses = [p for p in host_backed if p not in hit_slot]
@@ -367,6 +372,158 @@ def test_overflow_counts_only_host_backed_positions():
     reference.resolve(*c.args())
     assert c.miss_count.tolist() == [8]
     assert sorted(c.lru[0].tolist()) == list(range(8))
+
+
+# --------------------------------------------------------------------------------------
+# Data checks: corrupt lru, negative and overflowing block ids (issue 13, defect 6)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,case,error,code,text", list(input_defect_cases()),
+                         ids=[c[0] for c in input_defect_cases()])
+def test_input_defects_raise_named_errors_and_write_nothing(name, case, error, code, text):
+    before = case.state()
+    with pytest.raises(error, match=re.escape(text)) as info:
+        ops.resolve(*case.args())
+    assert isinstance(info.value, ValueError)
+    if code is not None:
+        assert info.value.code == code and info.value.state_row == 0
+    else:
+        assert info.value.argument == name.split()[0]
+    for key, value in case.state().items():
+        assert torch.equal(value, before[key]), f"{key} was written"
+
+
+def _corrupt_lru(case: ResolveCase) -> ResolveCase:
+    case.lru[0, 2] = 99
+    return case
+
+
+def test_corrupt_lru_of_a_fully_resident_request_is_not_read():
+    """As in the kernel: a request without a host-backed selection never reads its lru."""
+    c = _corrupt_lru(worked_example())
+    c.topk = i32([[30, 29, -1, 28]])
+    lru = c.lru.clone()
+    reference.resolve(*c.args())
+    assert c.out_rows.tolist() == [[9 * 4 + 2, 9 * 4 + 1, -1, 9 * 4 + 0]]
+    assert torch.equal(c.lru, lru)
+
+
+def test_corrupt_lru_of_a_padding_request_is_not_read():
+    c = _corrupt_lru(worked_example())
+    c.topk = i32([[-1, -1, -1, -1]])
+    reference.resolve(*c.args())
+    assert c.miss_count.tolist() == [0]
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda c: setattr(c, "topk", i32([[12, 40, 25, 30]])), ResolveErrorCode.POSITION_OUT_OF_RANGE),
+    (lambda c: c.host_blocks.__setitem__((0, 6), -1), ResolveErrorCode.NO_HOST_BLOCK),
+    (lambda c: c.slot_pos.__setitem__((0, 5), 12), ResolveErrorCode.DUPLICATE_SLOT),
+    (lambda c: c.hot_blocks.__setitem__((0, 0), -1), ResolveErrorCode.CORRUPT_LRU),
+])
+def test_corrupt_lru_is_reported_in_the_kernels_order(mutate, code):
+    """The kernel checks lru after positions, host blocks, overflow and duplicate slots, and
+    before hot blocks; with two defects the reference reports the one the kernel does."""
+    c = _corrupt_lru(worked_example())
+    mutate(c)
+    with pytest.raises(ResolveError) as info:
+        reference.resolve(*c.args())
+    assert info.value.code == code
+
+
+def test_corrupt_lru_names_the_request_that_reads_it():
+    c = worked_example()
+    c.topk = i32([[30, 30, 30, 30], [12, 16, 25, 30]])
+    c.token_rows = i32([0, 1])
+    for name in ("residency", "host_blocks", "hot_blocks", "slot_pos", "lru"):
+        setattr(c, name, getattr(c, name).repeat(2, 1).contiguous())
+    c.hot_blocks[1] = i32([22, 23])
+    c.lru[0, 0] = 77  # row 0 is fully resident: never read
+    c.lru[1, 7] = -1
+    c.__post_init__()
+    c.out_rows, c.miss_src, c.miss_dst = (torch.zeros((2, 4), dtype=torch.int32) for _ in range(3))
+    c.miss_count = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ResolveError, match=re.escape("lru of state row 1 holds -1")) as info:
+        reference.resolve(*c.args())
+    assert (info.value.code, info.value.detail_a, info.value.detail_b) == (
+        ResolveErrorCode.CORRUPT_LRU, -1, 8)
+
+
+def test_block_tables_of_rows_outside_the_batch_are_not_checked():
+    c = worked_example()
+    for name in ("residency", "host_blocks", "hot_blocks", "slot_pos", "lru"):
+        setattr(c, name, getattr(c, name).repeat(2, 1).contiguous())
+    c.residency[1, 0] = -9
+    c.host_blocks[1, 0] = 1 << 30
+    reference.resolve(*c.args())
+    assert c.miss_count.tolist() == [1]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_corrupt_lru_against_naive(seed):
+    """One state row's lru broken at random: raised exactly when its request reads it."""
+    rng = random.Random(50_000 + seed)
+    case = random_case(rng, allow_overflow=(seed % 5 == 0))
+    row = rng.randrange(case.lru.shape[0])
+    j = rng.randrange(case.lru.shape[1])
+    d = case.lru.shape[1]
+    kind = seed % 3
+    if kind == 0:
+        case.lru[row, j] = rng.choice([d, d + 1, 32767, -1, -32768])
+    elif d > 1:
+        case.lru[row, j] = case.lru[row, (j + 1) % d]  # a slot twice, another one missing
+    check_against_naive(case)
+
+
+@pytest.mark.parametrize("name,case", list(adversarial_cases()),
+                         ids=[c[0] for c in adversarial_cases()])
+def test_adversarial_valid_cases_against_naive(name, case):
+    check_against_naive(case)
+
+
+# --------------------------------------------------------------------------------------
+# Aliased outputs and meta tensors (metadata checks, both backends)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mutate,text", [
+    (lambda c: setattr(c, "out_rows", c.topk), "out_rows shares memory with topk"),
+    (lambda c: setattr(c, "miss_dst", c.miss_src), "miss_dst shares memory with miss_src"),
+    (lambda c: setattr(c, "miss_count", c.token_rows), "miss_count shares memory with token_rows"),
+    (lambda c: setattr(c, "slot_pos", c.residency), "slot_pos shares memory with residency"),
+    (lambda c: setattr(c, "miss_src", torch.cat([c.out_rows, c.out_rows], 1)[:, 2:6].contiguous()),
+     None),
+])
+def test_outputs_aliasing_other_arguments_are_rejected(mutate, text):
+    case = worked_example()
+    mutate(case)
+    if text is None:  # distinct memory: accepted
+        ops.resolve(*case.args())
+        return
+    before = case.state()
+    with pytest.raises(errors.AliasedOutputError, match=re.escape(text)):
+        ops.resolve(*case.args())
+    for key, value in case.state().items():
+        assert torch.equal(value, before[key]), f"{key} was written"
+
+
+def test_overlapping_slices_of_one_buffer_are_rejected_and_disjoint_ones_accepted():
+    case = worked_example()
+    buf = torch.full((3, 1, 4), -7, dtype=torch.int32)
+    case.out_rows, case.miss_src, case.miss_dst = buf[0], buf[1], buf[2]
+    ops.resolve(*case.args())
+    assert case.miss_count.tolist() == [1]
+    flat = torch.zeros(9, dtype=torch.int32)
+    case.out_rows, case.miss_src = flat[0:4].view(1, 4), flat[3:7].view(1, 4)
+    with pytest.raises(errors.AliasedOutputError, match="miss_src shares memory with out_rows"):
+        ops.resolve(*case.args())
+
+
+@pytest.mark.parametrize("name", ["topk", "residency", "lru", "miss_count", "stats"])
+def test_meta_tensors_are_rejected(name):
+    case = worked_example()
+    setattr(case, name, getattr(case, name).to("meta"))
+    with pytest.raises(errors.MetaTensorError, match=f"{name} is a meta tensor"):
+        ops.resolve(*case.args())
 
 
 # --------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ def _resolve(backend: str, topk, token_rows, residency, host_blocks, hot_blocks,
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
                                lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
     kernels = _kernels(topk.device, backend)
+    if kernels is not None and _checks.value_checks_enabled():  # the reference always checks
+        _checks.check_resolve_values(topk, token_rows, residency, host_blocks, hot_blocks,
+                                     slot_pos, lru, block_size)
     impl = kernels.resolve if kernels is not None else reference._resolve_unchecked
     impl(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
          out_rows, miss_src, miss_dst, miss_count, stats)
@@ -78,6 +81,8 @@ def _copy(name: str, check, backend: str, src_layers, dst_layers, ids: torch.Ten
     if kernels is None:
         getattr(reference, name)(src_layers, dst_layers, ids, *rest)
         return
+    if _checks.value_checks_enabled():  # the reference twins always check
+        _checks.COPY_VALUE_CHECKS[name](src_layers, dst_layers, ids, *rest)
     _check_zero_copy_sources(src_layers, ids.device, "src_layers")
     _check_zero_copy_sources(dst_layers, ids.device, "dst_layers")
     getattr(kernels, name)(src_layers, dst_layers, ids, *rest)

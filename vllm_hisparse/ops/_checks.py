@@ -1,22 +1,45 @@
 """Argument checks shared by the public ops and their reference twins.
 
 Every message names the argument and says what was expected, so a bad call fails at the
-boundary instead of inside a kernel. Checks look at metadata only (dtype, device, shape,
-contiguity) except :func:`check_row_ids`, which the reference twins use on data they already
-hold on the host side of the computation.
+boundary instead of inside a kernel. Two kinds (docs/design.md, "Input checks"):
+
+* ``check_*_args``: metadata only (type, dtype, device incl. ``meta``, shape, contiguity,
+  outputs sharing memory with other arguments). No device sync; both backends, every call.
+* ``check_*_values`` and :func:`check_lru_rows`: data-dependent (negative ids, int32 row
+  overflow, duplicate destinations, a corrupt ``lru``). Torch ops only, so they run on CPU and
+  CUDA tensors alike; they read the data back to the host (a device sync on CUDA). The reference
+  twins run them always; the CUDA backend only when :func:`value_checks_enabled`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 
+from vllm_hisparse.ops.errors import (AliasedOutputError, DuplicateDestinationError,
+                                      MetaTensorError, NegativeIdError, ResolveError,
+                                      ResolveErrorCode, RowOverflowError)
+
 MAX_HOT_SLOTS = 32768  # lru is int16: slot ids must fit
+INT32_LIMIT = 1 << 31  # device and host rows are int32: every row must stay below this
+CHECK_INPUTS_ENV = "HISPARSE_CHECK_INPUTS"
+
+
+def value_checks_enabled() -> bool:
+    """Whether the CUDA backend runs the data-dependent checks (``HISPARSE_CHECK_INPUTS=1``)."""
+    return os.environ.get(CHECK_INPUTS_ENV) == "1"
 
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def _check_not_meta(name: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise MetaTensorError(name, f"{name} is a meta tensor (device 'meta'): it holds no data "
+                              f"for the op to read or write")
 
 
 def check_tensor(name: str, t: object, dtype: torch.dtype, ndim: int,
@@ -24,6 +47,7 @@ def check_tensor(name: str, t: object, dtype: torch.dtype, ndim: int,
     """A contiguous tensor of ``dtype`` with ``ndim`` dimensions (on ``device`` if given)."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_not_meta(name, t)
     if t.dtype != dtype:
         _fail(f"{name} must have dtype {dtype}, got {t.dtype}")
     if t.dim() != ndim:
@@ -78,6 +102,13 @@ def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slo
     if stats is not None:
         check_tensor("stats", stats, torch.int64, 1, dev)
         check_shape("stats", stats, (3,), "(resident, hot hit, miss) counters")
+    written = [("out_rows", out_rows), ("miss_src", miss_src), ("miss_dst", miss_dst),
+               ("miss_count", miss_count), ("slot_pos", slot_pos), ("lru", lru)]
+    if stats is not None:
+        written.append(("stats", stats))
+    check_no_aliasing(written, [("topk", topk), ("token_rows", token_rows),
+                                ("residency", residency), ("host_blocks", host_blocks),
+                                ("hot_blocks", hot_blocks)])
 
 
 def check_row_view(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
@@ -86,6 +117,7 @@ def check_row_view(name: str, t: object, device: torch.device | None = None) -> 
     layer of a position-major host pool looks (DESIGN.md §4.2, docs/kernels.md)."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_not_meta(name, t)
     if t.dtype != torch.uint8:
         _fail(f"{name} must have dtype {torch.uint8}, got {t.dtype}")
     if t.dim() != 2:
@@ -134,6 +166,9 @@ def check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count) ->
     check_shape("miss_dst", miss_dst, tuple(miss_src.shape), "same [T, K] as miss_src")
     check_tensor("miss_count", miss_count, torch.int32, 1, dev)
     check_shape("miss_count", miss_count, (miss_src.shape[0],), "one count per miss_src row")
+    _check_layer_aliasing(src_layers, dst_layers, [("miss_src", miss_src),
+                                                   ("miss_dst", miss_dst),
+                                                   ("miss_count", miss_count)])
 
 
 def check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size) -> None:
@@ -145,6 +180,8 @@ def check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_
     dev = check_tensor("src_blocks", src_blocks, torch.int32, 1).device
     check_tensor("dst_blocks", dst_blocks, torch.int32, 1, dev)
     check_shape("dst_blocks", dst_blocks, tuple(src_blocks.shape), "one destination per source")
+    _check_layer_aliasing(src_layers, dst_layers, [("src_blocks", src_blocks),
+                                                   ("dst_blocks", dst_blocks)])
 
 
 def check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows) -> None:
@@ -152,10 +189,268 @@ def check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows) -> None:
     dev = check_tensor("src_rows", src_rows, torch.int32, 1).device
     check_tensor("dst_rows", dst_rows, torch.int32, 1, dev)
     check_shape("dst_rows", dst_rows, tuple(src_rows.shape), "one destination per source")
+    _check_layer_aliasing(src_layers, dst_layers, [("src_rows", src_rows),
+                                                   ("dst_rows", dst_rows)])
+
+
+# --------------------------------------------------------------------------------------
+# aliasing (metadata: storage addresses and strides)
+# --------------------------------------------------------------------------------------
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of a contiguous or row-strided tensor."""
+    size = t.element_size()
+    if t.dim() == 2 and t.shape[0] > 0:
+        end = (t.shape[0] - 1) * t.stride(0) * size + t.shape[1] * size
+    else:
+        end = t.numel() * size
+    start = t.data_ptr()
+    return start, start + end
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (on one device) have a byte in common. Exact for contiguous
+    tensors and for row-strided views with one row stride (the layers of one position-major
+    pool interleave without sharing a byte)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if (a.dim() == 2 and b.dim() == 2 and a.stride(1) == 1 and b.stride(1) == 1
+            and a.stride(0) * a.element_size() == b.stride(0) * b.element_size()):
+        stride = a.stride(0) * a.element_size()
+        width_a, width_b = a.shape[1] * a.element_size(), b.shape[1] * b.element_size()
+        if width_a < stride or width_b < stride:  # rows with gaps: do they fit each other's?
+            phase = (b0 - a0) % stride
+            return not (width_a <= phase and phase + width_b <= stride)
+    return True
+
+
+def _aliased(out_name: str, other_name: str) -> None:
+    raise AliasedOutputError(out_name, f"{out_name} shares memory with {other_name}; an "
+                             f"output must not overlap any other argument")
+
+
+def check_no_aliasing(written: Sequence[tuple[str, torch.Tensor]],
+                      read: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """No tensor of ``written`` overlaps another of ``written`` or one of ``read`` (all
+    contiguous and on one device, as the callers have checked)."""
+    spans = []
+    for name, t in list(written) + list(read):
+        start = t.data_ptr()
+        spans.append((name, start, start + t.nbytes))
+    for i in range(len(written)):
+        name, a0, a1 = spans[i]
+        for other_name, b0, b1 in spans[:i] + spans[len(written):]:
+            if a0 < b1 and b0 < a1:
+                _aliased(name, other_name)
+
+
+def _check_layer_aliasing(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
+                          ids: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """No destination layer overlaps a source layer or an index tensor. Only tensors on the
+    destinations' device and in one storage with a destination are compared byte-wise, so the
+    usual call (sources in host memory, destinations on the GPU) costs one storage lookup per
+    destination layer and index tensor."""
+    dst_dev = dst_layers[0].device
+    others = [(name, t) for name, t in ids if t.device == dst_dev]
+    if src_layers[0].device == dst_dev:
+        others += [(f"src_layers[{j}]", t) for j, t in enumerate(src_layers)]
+    if not others:
+        return
+    by_storage: dict[int, list[int]] = {}
+    for i, d in enumerate(dst_layers):
+        by_storage.setdefault(d.untyped_storage().data_ptr(), []).append(i)
+    for other_name, other in others:
+        for i in by_storage.get(other.untyped_storage().data_ptr(), ()):
+            if _shares_memory(dst_layers[i], other):
+                _aliased(f"dst_layers[{i}]", other_name)
+
+
+# --------------------------------------------------------------------------------------
+# data-dependent checks (reference always, CUDA under HISPARSE_CHECK_INPUTS=1)
+# --------------------------------------------------------------------------------------
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
 
 
 def check_row_ids(name: str, ids: torch.Tensor, limit: int) -> None:
-    """Data check used by the reference twins: every id in ``[0, limit)``."""
+    """Every id in ``[0, limit)`` (``ids`` as selected by the caller: no sentinel left)."""
     if ids.numel() and (bool((ids < 0).any()) or bool((ids >= limit).any())):
         bad = ids[(ids < 0) | (ids >= limit)][0]
         _fail(f"{name} holds {int(bad)}, outside [0, {limit})")
+
+
+def check_sentinel_ids(name: str, ids: torch.Tensor) -> None:
+    """No value below ``-1`` (the only negative id is the ``-1`` sentinel)."""
+    bad = ids < -1
+    if ids.numel() and bool(bad.any()):
+        index = _first_index(bad)
+        value = int(ids[index])
+        raise NegativeIdError(name, f"{name}{list(index)} holds {value}: the only negative id "
+                              f"is the -1 sentinel", index, value)
+
+
+def check_distinct(name: str, ids: torch.Tensor, index_of: torch.Tensor) -> None:
+    """The int64 ``[N]`` destinations ``ids`` are distinct; ``index_of`` ``[N, d]`` gives each
+    entry's index in the argument ``name`` (for the message)."""
+    if ids.numel() < 2:
+        return
+    sorted_ids, order = torch.sort(ids, stable=True)
+    same = sorted_ids[1:] == sorted_ids[:-1]
+    if bool(same.any()):
+        j = int(torch.nonzero(same)[0])
+        first = tuple(int(x) for x in index_of[order[j]])
+        second = tuple(int(x) for x in index_of[order[j + 1]])
+        value = int(sorted_ids[j])
+        raise DuplicateDestinationError(
+            name, f"{name}{list(first)} and {name}{list(second)} both hold {value}: the "
+            f"destinations of one call must be distinct", second, value)
+
+
+def _check_table(name: str, table: torch.Tensor, rows: torch.Tensor, block_size: int) -> None:
+    """Rows ``rows`` of an int32 block table: ids >= -1 whose rows fit int32."""
+    sub = table.index_select(0, rows).to(torch.int64)
+    if sub.numel() == 0:
+        return
+    limit = INT32_LIMIT // block_size  # block ids < limit keep block * bs + (bs - 1) < 2**31
+    for bad, kind in ((sub < -1, "negative"), (sub >= limit, "overflow")):
+        if bool(bad.any()):
+            i, j = _first_index(bad)
+            index = (int(rows[i]), j)
+            value = int(sub[i, j])
+            if kind == "negative":
+                raise NegativeIdError(name, f"{name}{list(index)} holds {value}: the only "
+                                      f"negative id is the -1 sentinel", index, value)
+            raise RowOverflowError(name, f"{name}{list(index)} holds block {value}: its rows "
+                                   f"{value} * {block_size} + offset overflow int32 (block ids "
+                                   f"must be < {limit} at block_size {block_size})", index, value)
+
+
+def check_resolve_tables(token_rows: torch.Tensor, residency: torch.Tensor,
+                         host_blocks: torch.Tensor, hot_blocks: torch.Tensor,
+                         block_size: int) -> None:
+    """``residency``, ``host_blocks`` and ``hot_blocks`` rows of the batch's state rows (values
+    of ``token_rows`` in ``[0, R)``): every id is ``-1`` or a block whose rows fit int32."""
+    num_rows = residency.shape[0]
+    rows = token_rows[(token_rows >= 0) & (token_rows < num_rows)].to(torch.int64)
+    rows = torch.unique(rows)
+    for name, table in (("residency", residency), ("host_blocks", host_blocks),
+                        ("hot_blocks", hot_blocks)):
+        _check_table(name, table, rows, block_size)
+
+
+def check_lru_rows(rows: torch.Tensor, lru_rows: torch.Tensor) -> None:
+    """``lru_rows`` (``[n, D]``, any integer dtype, of the state rows ``rows``) are permutations
+    of ``[0, D)``. A value outside raises ``CORRUPT_LRU`` with the first such value in slot
+    order, as the kernel reports it; a slot held twice raises ``DUPLICATE_LRU_SLOT`` with the
+    smallest such slot."""
+    if lru_rows.numel() == 0:
+        return
+    num_slots = lru_rows.shape[1]
+    values = lru_rows.to(torch.int64)
+    outside = (values < 0) | (values >= num_slots)
+    if bool(outside.any()):
+        i, j = _first_index(outside)
+        raise ResolveError(ResolveErrorCode.CORRUPT_LRU, int(rows[i]), int(values[i, j]),
+                           num_slots)
+    offsets = torch.arange(values.shape[0], device=values.device)[:, None] * num_slots
+    counts = torch.bincount((values + offsets).reshape(-1), minlength=values.numel())
+    twice = counts.view(values.shape) > 1
+    if bool(twice.any()):
+        i, slot = _first_index(twice)
+        raise ResolveError(ResolveErrorCode.DUPLICATE_LRU_SLOT, int(rows[i]), slot, num_slots)
+
+
+def _hot_state_rows(topk: torch.Tensor, token_rows: torch.Tensor, residency: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """int64 state rows of the requests that select a position on a non-resident page (the
+    requests whose resolve reads ``lru``)."""
+    num_rows, num_pages = residency.shape
+    num_positions = num_pages * block_size
+    if topk.numel() == 0 or num_rows == 0 or num_pages == 0:
+        return torch.empty(0, dtype=torch.int64, device=topk.device)
+    rows = token_rows.to(torch.int64)
+    sel = topk.to(torch.int64)
+    valid = (sel >= 0) & (sel < num_positions) & ((rows >= 0) & (rows < num_rows))[:, None]
+    row_of = rows.clamp(0, num_rows - 1)[:, None].expand_as(sel)
+    page = sel.clamp(0, num_positions - 1) // block_size
+    host_backed = valid & (residency.to(torch.int64)[row_of, page] < 0)
+    return torch.unique(row_of[host_backed])
+
+
+def check_resolve_values(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
+                         block_size, *unused_outputs) -> None:
+    """Data checks of ``resolve`` that its kernel does not make (the CUDA debug path; the
+    reference makes the same checks while it plans): the block tables of the batch's rows, and
+    ``lru`` a permutation for every request with a host-backed selection. Takes the op's
+    arguments; the outputs are not read."""
+    check_resolve_tables(token_rows, residency, host_blocks, hot_blocks, block_size)
+    rows = _hot_state_rows(topk, token_rows, residency, block_size)
+    check_lru_rows(rows, lru.index_select(0, rows))
+
+
+def check_gather_values(src_layers, dst_layers, miss_src, miss_dst,
+                        miss_count) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data checks of ``gather_rows``: counts in ``[0, K]``, every counted entry a row of its
+    layer list (no negative), destinations distinct. Returns the counted (src, dst) rows as
+    int64 ``[N]`` in row-major order."""
+    k = miss_src.shape[1]
+    check_row_ids("miss_count", miss_count, k + 1)
+    take = (torch.arange(k, device=miss_count.device)[None, :]
+            < miss_count.to(torch.int64)[:, None])
+    index_of = torch.nonzero(take)
+    src_rows = miss_src[take].to(torch.int64)
+    dst_rows = miss_dst[take].to(torch.int64)
+    for name, rows, layers in (("miss_src", src_rows, src_layers),
+                               ("miss_dst", dst_rows, dst_layers)):
+        negative = rows < 0
+        if bool(negative.any()):
+            j = int(torch.nonzero(negative)[0])
+            index = tuple(int(x) for x in index_of[j])
+            raise NegativeIdError(name, f"{name}{list(index)} holds {int(rows[j])} within "
+                                  f"miss_count: counted entries are rows, never negative",
+                                  index, int(rows[j]))
+        check_row_ids(name, rows, layers[0].shape[0])
+    check_distinct("miss_dst", dst_rows, index_of)
+    return src_rows, dst_rows
+
+
+def _check_pairs(src_name: str, src_ids: torch.Tensor, src_limit: int, dst_name: str,
+                 dst_ids: torch.Tensor, dst_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (src, dst) id pairs without ``-1`` on either side, as int64, after checking: no id
+    below -1, ids in range, destinations distinct."""
+    check_sentinel_ids(src_name, src_ids)
+    check_sentinel_ids(dst_name, dst_ids)
+    keep = (src_ids >= 0) & (dst_ids >= 0)
+    src = src_ids[keep].to(torch.int64)
+    dst = dst_ids[keep].to(torch.int64)
+    check_row_ids(src_name, src, src_limit)
+    check_row_ids(dst_name, dst, dst_limit)
+    check_distinct(dst_name, dst, torch.nonzero(keep))
+    return src, dst
+
+
+def check_block_copy_values(src_layers, dst_layers, src_blocks, dst_blocks,
+                            block_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data checks of ``copy_blocks``; returns the (src, dst) blocks of the non-padding
+    entries as int64."""
+    return _check_pairs("src_blocks", src_blocks, src_layers[0].shape[0] // block_size,
+                        "dst_blocks", dst_blocks, dst_layers[0].shape[0] // block_size)
+
+
+def check_row_copy_values(src_layers, dst_layers, src_rows,
+                          dst_rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data checks of ``mirror_rows``; returns the (src, dst) rows of the non-padding entries
+    as int64."""
+    return _check_pairs("src_rows", src_rows, src_layers[0].shape[0],
+                        "dst_rows", dst_rows, dst_layers[0].shape[0])
+
+
+COPY_VALUE_CHECKS = {"gather_rows": check_gather_values, "copy_blocks": check_block_copy_values,
+                     "mirror_rows": check_row_copy_values}

@@ -5,6 +5,9 @@ so they record the first error of a launch as four int32 words
 ``(code, state_row, detail_a, detail_b)`` in a device buffer; the wrapper turns that record
 into the same exception later, without a per-step host sync (see ``ops/cuda.py``).
 The codes are shared by both so that a message reads the same whichever backend ran.
+
+:class:`OpInputError` and its subclasses name every other bad input of any op (the argument,
+the offending index and value); they are raised on the host before anything is launched.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class ResolveErrorCode(enum.IntEnum):
     UNION_CAPACITY = 8  # a request's selections overflow the kernel's shared-memory hash
     #                     [selections of the request, hash capacity]; see ops/cuda.py
     CORRUPT_LRU = 9  # lru holds a value outside [0, D) [value, D]
+    # Raised by the reference, and by the CUDA backend's debug checks (HISPARSE_CHECK_INPUTS=1):
+    DUPLICATE_LRU_SLOT = 10  # lru holds a slot twice, so it is no permutation [slot, D]
 
 
 _TEMPLATES = {
@@ -58,6 +63,9 @@ _TEMPLATES = {
         "to the largest number of query tokens per request",
     ResolveErrorCode.CORRUPT_LRU:
         "lru of state row {row} holds {a}, outside [0, {b}): hot state is corrupt",
+    ResolveErrorCode.DUPLICATE_LRU_SLOT:
+        "lru of state row {row} holds slot {a} more than once, so it is not a permutation "
+        "of its {b} hot slots: hot state is corrupt",
 }
 
 
@@ -75,3 +83,39 @@ class ResolveError(ValueError):
         self.detail_b = int(detail_b)
         text = _TEMPLATES[self.code].format(a=detail_a, b=detail_b, row=state_row)
         super().__init__(f"resolve: {text} [{self.code.name}]")
+
+
+class OpInputError(ValueError):
+    """An op argument breaks its contract in a way the metadata checks name precisely.
+
+    Attributes: ``argument`` (the parameter's name, e.g. ``"residency"`` or
+    ``"dst_layers[2]"``), ``index`` (a tuple into that argument, empty when the whole tensor is
+    meant) and ``value`` (the offending value, or None).
+    """
+
+    def __init__(self, argument: str, message: str, index: tuple[int, ...] = (),
+                 value: int | None = None):
+        self.argument = argument
+        self.index = tuple(int(i) for i in index)
+        self.value = None if value is None else int(value)
+        super().__init__(message)
+
+
+class NegativeIdError(OpInputError):
+    """An id tensor holds a negative value other than the ``-1`` sentinel."""
+
+
+class RowOverflowError(OpInputError):
+    """A block id whose rows (``block * block_size + offset``) do not fit int32."""
+
+
+class DuplicateDestinationError(OpInputError):
+    """Two entries of one copy write the same destination row or block."""
+
+
+class AliasedOutputError(OpInputError):
+    """An output (or IN/OUT) tensor shares memory with another argument."""
+
+
+class MetaTensorError(OpInputError):
+    """A tensor on the ``meta`` device, which holds no data to read or write."""

@@ -14,7 +14,11 @@ Conventions shared by all ops:
 
 ``resolve`` raises :class:`~vllm_hisparse.ops.errors.ResolveError` (a ``ValueError``) for
 every broken precondition and then leaves every output and every IN/OUT tensor untouched,
-because all requests are checked before anything is written.
+because all requests are checked before anything is written. Every twin also runs the
+data-dependent checks of ``ops/_checks.py`` (negative or int32-overflowing ids, duplicate
+destinations, a corrupt ``lru``), which the CUDA backend runs only with
+``HISPARSE_CHECK_INPUTS=1``; they raise the ``OpInputError`` subclasses of ``ops/errors.py``
+before anything is copied.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ def _plan_request(
         dup = int(torch.nonzero(holders > 1)[0])
         raise ResolveError(ResolveErrorCode.DUPLICATE_SLOT, row, int(hb_positions[dup]),
                            int(sorted_slot[left[dup]]))
+    # The kernel's order: the lru is read (and checked) only past every check above.
+    _checks.check_lru_rows(torch.tensor([row]), lru_row[None])
     is_hit = holders == 1
     hb_slot = torch.full_like(hb_positions, -1)
     hb_slot[is_hit] = sorted_slot[left[is_hit]]
@@ -232,7 +238,14 @@ def resolve(
         ResolveError: a position outside ``[0, P * bs)``; a host-backed page with host block
             -1; more distinct host-backed positions than D; a request's tokens not contiguous;
             a state row outside ``[-1, R)``; a needed hot slot whose hot block is -1; one
-            host-backed position held by two slots. Nothing is written when it raises.
+            host-backed position held by two slots; an ``lru`` value outside ``[0, D)``
+            (``CORRUPT_LRU``) or a slot twice in it (``DUPLICATE_LRU_SLOT``), for a request
+            with a host-backed selection only, after the checks before it (the kernel's order).
+        NegativeIdError, RowOverflowError: a ``residency``/``host_blocks``/``hot_blocks`` entry
+            of a state row in the batch below -1, or a block whose rows overflow int32.
+        AliasedOutputError, MetaTensorError: an output or IN/OUT tensor sharing memory with
+            another argument; a tensor on the meta device.
+        Nothing is written when it raises.
     """
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
                                lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
@@ -245,6 +258,7 @@ def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slo
     num_rows = residency.shape[0]
     k = topk.shape[1]
     runs = _request_runs(token_rows.tolist(), num_rows)
+    _checks.check_resolve_tables(token_rows, residency, host_blocks, hot_blocks, block_size)
 
     plans: list[_RequestPlan] = []
     for row, first_token, num_tokens in runs:
@@ -316,17 +330,13 @@ def gather_rows(
         miss_src, miss_dst: int32 ``[T, K]`` source and destination rows.
         miss_count: int32 ``[T]``, each in ``[0, K]``.
 
-    Destinations within one call must be distinct (``resolve`` guarantees it).
+    Destinations within one call must be distinct (``resolve`` guarantees it); a repeated
+    destination raises ``DuplicateDestinationError``, a negative counted id
+    ``NegativeIdError``.
     """
     _checks.check_gather_args(src_layers, dst_layers, miss_src, miss_dst, miss_count)
-    k = miss_src.shape[1]
-    _checks.check_row_ids("miss_count", miss_count, k + 1)
-    take = (torch.arange(k, device=miss_count.device)[None, :]
-            < miss_count.to(torch.int64)[:, None])
-    src_rows = miss_src[take].to(torch.int64)
-    dst_rows = miss_dst[take].to(torch.int64)
-    _checks.check_row_ids("miss_src", src_rows, src_layers[0].shape[0])
-    _checks.check_row_ids("miss_dst", dst_rows, dst_layers[0].shape[0])
+    src_rows, dst_rows = _checks.check_gather_values(src_layers, dst_layers, miss_src,
+                                                     miss_dst, miss_count)
     _copy_rows_all_layers(src_layers, dst_layers, src_rows, dst_rows)
 
 
@@ -346,12 +356,14 @@ def copy_blocks(
 
     Args:
         src_layers, dst_layers: L uint8 ``[blocks * block_size, row_bytes]`` tensors each.
-        src_blocks, dst_blocks: int32 ``[N]`` block ids, ``-1`` = skip.
+        src_blocks, dst_blocks: int32 ``[N]`` block ids, ``-1`` = skip; other negatives raise
+            ``NegativeIdError``, a destination block of two kept entries
+            ``DuplicateDestinationError``.
         block_size: rows per block.
     """
     _checks.check_block_copy_args(src_layers, dst_layers, src_blocks, dst_blocks, block_size)
-    src_b, dst_b = _paired_ids("src_blocks", src_blocks, src_layers[0].shape[0] // block_size,
-                               "dst_blocks", dst_blocks, dst_layers[0].shape[0] // block_size)
+    src_b, dst_b = _checks.check_block_copy_values(src_layers, dst_layers, src_blocks,
+                                                   dst_blocks, block_size)
     offsets = torch.arange(block_size, device=src_b.device)
     src_rows = (src_b[:, None] * block_size + offsets).reshape(-1)
     dst_rows = (dst_b[:, None] * block_size + offsets).reshape(-1)
@@ -371,20 +383,11 @@ def mirror_rows(
 
     Args:
         src_layers, dst_layers: L uint8 ``[rows, row_bytes]`` tensors each.
-        src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip.
+        src_rows, dst_rows: int32 ``[N]`` row ids, ``-1`` = skip; other negatives raise
+            ``NegativeIdError``, a destination row of two kept entries
+            ``DuplicateDestinationError``.
     """
     _checks.check_row_copy_args(src_layers, dst_layers, src_rows, dst_rows)
-    s, d = _paired_ids("src_rows", src_rows, src_layers[0].shape[0],
-                       "dst_rows", dst_rows, dst_layers[0].shape[0])
+    s, d = _checks.check_row_copy_values(src_layers, dst_layers, src_rows, dst_rows)
     _copy_rows_all_layers(src_layers, dst_layers, s, d)
 
-
-def _paired_ids(src_name: str, src_ids: torch.Tensor, src_limit: int, dst_name: str,
-                dst_ids: torch.Tensor, dst_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (src, dst) id pairs without ``-1`` on either side, as int64, range-checked."""
-    keep = (src_ids >= 0) & (dst_ids >= 0)
-    src = src_ids[keep].to(torch.int64)
-    dst = dst_ids[keep].to(torch.int64)
-    _checks.check_row_ids(src_name, src, src_limit)
-    _checks.check_row_ids(dst_name, dst, dst_limit)
-    return src, dst
