@@ -37,7 +37,7 @@ def _fail(message: str) -> None:
 
 
 def _check_not_meta(name: str, t: torch.Tensor) -> None:
-    if t.device.type == "meta":
+    if t.is_meta:  # an attribute: t.device.type would cost a device object per call
         raise MetaTensorError(name, f"{name} is a meta tensor (device 'meta'): it holds no data "
                               f"for the op to read or write")
 
@@ -237,14 +237,24 @@ def _aliased(out_name: str, other_name: str) -> None:
 def check_no_aliasing(written: Sequence[tuple[str, torch.Tensor]],
                       read: Sequence[tuple[str, torch.Tensor]]) -> None:
     """No tensor of ``written`` overlaps another of ``written`` or one of ``read`` (all
-    contiguous and on one device, as the callers have checked)."""
-    spans = []
-    for name, t in list(written) + list(read):
-        start = t.data_ptr()
-        spans.append((name, start, start + t.nbytes))
+    contiguous and on one device, as the callers have checked).
+
+    This runs on every op call, so the common case (no two arguments overlap at all) is one
+    sort of the byte spans and a linear sweep; only an overlap found there is examined pair by
+    pair (two read-only arguments may share memory)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, i)
+                   for i, (_, t) in enumerate(list(written) + list(read)) if t.nbytes)
+    reach = -1
+    for start, end, _ in spans:
+        if start < reach:
+            break
+        reach = max(reach, end)
+    else:
+        return
+    named = [(name, t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in list(written) + list(read)]
     for i in range(len(written)):
-        name, a0, a1 = spans[i]
-        for other_name, b0, b1 in spans[:i] + spans[len(written):]:
+        name, a0, a1 = named[i]
+        for other_name, b0, b1 in named[:i] + named[len(written):]:
             if a0 < b1 and b0 < a1:
                 _aliased(name, other_name)
 
