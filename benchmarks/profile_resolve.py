@@ -4,9 +4,11 @@
         --launch-count 1 --set full --import-source yes -o resolve \
         python3 benchmarks/profile_resolve.py --batch 64
 
-Builds the case of ``bench_kernels.py --only resolve`` (K = 2048, bs = 64, P = 2048, every
-selection host-backed, ``--miss`` of them misses), restores the hot state and flushes L2 before
-each of ``--launches`` launches, and checks the miss count of the last one.
+Builds the case of ``vllm-hisparse bench kernels --only resolve`` (K = 2048, bs = 64,
+P = 2048, every selection host-backed, ``--miss`` of them misses), restores the hot state and
+flushes L2 before each of ``--launches`` launches, and checks the miss count of the last one.
+Launches go through the probe API (:mod:`vllm_hisparse.ops.probe`); ``--general-only``
+profiles the general kernel alone.
 
 ``--time`` instead prints a short table in the bench's harness (µs per launch, CUDA-graph
 replays): the default launch (fast path) cold / warm L2 and the general kernel alone cold, at
@@ -18,13 +20,14 @@ profile (instructions and stall reasons per barrier-delimited phase).
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 
-from vllm_hisparse.cli.benchmarks.kernels import (_check_resolve, _reset, flush_l2,
+from vllm_hisparse.cli.benchmarks.kernels import (GENERAL_ONLY, check_resolve, flush_l2,
                                                   graph_time_resolve, make_resolve_sets,
-                                                  resolve_args)
-from vllm_hisparse.ops import cuda as cuda_ops
+                                                  reset_hot_state, resolve_args)
+from vllm_hisparse.ops import probe
 
 
 def main() -> int:
@@ -33,21 +36,20 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4096)
     ap.add_argument("--miss", type=float, default=0.05)
     ap.add_argument("--launches", type=int, default=4)
-    ap.add_argument("--variant", type=int, default=0, help="_set_resolve_debug variant")
+    ap.add_argument("--general-only", action="store_true",
+                    help="launch the general kernel for every request (probe.resolve)")
     ap.add_argument("--time", action="store_true", help="print a timing table instead")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     a = ap.parse_args()
     if a.time:
         return time_table(a)
     s = make_resolve_sets(a.batch, 2048, a.slots, a.miss, sets=1)[0]
-    cuda_ops._set_resolve_debug(variant=a.variant)
     for _ in range(a.launches):
-        _reset(s)
+        reset_hot_state(s)
         flush_l2()
-        cuda_ops.resolve(*resolve_args(s))
+        probe.resolve(*resolve_args(s), general_only=a.general_only)
     torch.cuda.synchronize()
-    cuda_ops._set_resolve_debug()
-    cuda_ops.check_errors()
+    probe.check_errors()
     got = int(s["miss_count"].sum())
     want = round(2048 * a.miss) * a.batch
     print(f"profile_resolve: batch {a.batch}, D {a.slots}, miss {a.miss}: misses {got} "
@@ -62,21 +64,13 @@ def time_table(a) -> int:
         sets = make_resolve_sets(B, 2048, a.slots, a.miss, sets=4)
         cold = graph_time_resolve(sets, flush=True, iters=24)
         warm = graph_time_resolve(sets, flush=False, iters=24)
-        cuda_ops._set_resolve_debug(variant=2)
-        try:
-            general = graph_time_resolve(sets, flush=True, iters=24)
-        finally:
-            cuda_ops._set_resolve_debug()
-        _check_resolve(sets, B, a.miss)
+        general = graph_time_resolve(sets, flush=True, iters=24, launch=GENERAL_ONLY)
+        check_resolve(sets, B, a.miss)
         print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   general {general:5.1f}", flush=True)
         if B == 64:
-            stops = {}
-            try:
-                for stop in (1, 2, 3, 4, 5):
-                    cuda_ops._set_resolve_debug(stop=stop)
-                    stops[stop] = graph_time_resolve(sets, flush=True, iters=24)
-            finally:
-                cuda_ops._set_resolve_debug()
+            stops = {stop: graph_time_resolve(sets, flush=True, iters=24,
+                                              launch=functools.partial(probe.resolve, stop=stop))
+                     for stop in range(1, probe.NUM_STOPS + 1)}
             print("  default, to stop point (entry, B0, B1, B2, B3), cold: " +
                   ", ".join(f"{v:.1f}" for v in stops.values()) + f", full {cold:.1f}",
                   flush=True)

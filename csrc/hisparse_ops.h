@@ -44,8 +44,6 @@ struct ResolveParams {
   long long* stats;            // [3] or nullptr
   int32_t* error;              // [4] device error record, sticky until cleared
   int32_t* error_host;         // [4] pinned host mirror written by the kernel (or nullptr)
-  unsigned long long* debug_times;  // [10] phase timestamps of CTA 0 and (at [9]) the
-                                    // fast path's hand-offs (benchmarks, tests) or nullptr
   int num_tokens;              // T
   int k;                       // K
   int num_rows;                // R
@@ -60,8 +58,13 @@ struct ResolveParams {
   int stage_pages;             // P when the request's residency and host_blocks rows are
                                // staged in shared memory, else 0; set by launch_resolve
   int fast_stage_pages;        // the fast path's staged page rows (P or 0), set by launch_resolve
-  int debug_stop;              // benchmarks: 0 = run; s > 0 = every CTA returns at stop s
-                               // (1 = at entry: the launch floor; see docs/kernels.md)
+};
+
+// Launch choices of resolve: the tuning carried by the ops backend object
+// (vllm_hisparse.ops.select(...)); the defaults are the measured best (docs/kernels.md).
+struct ResolveConfig {
+  int threads = 0;                 // 0 = default (1024); 512 = 512 threads per CTA when D <= 8192
+  int max_tokens_per_request = 4;  // bounds the union one CTA's hash holds (kErrUnionCapacity)
 };
 
 struct ResolveLaunchInfo {
@@ -80,23 +83,16 @@ struct ResolveLaunchInfo {
   int fast_stage_pages;  // P when the fast path stages the residency / host_blocks rows
 };
 
-// Shared-memory plan for a launch. `max_tokens_per_request` bounds the union that one CTA's
-// hash must hold (the kernel reports kErrUnionCapacity if a request exceeds it).
-// threads: 0 = default (1024), 512 = 512 threads per CTA when D <= 8192.
-// num_pages: P, to decide whether the request's page rows are staged (0 = unknown: not).
+// Shared-memory plan for a launch of T = num_tokens tokens. num_pages: P, to decide whether
+// the request's page rows are staged (0 = unknown: not staged).
 ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int block_size,
-                                      int max_tokens_per_request, int threads = 0,
-                                      int num_pages = 0);
+                                      int num_pages, const ResolveConfig& config);
 
-// Benchmarks and tests only: variant 0 = the default (the fast-path kernel, which hands what
-// it cannot take to the general path), 2 = the general kernel alone for every request (1 was
-// the previous kernel, removed); stop > 0 makes every CTA return at that stop
-// (docs/kernels.md).
-void set_resolve_debug(int variant, int stop);
-
-// Launches one CTA per token (non-leading tokens of a request exit at once). Returns a CUDA
-// error code (cudaSuccess on success); never synchronizes.
-cudaError_t launch_resolve(const ResolveParams& p, int max_tokens_per_request, int threads,
+// Launches one CTA per token (non-leading tokens of a request exit at once): the fast-path
+// kernel when the shape allows it (it hands what it cannot take to the general path), else
+// the general kernel. Returns a CUDA error code (cudaSuccess on success); never synchronizes.
+// The probe entry point for benchmarks is launch_resolve_probe (resolve_probe.h).
+cudaError_t launch_resolve(const ResolveParams& p, const ResolveConfig& config,
                            cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include "hisparse_ops.h"
+#include "resolve_probe.h"
 
 namespace py = pybind11;
 
@@ -34,12 +35,20 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-void resolve_py(uint64_t topk, uint64_t token_rows, uint64_t residency, uint64_t host_blocks,
-                uint64_t hot_blocks, uint64_t slot_pos, uint64_t lru, uint64_t out_rows,
-                uint64_t miss_src, uint64_t miss_dst, uint64_t miss_count, uint64_t stats,
-                uint64_t error, uint64_t error_host, int num_tokens, int k, int num_rows, int num_pages,
-                int num_slots, int block_size, int max_tokens_per_request, uint64_t stream,
-                uint64_t debug_times, int threads) {
+// resolve's inputs by name (Python: _C.ResolveParams(topk=..., ...)); addresses as ints.
+template <typename T>
+void def_address(py::class_<ResolveParams>& c, const char* name, T* ResolveParams::*field) {
+  c.def_property(
+      name, [field](const ResolveParams& p) { return reinterpret_cast<uintptr_t>(p.*field); },
+      [field](ResolveParams& p, uint64_t addr) { p.*field = as_ptr<T>(addr); });
+}
+
+ResolveParams make_resolve_params(uint64_t topk, uint64_t token_rows, uint64_t residency,
+                                  uint64_t host_blocks, uint64_t hot_blocks, uint64_t slot_pos,
+                                  uint64_t lru, uint64_t out_rows, uint64_t miss_src,
+                                  uint64_t miss_dst, uint64_t miss_count, uint64_t stats,
+                                  uint64_t error, uint64_t error_host, int num_tokens, int k,
+                                  int num_rows, int num_pages, int num_slots, int block_size) {
   ResolveParams p{};
   p.topk = as_ptr<const int32_t>(topk);
   p.token_rows = as_ptr<const int32_t>(token_rows);
@@ -55,26 +64,54 @@ void resolve_py(uint64_t topk, uint64_t token_rows, uint64_t residency, uint64_t
   p.stats = as_ptr<long long>(stats);
   p.error = as_ptr<int32_t>(error);
   p.error_host = as_ptr<int32_t>(error_host);
-  p.debug_times = as_ptr<unsigned long long>(debug_times);
   p.num_tokens = num_tokens;
   p.k = k;
   p.num_rows = num_rows;
   p.num_pages = num_pages;
   p.num_slots = num_slots;
   p.block_size = block_size;
+  return p;
+}
+
+ResolveConfig make_config(int threads, int max_tokens_per_request) {
+  ResolveConfig c;
+  c.threads = threads;
+  c.max_tokens_per_request = max_tokens_per_request;
+  return c;
+}
+
+void resolve_py(const ResolveParams& p, int threads, int max_tokens_per_request,
+                uint64_t stream) {
+  const ResolveConfig config = make_config(threads, max_tokens_per_request);
   cudaError_t err;
   {
     py::gil_scoped_release release;
-    err = launch_resolve(p, max_tokens_per_request, threads, as_stream(stream));
+    err = launch_resolve(p, config, as_stream(stream));
   }
   check(err, "resolve");
 }
 
-py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size,
-                         int max_tokens_per_request, int threads, int num_pages) {
-  const ResolveLaunchInfo info = resolve_launch_info(num_tokens, k, num_slots, block_size,
-                                                     max_tokens_per_request, threads,
-                                                     num_pages);
+void resolve_probe_py(const ResolveParams& p, int threads, int max_tokens_per_request,
+                      uint64_t stream, uint64_t times, int stop, bool general_only) {
+  if (stop < 0 || stop > 5) throw std::invalid_argument("resolve_probe: stop must be in 0..5");
+  ResolveProbe probe;
+  probe.times = as_ptr<unsigned long long>(times);
+  probe.stop = stop;
+  probe.general_only = general_only;
+  const ResolveConfig config = make_config(threads, max_tokens_per_request);
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = launch_resolve_probe(p, config, probe, as_stream(stream));
+  }
+  check(err, "resolve_probe");
+}
+
+py::dict resolve_info_py(int num_tokens, int k, int num_slots, int block_size, int num_pages,
+                         int threads, int max_tokens_per_request) {
+  const ResolveLaunchInfo info =
+      resolve_launch_info(num_tokens, k, num_slots, block_size, num_pages,
+                          make_config(threads, max_tokens_per_request));
   py::dict d;
   d["threads"] = info.threads;
   d["slots_per_thread"] = info.slots_per_thread;
@@ -168,20 +205,48 @@ void register_ops(py::module_& m) {
   m.attr("COPY_PAIRS") = static_cast<int>(kCopyPairs);
   m.attr("COPY_BLOCKS") = static_cast<int>(kCopyBlocks);
   m.attr("MAX_COPY_LAYERS") = kMaxCopyLayers;
-  m.def("resolve", &resolve_py, "Launch resolve (DESIGN.md §4.1); addresses as ints.",
-        py::arg("topk"), py::arg("token_rows"), py::arg("residency"), py::arg("host_blocks"),
-        py::arg("hot_blocks"), py::arg("slot_pos"), py::arg("lru"), py::arg("out_rows"),
-        py::arg("miss_src"), py::arg("miss_dst"), py::arg("miss_count"), py::arg("stats"),
-        py::arg("error"), py::arg("error_host"), py::arg("num_tokens"), py::arg("k"), py::arg("num_rows"),
-        py::arg("num_pages"), py::arg("num_slots"), py::arg("block_size"),
-        py::arg("max_tokens_per_request"), py::arg("stream"), py::arg("debug_times") = 0, py::arg("threads") = 0);
+  py::class_<ResolveParams> params(m, "ResolveParams",
+                                   "resolve's tensors (addresses as ints) and sizes, by name");
+  params.def(py::init(&make_resolve_params), py::kw_only(), py::arg("topk"),
+             py::arg("token_rows"), py::arg("residency"), py::arg("host_blocks"),
+             py::arg("hot_blocks"), py::arg("slot_pos"), py::arg("lru"), py::arg("out_rows"),
+             py::arg("miss_src"), py::arg("miss_dst"), py::arg("miss_count"), py::arg("stats"),
+             py::arg("error"), py::arg("error_host"), py::arg("num_tokens"), py::arg("k"),
+             py::arg("num_rows"), py::arg("num_pages"), py::arg("num_slots"),
+             py::arg("block_size"));
+  def_address(params, "topk", &ResolveParams::topk);
+  def_address(params, "token_rows", &ResolveParams::token_rows);
+  def_address(params, "residency", &ResolveParams::residency);
+  def_address(params, "host_blocks", &ResolveParams::host_blocks);
+  def_address(params, "hot_blocks", &ResolveParams::hot_blocks);
+  def_address(params, "slot_pos", &ResolveParams::slot_pos);
+  def_address(params, "lru", &ResolveParams::lru);
+  def_address(params, "out_rows", &ResolveParams::out_rows);
+  def_address(params, "miss_src", &ResolveParams::miss_src);
+  def_address(params, "miss_dst", &ResolveParams::miss_dst);
+  def_address(params, "miss_count", &ResolveParams::miss_count);
+  def_address(params, "stats", &ResolveParams::stats);
+  def_address(params, "error", &ResolveParams::error);
+  def_address(params, "error_host", &ResolveParams::error_host);
+  params.def_readwrite("num_tokens", &ResolveParams::num_tokens)
+      .def_readwrite("k", &ResolveParams::k)
+      .def_readwrite("num_rows", &ResolveParams::num_rows)
+      .def_readwrite("num_pages", &ResolveParams::num_pages)
+      .def_readwrite("num_slots", &ResolveParams::num_slots)
+      .def_readwrite("block_size", &ResolveParams::block_size);
+  m.def("resolve", &resolve_py, "Launch resolve (DESIGN.md §4.1) on `stream`.",
+        py::arg("params"), py::kw_only(), py::arg("threads"), py::arg("max_tokens_per_request"),
+        py::arg("stream"));
+  m.def("resolve_probe", &resolve_probe_py,
+        "Benchmarks and tests only: resolve with phase stamps into `times` (int64 [10] "
+        "address or 0), every CTA stopping at `stop` (0 = none) and/or the general kernel "
+        "for every request.",
+        py::arg("params"), py::kw_only(), py::arg("threads"), py::arg("max_tokens_per_request"),
+        py::arg("stream"), py::arg("times") = 0, py::arg("stop") = 0,
+        py::arg("general_only") = false);
   m.def("resolve_launch_info", &resolve_info_py, py::arg("num_tokens"), py::arg("k"),
-        py::arg("num_slots"), py::arg("block_size"), py::arg("max_tokens_per_request"),
-        py::arg("threads") = 0, py::arg("num_pages") = 0);
-  m.def("set_resolve_debug", &set_resolve_debug,
-        "Benchmarks and tests only: kernel variant (0 = default, 2 = the general kernel "
-        "alone) and stop point (0 = none) of later resolve launches.",
-        py::arg("variant") = 0, py::arg("stop") = 0);
+        py::arg("num_slots"), py::arg("block_size"), py::arg("num_pages"), py::kw_only(),
+        py::arg("threads"), py::arg("max_tokens_per_request"));
   m.def("copy_rows", &copy_rows_py, "Launch a multi-layer row copy (plan, pairs or blocks).",
         py::arg("mode"), py::arg("src"), py::arg("dst"), py::arg("row_bytes"),
         py::arg("src_rows"), py::arg("dst_rows"), py::arg("a"), py::arg("b"), py::arg("count"),

@@ -1,6 +1,6 @@
 // resolve's fast path (DESIGN.md §4.1): the common request in four barriers and a few hundred
-// instructions per thread. Part of resolve.cu (included inside its namespace: it calls
-// resolve_general and the shared helpers); see docs/kernels.md.
+// instructions per thread; see docs/kernels.md. resolve_fast_kernel is the default launch
+// (resolve_launch.cu) and hands every request it does not take to resolve_general.
 //
 // The fast path takes a request of one token whose K selections and D slots fit the CTA
 // (KPT selections and SPT slots per thread). Its table maps the hot slots' positions to their
@@ -26,6 +26,23 @@
 //   B3     new LRU order (into shared memory), victims = first M evictables
 //   B4     the new LRU order stored by vectors;
 //          misses take their victims: rows, slot_pos, miss plan; counts, stats
+//
+// KPT selections and SPT slots per thread, THREADS per CTA; GSPT: the general path's slots per
+// thread for the same D; Probe: NoProbe in production (resolve_probe.cuh).
+#pragma once
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "hisparse_ops.h"
+#include "resolve_common.cuh"
+#include "resolve_general.cuh"
+#include "resolve_probe.cuh"
+
+namespace hisparse::resolve_detail {
 
 // Why the fast path hands a request over (bits of FastCtl::flags).
 enum FastHandOff : int {
@@ -92,8 +109,8 @@ __device__ __forceinline__ void load_vec(int (&v)[N], const int32_t* src) {
 
 // Returns true when the request must go to resolve_general (nothing written yet; the answer
 // is the same on every thread of the CTA).
-template <int KPT, int SPT, int THREADS>
-__device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
+template <int KPT, int SPT, int THREADS, class Probe>
+__device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe& probe) {
   using Plan = FastPlan<KPT, SPT, THREADS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ FastCtl c;
@@ -121,7 +138,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
   const long long base = static_cast<long long>(t) * K;
   const int i0 = tid * KPT;  // this thread's selections: i0 .. i0 + KPT - 1
   const int j0 = tid * SPT;  // this thread's slots and LRU entries: j0 .. j0 + SPT - 1
-  if (p.debug_stop == 1) return false;
+  if (probe.stops_at(1)) return false;
 
   // ---- round trip 1 -------------------------------------------------------------------------
   int q[KPT];
@@ -145,7 +162,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
   if (t > 0 && prev == row) return false;  // a later token of a run: its first CTA decides
   // A run of several tokens, or a state row out of range (an error): the general path.
   if (next == row || row < 0 || row >= p.num_rows) return true;
-  mark_time2(p, 0);
+  probe.mark(0);
 
   // ---- round trip 2 -------------------------------------------------------------------------
   const long long row_p = static_cast<long long>(row) * p.num_pages;
@@ -204,9 +221,9 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
     if (tid < n_hotb) hotb[tid] = hbv;
   }
   if (n_stage) cp_async_wait_all();
-  mark_time2(p, 1);
+  probe.mark(1);
   __syncthreads();  // ---- B0: tables clear, control block, hot blocks ---------------------
-  if (p.debug_stop == 2) return false;
+  if (probe.stops_at(2)) return false;
 
   {
     int fl = other ? kHandRun : 0;
@@ -232,9 +249,9 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
     }
     if (fl) atomicOr(&c.flags, fl);
   }
-  mark_time2(p, 2);
+  probe.mark(2);
   __syncthreads();  // ---- B1: position -> slot table ---------------------------------------
-  if (p.debug_stop == 3) return false;
+  if (probe.stops_at(3)) return false;
 
   // ---- classify -------------------------------------------------------------------------------
   if (n_stage) {
@@ -328,13 +345,13 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
       if (lane == 0 && my_res) atomicAdd(&c.n_res, my_res);
     }
   }
-  mark_time2(p, 3);
+  probe.mark(3);
   const bool host = __syncthreads_or(any_host);  // ---- B2: hits marked, flags -------------
   {
     const int flags = c.flags;
     if ((flags & kHandAlways) || (host && flags)) return true;
   }
-  if (p.debug_stop == 4) return false;
+  if (probe.stops_at(4)) return false;
   if (!host) {  // fully resident (or padding only): the hot state is never touched
 #pragma unroll
     for (int u = 0; u < KPT; ++u)
@@ -363,9 +380,9 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
   const int mine = (__popc(miss_bits) << 16) | my_hits;
   int incl = warp_inclusive_sum(mine, lane);
   if (lane == 31) c.part[warp] = incl;
-  mark_time2(p, 4);
+  probe.mark(4);
   __syncthreads();  // ---- B3: scan partials --------------------------------------------------
-  if (p.debug_stop == 5) return false;
+  if (probe.stops_at(5)) return false;
   int total;
   {
     const int wt = lane < nwarps ? c.part[lane] : 0;
@@ -400,7 +417,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
       lrow[newpos] = static_cast<uint16_t>(slot);
     }
   }
-  mark_time2(p, 5);
+  probe.mark(5);
   __syncthreads();  // ---- B4: victims, new LRU order -----------------------------------------
   if (j0 < D) {
     int v[SPT / 2];
@@ -439,22 +456,17 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p) {
       if (M) atomicAdd(st + 2, static_cast<unsigned long long>(M));
     }
   }
-  mark_time2(p, 6);
+  probe.mark(6);
   return false;
 }
 
-// Out of line, so that the fast path's registers are allocated on their own (inlined, the
-// general path's pressure made the fast path spill).
-template <int SPT, int THREADS>
-__device__ __forceinline__ void resolve_general_call(const ResolveParams& p) {
-  resolve_general<SPT, THREADS>(p);
-}
-
-template <int KPT, int SPT, int THREADS, int GSPT>
-__global__ void __launch_bounds__(THREADS, 1) resolve_fast_kernel(const ResolveParams p) {
-  if (resolve_fast<KPT, SPT, THREADS>(p)) {
-    // debug_times[9] counts the hand-offs (benchmarks and tests)
-    if (p.debug_times != nullptr && threadIdx.x == 0) atomicAdd(&p.debug_times[9], 1ull);
-    resolve_general_call<GSPT, THREADS>(p);
+template <int KPT, int SPT, int THREADS, int GSPT, class Probe>
+__global__ void __launch_bounds__(THREADS, 1) resolve_fast_kernel(const ResolveParams p,
+                                                                  const Probe probe) {
+  if (resolve_fast<KPT, SPT, THREADS>(p, probe)) {
+    probe.count_hand_off();
+    resolve_general<GSPT, THREADS>(p, probe);
   }
 }
+
+}  // namespace hisparse::resolve_detail

@@ -61,18 +61,18 @@ fi
 if has capacity; then
   # the default (position-major) host pool, then (CAPACITY_LAYER=1, the default) the
   # layer-major one for comparison
-  timeout 480 $PY benchmarks/bench_decode_capacity.py --json "$OUT/capacity.json" \
+  timeout 480 $PY -m vllm_hisparse.cli.main bench capacity --json "$OUT/capacity.json" \
     ${CAPACITY_ARGS:-} > "$OUT/capacity.log" 2>&1
   note "bench_decode_capacity rc=$?"
   if [[ "${CAPACITY_LAYER:-1}" == 1 ]]; then
-    timeout 240 $PY benchmarks/bench_decode_capacity.py --layout layer ${CAPACITY_ARGS:-} \
+    timeout 240 $PY -m vllm_hisparse.cli.main bench capacity --layout layer ${CAPACITY_ARGS:-} \
       > "$OUT/capacity_layer.log" 2>&1
     note "bench_decode_capacity --layout layer rc=$?"
   fi
 fi
 
 if has bench; then
-  timeout 330 $PY benchmarks/bench_kernels.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+  timeout 330 $PY -m vllm_hisparse.cli.main bench kernels --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     > "$OUT/bench.log" 2>&1
   note "bench rc=$?"
 fi

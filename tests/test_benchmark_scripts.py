@@ -17,9 +17,15 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def run_bench(target: str, *args: str) -> subprocess.CompletedProcess:
+    """`vllm-hisparse bench TARGET ARGS` (vllm_hisparse/cli/benchmarks)."""
+    return subprocess.run([sys.executable, "-m", "vllm_hisparse.cli.main", "bench", target,
+                           *args], capture_output=True, text=True, timeout=300)
+
+
 def test_bench_reference_runs(tmp_path):
     out = tmp_path / "ref.json"
-    r = run("bench_reference.py", "--requests", "2", "--topk", "256", "--hot-slots", "512",
+    r = run_bench("reference", "--requests", "2", "--topk", "256", "--hot-slots", "512",
             "--context", "4096", "--repeats", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
@@ -29,7 +35,7 @@ def test_bench_reference_runs(tmp_path):
 
 def test_bench_decode_capacity_runs_on_cpu(tmp_path):
     out = tmp_path / "cap.json"
-    r = run("bench_decode_capacity.py", "--contexts", "256", "2048", "--hbm-gib", "0.01",
+    r = run_bench("capacity", "--contexts", "256", "2048", "--hbm-gib", "0.01",
             "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
             "--block-size", "16", "--steps", "2", "--warmup", "1",
             "--weights-gib-per-layer", "0.001", "--index-group-layers", "0", "1",
@@ -59,7 +65,7 @@ def test_bench_decode_capacity_runs_on_cpu(tmp_path):
 
 def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_path):
     out = tmp_path / "cap.json"
-    r = run("bench_decode_capacity.py", "--contexts", "2048", "--hbm-gib", "0.01",
+    r = run_bench("capacity", "--contexts", "2048", "--hbm-gib", "0.01",
             "--host-gib", "0.05", "--layers", "2", "--topk", "64", "--hot-rows", "256",
             "--block-size", "16", "--steps", "2", "--warmup", "1", "--weight-pass", "sum",
             "--weights-gib-per-layer", "0.001", "--gather-modes", "single", "--trace",
@@ -72,7 +78,7 @@ def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_pat
 
 
 def test_bench_decode_capacity_rejects_a_bad_gather_mode():
-    r = run("bench_decode_capacity.py", "--gather-modes", "side:0")
+    r = run_bench("capacity", "--gather-modes", "side:0")
     assert r.returncode == 2 and "expected side[:C1,C2,...][@N][#M][~P]" in r.stderr
 
 

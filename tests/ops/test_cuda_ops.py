@@ -10,14 +10,17 @@ replay of resolve + gather.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
 import torch
 
 from resolve_cases import ResolveCase, i32, random_case
-from vllm_hisparse.ops import reference
+from vllm_hisparse.ops import probe, reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
+from vllm_hisparse.ops.tuning import KernelTuning
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +32,10 @@ if not cuda_ops.available():  # pragma: no cover
     pytest.skip("vllm_hisparse._C has no data-plane kernels", allow_module_level=True)
 
 DEV = torch.device("cuda")
+# The kernels' tuning under test. scripts/gpu_session.sh runs the resolve tests a second time
+# with 512-thread CTAs (HISPARSE_RESOLVE_THREADS=512): read here only, into the tuning the
+# launches are given (the package has no process-wide tuning).
+TUNING = KernelTuning(resolve_threads=int(os.environ.get("HISPARSE_RESOLVE_THREADS", "0") or 0))
 OUTPUTS = ("out_rows", "miss_src", "miss_dst", "miss_count", "slot_pos", "lru", "stats")
 
 
@@ -37,8 +44,10 @@ OUTPUTS = ("out_rows", "miss_src", "miss_dst", "miss_count", "slot_pos", "lru", 
 # --------------------------------------------------------------------------------------
 
 
-def run_both(case: ResolveCase, with_stats: bool = True):
-    """(reference result on CPU, kernel result on GPU) as dicts of CPU tensors."""
+def run_both(case: ResolveCase, with_stats: bool = True, tuning: KernelTuning | None = None,
+             general_only: bool = False):
+    """(reference result on CPU, kernel result on GPU) as dicts of CPU tensors; the kernel
+    runs with `tuning` (default TUNING), the general kernel alone with `general_only`."""
     ref = case.clone()
     gpu = case.clone(DEV)
     ref_stats = ref.stats if with_stats else None
@@ -46,7 +55,11 @@ def run_both(case: ResolveCase, with_stats: bool = True):
     args_ref = ref.args()[:-1] + (ref_stats,)
     args_gpu = gpu.args()[:-1] + (gpu_stats,)
     reference.resolve(*args_ref)
-    cuda_ops.resolve(*args_gpu)
+    tuning = TUNING if tuning is None else tuning
+    if general_only:
+        probe.resolve(*args_gpu, tuning=tuning, general_only=True)
+    else:
+        cuda_ops.resolve(*args_gpu, tuning=tuning)
     cuda_ops.check_errors(DEV)
     return ref.state(), gpu.state()
 
@@ -61,8 +74,9 @@ def assert_same(ref: dict, gpu: dict, what: str = "") -> None:
                                  f"{[b[tuple(i)].item() for i in diff]}")
 
 
-def check_case(case: ResolveCase, with_stats: bool = True, what: str = "") -> None:
-    ref, gpu = run_both(case, with_stats)
+def check_case(case: ResolveCase, with_stats: bool = True, what: str = "",
+               tuning: KernelTuning | None = None, general_only: bool = False) -> None:
+    ref, gpu = run_both(case, with_stats, tuning, general_only)
     assert_same(ref, gpu, what)
 
 
@@ -75,7 +89,7 @@ def expect_error(case: ResolveCase, code: ResolveErrorCode) -> ResolveError:
     assert ref_info.value.code == code
     gpu = case.clone(DEV)
     before = gpu.state()
-    cuda_ops.resolve(*gpu.args())
+    cuda_ops.resolve(*gpu.args(), tuning=TUNING)
     with pytest.raises(ResolveError) as gpu_info:
         cuda_ops.check_errors(DEV)
     e = gpu_info.value
@@ -208,7 +222,7 @@ def test_resolve_random_multi_step():
                 ref = cap_distinct(ref)
                 gpu.topk = ref.topk.to(DEV)
             reference.resolve(*ref.args())
-            cuda_ops.resolve(*gpu.args())
+            cuda_ops.resolve(*gpu.args(), tuning=TUNING)
             cuda_ops.check_errors(DEV)
             assert_same(ref.state(), gpu.state(), f"case {i} step {step}")
 
@@ -312,7 +326,7 @@ def test_resolve_production_shape(spec_tokens):
     gpu = case.clone(DEV)
     for step in range(3):
         reference.resolve(*ref.args())
-        cuda_ops.resolve(*gpu.args())
+        cuda_ops.resolve(*gpu.args(), tuning=TUNING)
         cuda_ops.check_errors(DEV)
         assert_same(ref.state(), gpu.state(), f"step {step}")
         # drift: replace a fifth of the selections
@@ -346,11 +360,7 @@ def test_resolve_single_token_capacity_knob():
     rng = random.Random(17)
     case = big_case(rng, num_requests=6, tokens_per_request=1, k=2048, num_slots=4096,
                     block_size=64, num_pages=512, resident_fraction=0.5, hit_fraction=0.5)
-    cuda_ops.set_max_tokens_per_request(1)
-    try:
-        check_case(case)
-    finally:
-        cuda_ops.set_max_tokens_per_request(4)
+    check_case(case, tuning=dataclasses.replace(TUNING, max_tokens_per_request=1))
 
 
 def test_resolve_five_token_requests_fit():
@@ -385,22 +395,20 @@ def test_resolve_requests_longer_than_the_token_bound():
     """Requests of 2-4 tokens with `max_tokens_per_request` = 1 (shared memory sized for one
     token) resolve like the reference while their union fits the 1-token bound."""
     rng = random.Random(44)
-    cuda_ops.set_max_tokens_per_request(1)
-    try:
-        for tokens in (2, 3, 4):
-            case = big_case(rng, num_requests=3, tokens_per_request=tokens, k=256,
-                            num_slots=512, block_size=64, num_pages=32, resident_fraction=0.2,
-                            hit_fraction=0.5, dup=0.1, padding=0.02)
-            # the later tokens repeat the first one's selections (permuted), so the union
-            # stays within the 1-token bound
-            for start in range(0, case.topk.shape[0], tokens):
-                for j in range(1, tokens):
-                    case.topk[start + j] = case.topk[start][torch.randperm(256)]
-            case = cap_distinct(case)
-            check_case(case, what=f"{tokens} tokens, bound 1")
-            check_case(case, with_stats=False, what=f"{tokens} tokens, bound 1, no stats")
-    finally:
-        cuda_ops.set_max_tokens_per_request(4)
+    bound_1 = dataclasses.replace(TUNING, max_tokens_per_request=1)
+    for tokens in (2, 3, 4):
+        case = big_case(rng, num_requests=3, tokens_per_request=tokens, k=256,
+                        num_slots=512, block_size=64, num_pages=32, resident_fraction=0.2,
+                        hit_fraction=0.5, dup=0.1, padding=0.02)
+        # the later tokens repeat the first one's selections (permuted), so the union
+        # stays within the 1-token bound
+        for start in range(0, case.topk.shape[0], tokens):
+            for j in range(1, tokens):
+                case.topk[start + j] = case.topk[start][torch.randperm(256)]
+        case = cap_distinct(case)
+        check_case(case, what=f"{tokens} tokens, bound 1", tuning=bound_1)
+        check_case(case, with_stats=False, what=f"{tokens} tokens, bound 1, no stats",
+                   tuning=bound_1)
 
 
 def chunk_boundary_case() -> ResolveCase:
@@ -452,8 +460,8 @@ def run_counted(case: ResolveCase, with_stats: bool = True):
     args_ref = ref.args()[:-1] + (ref.stats if with_stats else None,)
     args_gpu = gpu.args()[:-1] + (gpu.stats if with_stats else None,)
     reference.resolve(*args_ref)
-    dt = torch.zeros(10, dtype=torch.int64, device=DEV)
-    cuda_ops._resolve(*args_gpu, debug_times=dt)
+    dt = torch.zeros(probe.NUM_TIMES, dtype=torch.int64, device=DEV)
+    probe.resolve(*args_gpu, tuning=TUNING, times=dt)
     cuda_ops.check_errors(DEV)
     return ref.state(), gpu.state(), int(dt[9])
 
@@ -495,8 +503,8 @@ def test_resolve_fast_path_takes_single_token_requests(num_slots):
 
 
 def fast_path_launched(k: int, num_slots: int, block_size: int, num_pages: int) -> bool:
-    return bool(cuda_ops.resolve_launch_info(1, k, num_slots, block_size,
-                                             num_pages)["fast_path"])
+    return bool(cuda_ops.resolve_launch_info(1, k, num_slots, block_size, num_pages,
+                                             tuning=TUNING)["fast_path"])
 
 
 def test_resolve_fast_path_hands_off_what_it_cannot_decide():
@@ -559,19 +567,17 @@ def test_resolve_fast_path_hands_off_what_it_cannot_decide():
 
 
 def test_resolve_general_kernel_alone_random_cases():
-    """The general path (variant 2: the kernel the fast path hands over to, launched for every
-    request) on random cases, so it stays exact even where the fast path would take over."""
+    """The general path (the kernel the fast path hands over to, launched for every request
+    through the probe API) on random cases, so it stays exact even where the fast path would
+    take over."""
     rng = random.Random(53)
-    cuda_ops._set_resolve_debug(variant=2)
-    try:
-        for i in range(300):
-            check_case(random_case(rng), with_stats=(i % 3 != 0), what=f"general case {i}")
-        case = big_case(rng, num_requests=4, tokens_per_request=1, k=2048, num_slots=4096,
-                        block_size=64, num_pages=1024, resident_fraction=0.3, hit_fraction=0.6,
-                        dup=0.05, padding=0.01)
-        check_case(cap_distinct(case), what="general, production shape")
-    finally:
-        cuda_ops._set_resolve_debug()
+    for i in range(300):
+        check_case(random_case(rng), with_stats=(i % 3 != 0), what=f"general case {i}",
+                   general_only=True)
+    case = big_case(rng, num_requests=4, tokens_per_request=1, k=2048, num_slots=4096,
+                    block_size=64, num_pages=1024, resident_fraction=0.3, hit_fraction=0.6,
+                    dup=0.05, padding=0.01)
+    check_case(cap_distinct(case), what="general, production shape", general_only=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -618,7 +624,7 @@ def test_error_not_contiguous():
         reference.resolve(*ref.args())
     assert info.value.code == ResolveErrorCode.NOT_CONTIGUOUS
     gpu = case.clone(DEV)
-    cuda_ops.resolve(*gpu.args())
+    cuda_ops.resolve(*gpu.args(), tuning=TUNING)
     with pytest.raises(ResolveError) as ginfo:
         cuda_ops.check_errors(DEV)
     g = ginfo.value
@@ -657,31 +663,26 @@ def test_error_duplicate_slot():
 
 
 def test_error_union_capacity_kernel_limit():
-    cuda_ops.set_max_tokens_per_request(1)
-    try:
-        bs = 64
-        case = simple_case(topk=torch.arange(0, 256, dtype=torch.int32).reshape(2, 128),
-                           token_rows=i32([0, 0]), residency=i32([[-1] * 8]),
-                           host_blocks=i32([list(range(8))]), hot_blocks=i32([list(range(4))]),
-                           slot_pos=torch.full((1, 256), -1, dtype=torch.int32),
-                           lru=torch.arange(256, dtype=torch.int16).reshape(1, 256),
-                           block_size=bs)
-        gpu = case.clone(DEV)
-        cuda_ops.resolve(*gpu.args())
-        with pytest.raises(ResolveError) as info:
-            cuda_ops.check_errors(DEV)
-        assert info.value.code == ResolveErrorCode.UNION_CAPACITY
-        # with the right bound it resolves like the reference
-        cuda_ops.set_max_tokens_per_request(2)
-        check_case(case)
-    finally:
-        cuda_ops.set_max_tokens_per_request(4)
+    bs = 64
+    case = simple_case(topk=torch.arange(0, 256, dtype=torch.int32).reshape(2, 128),
+                       token_rows=i32([0, 0]), residency=i32([[-1] * 8]),
+                       host_blocks=i32([list(range(8))]), hot_blocks=i32([list(range(4))]),
+                       slot_pos=torch.full((1, 256), -1, dtype=torch.int32),
+                       lru=torch.arange(256, dtype=torch.int16).reshape(1, 256),
+                       block_size=bs)
+    gpu = case.clone(DEV)
+    cuda_ops.resolve(*gpu.args(), tuning=dataclasses.replace(TUNING, max_tokens_per_request=1))
+    with pytest.raises(ResolveError) as info:
+        cuda_ops.check_errors(DEV)
+    assert info.value.code == ResolveErrorCode.UNION_CAPACITY
+    # with the right bound it resolves like the reference
+    check_case(case, tuning=dataclasses.replace(TUNING, max_tokens_per_request=2))
 
 
 def test_error_corrupt_lru():
     case = simple_case(lru=i32([[0, 1, 2, 3, 4, 5, 6, 99]]).to(torch.int16))
     gpu = case.clone(DEV)
-    cuda_ops.resolve(*gpu.args())
+    cuda_ops.resolve(*gpu.args(), tuning=TUNING)
     with pytest.raises(ResolveError) as info:
         cuda_ops.check_errors(DEV)
     assert info.value.code == ResolveErrorCode.CORRUPT_LRU
@@ -691,13 +692,13 @@ def test_error_corrupt_lru():
 def test_error_is_raised_by_a_later_call_without_sync():
     bad = simple_case(topk=i32([[12, 40, 25, 30]])).clone(DEV)
     good = simple_case().clone(DEV)
-    cuda_ops.resolve(*bad.args())  # records the error; does not raise here
+    cuda_ops.resolve(*bad.args(), tuning=TUNING)  # records the error; does not raise here
     torch.cuda.synchronize()
     with pytest.raises(ResolveError) as info:
-        cuda_ops.resolve(*good.args())
+        cuda_ops.resolve(*good.args(), tuning=TUNING)
     assert info.value.code == ResolveErrorCode.POSITION_OUT_OF_RANGE
     assert info.value.state_row == 0 and info.value.detail_a == 40
-    cuda_ops.resolve(*good.args())  # cleared
+    cuda_ops.resolve(*good.args(), tuning=TUNING)  # cleared
     cuda_ops.check_errors()
 
 
@@ -712,7 +713,7 @@ def test_error_request_isolated_from_good_requests():
     bad = case.clone()
     bad.topk[2, 5] = 10 ** 6  # request of tokens 2-3 fails
     gpu = bad.clone(DEV)
-    cuda_ops.resolve(*gpu.args())
+    cuda_ops.resolve(*gpu.args(), tuning=TUNING)
     with pytest.raises(ResolveError):
         cuda_ops.check_errors(DEV)
     st = gpu.state()
@@ -1024,7 +1025,7 @@ def test_cuda_graph_capture_and_replay_resolve_and_gather():
     # warm-up outside capture (module load, error buffer)
     with torch.cuda.stream(stream):
         warm = case.clone(DEV)
-        cuda_ops.resolve(*warm.args())
+        cuda_ops.resolve(*warm.args(), tuning=TUNING)
         cuda_ops.gather_rows(host, [d.clone() for d in dev], warm.miss_src, warm.miss_dst,
                              warm.miss_count)
     torch.cuda.current_stream().wait_stream(stream)
@@ -1032,7 +1033,7 @@ def test_cuda_graph_capture_and_replay_resolve_and_gather():
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_ops.resolve(*gpu.args())
+        cuda_ops.resolve(*gpu.args(), tuning=TUNING)
         cuda_ops.gather_rows(host, dev, gpu.miss_src, gpu.miss_dst, gpu.miss_count)
     # capture executed nothing: the state is still the input
     torch.cuda.synchronize()

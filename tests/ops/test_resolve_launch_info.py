@@ -13,18 +13,16 @@ cuda_ops = pytest.importorskip("vllm_hisparse.ops.cuda")
 if not cuda_ops.available():  # pragma: no cover - no CUDA toolkit at install time
     pytest.skip("vllm_hisparse._C was not built", allow_module_level=True)
 
+from vllm_hisparse import ops  # noqa: E402
+from vllm_hisparse.ops import probe  # noqa: E402
+from vllm_hisparse.ops.tuning import KernelTuning  # noqa: E402
 
-@pytest.fixture
-def threads():
-    """Set the resolve CTA size for one test and restore the default after it."""
-    before = cuda_ops._resolve_threads
-    yield cuda_ops.set_resolve_threads
-    cuda_ops.set_resolve_threads(before)
+CTA_512 = KernelTuning(resolve_threads=512)
 
 
-def fast(k, num_slots, block_size, num_pages, num_tokens=64):
-    return cuda_ops.resolve_launch_info(num_tokens, k, num_slots, block_size,
-                                        num_pages)["fast_path"]
+def fast(k, num_slots, block_size, num_pages, num_tokens=64, tuning=KernelTuning()):
+    return cuda_ops.resolve_launch_info(num_tokens, k, num_slots, block_size, num_pages,
+                                        tuning=tuning)["fast_path"]
 
 
 @pytest.mark.parametrize("k, num_slots, block_size, num_pages, want", [
@@ -41,16 +39,15 @@ def fast(k, num_slots, block_size, num_pages, num_tokens=64):
     (31, 64, 16, 8, False),          # odd K: no 8-byte selection loads
     (8, 18, 2, 8, False),            # D not a multiple of 4 slots per thread
 ])
-def test_fast_path_shapes(threads, k, num_slots, block_size, num_pages, want):
-    threads(0)
+def test_fast_path_shapes(k, num_slots, block_size, num_pages, want):
     assert fast(k, num_slots, block_size, num_pages) is want
 
 
-def test_fast_path_with_512_thread_ctas(threads):
-    threads(512)
-    assert fast(2048, 4096, 64, 2048)  # 4 selections, 8 slots per thread
-    assert fast(2048, 8192, 64, 2048)  # 16 slots per thread
-    assert not fast(512, 1024, 64, 256)  # no instantiation for 2 general slots per thread
+def test_fast_path_with_512_thread_ctas():
+    assert fast(2048, 4096, 64, 2048, tuning=CTA_512)  # 4 selections, 8 slots per thread
+    assert fast(2048, 8192, 64, 2048, tuning=CTA_512)  # 16 slots per thread
+    # no instantiation for 2 general slots per thread
+    assert not fast(512, 1024, 64, 256, tuning=CTA_512)
 
 
 def test_shared_memory_of_the_two_paths():
@@ -69,14 +66,39 @@ def test_shared_memory_of_the_two_paths():
     assert alone["hash_capacity"] > alone["union_capacity"]  # spare entries up to the budget
 
 
-def test_benchmark_hooks_reject_bad_arguments():
-    """The removed previous kernel (variant 1) and malformed debug_times name the problem."""
-    with pytest.raises(ValueError, match="variant must be 0 or 2"):
-        cuda_ops._set_resolve_debug(variant=1)
-    with pytest.raises(ValueError, match="stop in 0..5"):
-        cuda_ops._set_resolve_debug(stop=6)
+def test_the_token_bound_is_the_backends_not_the_processes():
+    """Two tunings in one process plan independently (no process-wide setting)."""
+    one = probe.launch_info(64, 2048, 4096, 64, 2048,
+                            tuning=KernelTuning(max_tokens_per_request=1))
+    four = probe.launch_info(64, 2048, 4096, 64, 2048)
+    assert one["union_capacity"] < four["union_capacity"]
+    assert cuda_ops.resolve_launch_info(64, 2048, 4096, 64, 2048) == four
+    assert ops.select("cuda", resolve_threads=512).tuning == CTA_512
+    assert ops.select("cuda").tuning == KernelTuning()
+    assert probe.launch_info(64, 2048, 4096, 64, 2048, tuning=CTA_512)["threads"] == 512
+
+
+def test_probe_rejects_bad_arguments():
+    """A stop point out of range and malformed phase-stamp buffers name the problem."""
     topk = torch.zeros((1, 4), dtype=torch.int32)
     args = (topk, torch.zeros(1, dtype=torch.int32)) + (None,) * 5 + (4,) + (None,) * 4
+    for stop in (6, -1, True):
+        with pytest.raises(ValueError, match="stop must be in 0..5"):
+            probe.resolve(*args, stop=stop)
     for bad in (torch.zeros(9, dtype=torch.int64), torch.zeros(10, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="debug_times must be an int64 tensor"):
-            cuda_ops._resolve(*args, debug_times=bad)
+        with pytest.raises(ValueError, match="times must be an int64 tensor"):
+            probe.resolve(*args, times=bad)
+    with pytest.raises(ValueError, match="general_only must be a bool"):
+        probe.resolve(*args, general_only=1)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"resolve_threads": 256}, "resolve_threads must be 0"),
+    ({"max_tokens_per_request": 0}, "max_tokens_per_request must be a positive int"),
+    ({"copy_rows_per_warp": 3}, "copy_rows_per_warp must be"),
+    ({"copy_ctas_per_sm": -1}, "copy_ctas_per_sm must be"),
+    ({"resolve_thread": 512}, "unknown kernel tuning option"),
+])
+def test_select_rejects_bad_tuning(options, match):
+    with pytest.raises(ValueError, match=match):
+        ops.select("cuda", **options)

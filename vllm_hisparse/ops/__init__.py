@@ -6,7 +6,9 @@ CUDA device and the extension ``vllm_hisparse._C`` provides it, and the pure-tor
 :mod:`vllm_hisparse.ops.reference` otherwise (the fallback is logged once).
 
 :func:`select` returns the same four functions bound to one backend (``"auto"``, ``"cuda"`` or
-``"reference"``), which is how the connector's ``ops_backend`` setting is applied.
+``"reference"``) and one :class:`KernelTuning` (``select("cuda", resolve_threads=512)``), which is
+how the connector's ``ops_backend`` setting is applied. The module-level functions are the
+``"auto"`` backend with the default tuning.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks, _extension, host_ranges, reference
+from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
+from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
 
 __all__ = [
     "Backend",
+    "DEFAULT_TUNING",
+    "KernelTuning",
     "ResolveError",
     "ResolveErrorCode",
     "copy_blocks",
@@ -41,11 +46,12 @@ def _kernels(device: torch.device, backend: str):
         if backend == "cuda":
             raise ValueError(f"ops backend 'cuda' needs CUDA index tensors, got {device}")
         return None
-    kernels = _extension.cuda_ops()
-    if kernels is None and backend == "cuda":
+    if _extension.warn_if_unavailable():
+        return cuda
+    if backend == "cuda":
         raise RuntimeError("ops backend 'cuda' was requested but the CUDA kernels are not "
-                           "available: " + (_extension.load()[1] or "see the log"))
-    return kernels
+                           "available: " + (_extension.data_plane_error() or "see the log"))
+    return None
 
 
 def _check_zero_copy_sources(layers: Sequence[torch.Tensor], device: torch.device,
@@ -60,21 +66,26 @@ def _check_zero_copy_sources(layers: Sequence[torch.Tensor], device: torch.devic
             raise ValueError(f"{name}[{i}] is on {t.device}, the indices on {device}")
 
 
-def _resolve(backend: str, topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-             block_size, out_rows, miss_src, miss_dst, miss_count, stats=None) -> None:
+def _resolve(backend: str, tuning: KernelTuning, topk, token_rows, residency, host_blocks,
+             hot_blocks, slot_pos, lru, block_size, out_rows, miss_src, miss_dst, miss_count,
+             stats=None) -> None:
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
                                lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
     kernels = _kernels(topk.device, backend)
-    if kernels is not None and _checks.value_checks_enabled():  # the reference always checks
+    if kernels is None:
+        reference._resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks,
+                                     slot_pos, lru, block_size, out_rows, miss_src, miss_dst,
+                                     miss_count, stats)
+        return
+    if _checks.value_checks_enabled():  # the reference always checks
         _checks.check_resolve_values(topk, token_rows, residency, host_blocks, hot_blocks,
                                      slot_pos, lru, block_size)
-    impl = kernels.resolve if kernels is not None else reference._resolve_unchecked
-    impl(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
-         out_rows, miss_src, miss_dst, miss_count, stats)
+    kernels.resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
+                    block_size, out_rows, miss_src, miss_dst, miss_count, stats, tuning=tuning)
 
 
-def _copy(name: str, check, backend: str, src_layers, dst_layers, ids: torch.Tensor,
-          *rest) -> None:
+def _copy(name: str, check, backend: str, tuning: KernelTuning, src_layers, dst_layers,
+          ids: torch.Tensor, *rest) -> None:
     """Shared dispatch of the copy ops: checks, then kernel or reference twin ``name``."""
     check(src_layers, dst_layers, ids, *rest)
     kernels = _kernels(ids.device, backend)
@@ -85,52 +96,61 @@ def _copy(name: str, check, backend: str, src_layers, dst_layers, ids: torch.Ten
         _checks.COPY_VALUE_CHECKS[name](src_layers, dst_layers, ids, *rest)
     _check_zero_copy_sources(src_layers, ids.device, "src_layers")
     _check_zero_copy_sources(dst_layers, ids.device, "dst_layers")
-    getattr(kernels, name)(src_layers, dst_layers, ids, *rest)
+    getattr(kernels, name)(src_layers, dst_layers, ids, *rest, tuning=tuning)
 
 
-def _gather_rows(backend: str, src_layers, dst_layers, miss_src, miss_dst, miss_count) -> None:
-    _copy("gather_rows", _checks.check_gather_args, backend, src_layers, dst_layers, miss_src,
-          miss_dst, miss_count)
+def _gather_rows(backend: str, tuning: KernelTuning, src_layers, dst_layers, miss_src,
+                 miss_dst, miss_count) -> None:
+    _copy("gather_rows", _checks.check_gather_args, backend, tuning, src_layers, dst_layers,
+          miss_src, miss_dst, miss_count)
 
 
-def _copy_blocks(backend: str, src_layers, dst_layers, src_blocks, dst_blocks,
-                 block_size) -> None:
-    _copy("copy_blocks", _checks.check_block_copy_args, backend, src_layers, dst_layers,
+def _copy_blocks(backend: str, tuning: KernelTuning, src_layers, dst_layers, src_blocks,
+                 dst_blocks, block_size) -> None:
+    _copy("copy_blocks", _checks.check_block_copy_args, backend, tuning, src_layers, dst_layers,
           src_blocks, dst_blocks, block_size)
 
 
-def _mirror_rows(backend: str, src_layers, dst_layers, src_rows, dst_rows) -> None:
-    _copy("mirror_rows", _checks.check_row_copy_args, backend, src_layers, dst_layers, src_rows,
-          dst_rows)
+def _mirror_rows(backend: str, tuning: KernelTuning, src_layers, dst_layers, src_rows,
+                 dst_rows) -> None:
+    _copy("mirror_rows", _checks.check_row_copy_args, backend, tuning, src_layers, dst_layers,
+          src_rows, dst_rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """The four ops bound to one backend name; see :func:`select`."""
+    """The four ops bound to one backend name and one kernel tuning; see :func:`select`."""
 
     name: str
+    tuning: KernelTuning
     resolve: Callable[..., None]
     gather_rows: Callable[..., None]
     copy_blocks: Callable[..., None]
     mirror_rows: Callable[..., None]
 
 
-def select(backend: str = "auto") -> Backend:
+def select(backend: str = "auto", **tuning) -> Backend:
     """The ops bound to ``backend``: ``"auto"`` (CUDA kernels for CUDA tensors when built,
     else reference), ``"cuda"`` (kernels or a clear error) or ``"reference"`` (always the
-    pure-torch twins, on any device)."""
+    pure-torch twins, on any device).
+
+    ``tuning``: fields of :class:`KernelTuning` for the CUDA launches of this backend
+    (``resolve_threads``, ``max_tokens_per_request``, ``copy_rows_per_warp``,
+    ``copy_ctas_per_sm``, ``copy_pair_major``); omitted fields keep their measured defaults.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"ops backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    kernel_tuning = KernelTuning.from_options(tuning) if tuning else DEFAULT_TUNING
 
     def bind(fn):
         def bound(*args, **kwargs):
-            return fn(backend, *args, **kwargs)
+            return fn(backend, kernel_tuning, *args, **kwargs)
         twin = getattr(reference, fn.__name__.lstrip("_"))
         functools.update_wrapper(bound, twin)  # name, docstring and signature of the twin
         return bound
 
-    return Backend(backend, bind(_resolve), bind(_gather_rows), bind(_copy_blocks),
-                   bind(_mirror_rows))
+    return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
+                   bind(_copy_blocks), bind(_mirror_rows))
 
 
 _auto = select("auto")

@@ -1,4 +1,8 @@
-"""Loads the optional CUDA extension ``vllm_hisparse._C`` once, and says once if it is missing."""
+"""Loads the optional CUDA extension ``vllm_hisparse._C`` once, and says once if it is missing.
+
+This module imports nothing of the package: :mod:`vllm_hisparse.ops.cuda` and the op dispatch
+in :mod:`vllm_hisparse.ops` depend on it, never the other way round.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +23,23 @@ def load() -> tuple[ModuleType | None, str]:
     return _C, ""
 
 
-@functools.cache
-def cuda_ops() -> ModuleType | None:
-    """``vllm_hisparse.ops.cuda`` when the extension provides the kernels, else None.
-
-    The first call that finds no kernels logs one warning; later calls are silent.
-    """
+def data_plane_error() -> str:
+    """Why the data-plane kernels cannot run ("" when they can)."""
     module, why = load()
-    if module is not None:
-        try:
-            from vllm_hisparse.ops import cuda
-        except ImportError as exc:
-            why = f"vllm_hisparse.ops.cuda could not be imported ({exc})"
-        else:
-            available = getattr(cuda, "available", None)
-            if available is None or available():
-                return cuda
-            why = "vllm_hisparse._C was built without the data-plane kernels"
-    logger.warning("%s; CUDA tensors are handled by the pure-torch reference ops "
-                   "(correct but slow)", why)
-    return None
+    if module is None:
+        return why
+    if not getattr(module, "has_data_plane", False):
+        return "vllm_hisparse._C was built without the data-plane kernels"
+    return ""
+
+
+@functools.cache
+def warn_if_unavailable() -> bool:
+    """True when the data-plane kernels can run. The first call that finds them missing logs
+    one warning; later calls are silent."""
+    why = data_plane_error()
+    if why:
+        logger.warning("%s; CUDA tensors are handled by the pure-torch reference ops "
+                       "(correct but slow)", why)
+        return False
+    return True

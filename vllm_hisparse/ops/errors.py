@@ -59,8 +59,9 @@ _TEMPLATES = {
         "token_rows holds state row {a}, outside [-1, {b})",
     ResolveErrorCode.UNION_CAPACITY:
         "state row {row} has {a} selections whose distinct positions overflow the CUDA "
-        "kernel's hash of {b} entries; raise vllm_hisparse.ops.cuda.set_max_tokens_per_request "
-        "to the largest number of query tokens per request",
+        "kernel's hash of {b} entries; raise max_tokens_per_request of the ops backend "
+        "(vllm_hisparse.ops.select(..., max_tokens_per_request=N)) to the largest number of "
+        "query tokens per request",
     ResolveErrorCode.CORRUPT_LRU:
         "lru of state row {row} holds {a}, outside [0, {b}): hot state is corrupt",
     ResolveErrorCode.DUPLICATE_LRU_SLOT:

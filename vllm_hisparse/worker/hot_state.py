@@ -114,11 +114,12 @@ class HotState:
         hot_slots: D, hot rows per request, a multiple of ``block_size`` and at most 32768.
         block_size: rows per page.
         device: where the tables live (the GPU in production, CPU in tests).
-        ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"``.
+        ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"``, or an :class:`ops.Backend`
+            (:func:`ops.select` with kernel tuning).
     """
 
     def __init__(self, num_state_rows: int, max_pages: int, hot_slots: int, block_size: int,
-                 device: torch.device | str = "cpu", *, ops_backend: str = "auto"):
+                 device: torch.device | str = "cpu", *, ops_backend: str | ops.Backend = "auto"):
         if hot_slots <= 0 or hot_slots % block_size:
             raise ValueError(f"HotState: hot_slots must be a positive multiple of block_size "
                              f"({block_size}), got {hot_slots}")
@@ -130,7 +131,7 @@ class HotState:
         self.block_size = block_size
         self.hot_blocks_per_request = hot_slots // block_size
         self.device = torch.device(device)
-        self._ops = ops.select(ops_backend)
+        self._ops = ops_backend if isinstance(ops_backend, ops.Backend) else ops.select(ops_backend)
         i32 = dict(dtype=torch.int32, device=self.device)
         self.residency = torch.full((num_state_rows, max_pages), -1, **i32)
         self.host_blocks = torch.full((num_state_rows, max_pages), -1, **i32)
@@ -367,7 +368,7 @@ class GroupGather:
             self._side_kernel(self.host_layers[start:end], self.device_layers[start:end],
                               result.miss_src, result.miss_dst, result.miss_count,
                               rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm,
-                              max_ctas=self.side_max_ctas)
+                              max_ctas=self.side_max_ctas, tuning=self.hot_state._ops.tuning)
         else:
             self.hot_state._ops.gather_rows(self.host_layers[start:end],
                                             self.device_layers[start:end], result.miss_src,

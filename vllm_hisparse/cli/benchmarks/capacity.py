@@ -61,6 +61,7 @@ import time
 
 import torch
 
+from vllm_hisparse import ops
 from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_path,
                                     positive_float, positive_int)
 from vllm_hisparse.cli.memory import check_fits_in_memory
@@ -293,12 +294,16 @@ def run_context(plan: dict, device_kv, host_pool: HostPool, weights, group_layer
         token_rows = torch.arange(b, dtype=torch.int32, device=dev)
         host_layers = [l[:b * pages * bs] for l in host_pool.layers]
 
+        # the ops with the gather tuning of --rows-per-warp / --ctas-per-sm
+        backend = ops.select(a.ops_backend, copy_rows_per_warp=a.rows_per_warp,
+                             copy_ctas_per_sm=a.ctas_per_sm)
+
         def fresh_states() -> list[HotState]:
             """One state per index group; every group leases the same hot blocks (a device
             block holds every layer's page, each group fills its own layers' rows)."""
             states = []
             for _ in groups:
-                state = HotState(b, pages, hot_rows, bs, dev, ops_backend=a.ops_backend)
+                state = HotState(b, pages, hot_rows, bs, dev, ops_backend=backend)
                 for r, hot in leases:
                     state.lease_hot_region(r, hot)
                 state.set_pages(rows_idx, pages_idx, blocks)
@@ -465,9 +470,6 @@ def main(argv=None) -> int:
     device_kv = [torch.randint(0, 256, (rows_per_layer, a.row_bytes), dtype=torch.uint8,
                                device=device) for _ in range(a.layers)]
     host_blocks = int(a.host_gib * GIB) // (a.layers * a.block_size * a.row_bytes)
-    if device == "cuda" and (a.rows_per_warp or a.ctas_per_sm):
-        from vllm_hisparse.ops import cuda as cuda_ops
-        cuda_ops.set_copy_tuning(a.rows_per_warp, a.ctas_per_sm)
     t0 = time.perf_counter()
     pool_kwargs = {} if a.layout is None else dict(layout=a.layout)
     host_pool = HostPool(a.layers, host_blocks, a.block_size, a.row_bytes, **pool_kwargs)

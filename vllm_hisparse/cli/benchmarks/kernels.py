@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import sys
@@ -33,11 +34,17 @@ import time
 
 import torch
 
-from vllm_hisparse.ops import cuda as cuda_ops
-from vllm_hisparse.ops import reference
+from vllm_hisparse.ops import probe, reference
+from vllm_hisparse.ops.tuning import KernelTuning
 
 DEV = torch.device("cuda")
 RESULTS: dict = {}
+#: The general kernel alone for every request (the path the fast path hands over to): the
+#: production kernel, launched through the probe API.
+GENERAL_ONLY = functools.partial(probe.resolve, general_only=True)
+#: Shared memory planned for one token per request.
+ONE_TOKEN_PLAN = functools.partial(probe.resolve,
+                                   tuning=KernelTuning(max_tokens_per_request=1))
 
 
 def log(*a):
@@ -138,10 +145,9 @@ def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True,
     state of set i, (flush L2), resolve set i] minus the same graph without the resolves,
     each the median of 7 replays timed with events. `steady`: one untimed replay and a
     ~30 ms spin before each series, so that the GPU clocks are at their working level.
-    `launch`: the resolve to time, called with `resolve_args(set)` (default: the CUDA op;
-    benchmarks/proto_resolve_cluster.py times its prototype with it)."""
-    ours = launch is None
-    launch = cuda_ops.resolve if ours else launch
+    `launch`: the resolve to time, called with `resolve_args(set)` (default: the production
+    kernel; GENERAL_ONLY, ONE_TOKEN_PLAN or a probe.resolve partial with a stop point)."""
+    launch = probe.resolve if launch is None else launch
 
     def build(with_resolve):
         for s in sets:  # warm-up outside capture (module load, smem opt-in)
@@ -181,23 +187,23 @@ def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True,
     t1 = replay_us(g1)
     t0 = replay_us(g0)
     del g1, g0
-    if ours:
-        cuda_ops.check_errors()
+    probe.check_errors()
     return max(0.0, (t1 - t0) / iters)
 
 
-def _reset(s):
+def reset_hot_state(s):
+    """Restore the set's slot_pos and lru to their state before any launch."""
     s["slot_pos"].copy_(s["slot_pos0"])
     s["lru"].copy_(s["lru0"])
 
 
-def _check_resolve(sets, B, miss):
-    """One plain launch of set 0 (after any debug setting is cleared): exact miss count."""
+def check_resolve(sets, B, miss):
+    """One production launch of set 0: exact miss count."""
     s = sets[0]
-    _reset(s)
-    cuda_ops.resolve(*resolve_args(s))
+    reset_hot_state(s)
+    probe.resolve(*resolve_args(s))
     torch.cuda.synchronize()
-    cuda_ops.check_errors()
+    probe.check_errors()
     got = int(s["miss_count"].sum())
     assert got == round(2048 * miss) * B, (got, miss, B)
 
@@ -209,14 +215,14 @@ def resolve_phase_stamps(B: int, reps: int = 9, steady: bool = True) -> dict:
              "misses+writes"]
     sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
     s = sets[0]
-    dt = torch.zeros(10, dtype=torch.int64, device=DEV)
+    dt = torch.zeros(probe.NUM_TIMES, dtype=torch.int64, device=DEV)
     acc = []
     for _ in range(reps):
-        _reset(s)
+        reset_hot_state(s)
         if steady:
             spin_clocks(10.0)
         flush_l2()
-        cuda_ops._resolve(*resolve_args(s), debug_times=dt)
+        probe.resolve(*resolve_args(s), times=dt)
         torch.cuda.synchronize()
         v = dt.tolist()
         acc.append([(v[i + 1] - v[i]) / 1000.0 for i in range(6)] + [(v[6] - v[0]) / 1000.0]
@@ -242,26 +248,19 @@ def bench_resolve(quick: bool):
                     # the bench's earlier method: no untimed replay, no spin (idle clocks)
                     row["us_idle_clocks"] = graph_time_resolve(sets, flush=True, iters=iters,
                                                                steady=False)
-                    cuda_ops._set_resolve_debug(variant=2)
-                    try:
-                        row["us_general_idle_clocks"] = graph_time_resolve(
-                            sets, flush=True, iters=iters, steady=False)
-                    finally:
-                        cuda_ops._set_resolve_debug()
+                    row["us_general_idle_clocks"] = graph_time_resolve(
+                        sets, flush=True, iters=iters, steady=False, launch=GENERAL_ONLY)
                 if miss == 0.05:
                     # shared memory planned for 1 token per request, and the general kernel
-                    cuda_ops.set_max_tokens_per_request(1)
-                    row["us_1tok"] = graph_time_resolve(sets, flush=True, iters=iters)
-                    cuda_ops.set_max_tokens_per_request(4)
-                    cuda_ops._set_resolve_debug(variant=2)
-                    try:
-                        row["us_general"] = graph_time_resolve(sets, flush=True, iters=iters)
-                        row["us_general_warm_l2"] = graph_time_resolve(sets, flush=False,
-                                                                       iters=iters)
-                    finally:
-                        cuda_ops._set_resolve_debug()
+                    row["us_1tok"] = graph_time_resolve(sets, flush=True, iters=iters,
+                                                        launch=ONE_TOKEN_PLAN)
+                    row["us_general"] = graph_time_resolve(sets, flush=True, iters=iters,
+                                                           launch=GENERAL_ONLY)
+                    row["us_general_warm_l2"] = graph_time_resolve(sets, flush=False,
+                                                                   iters=iters,
+                                                                   launch=GENERAL_ONLY)
                 rows.append(row)
-                _check_resolve(sets, B, miss)
+                check_resolve(sets, B, miss)
                 del sets
     RESULTS["resolve"] = rows
     log("cold = L2 flushed before each launch; warm = not flushed; max_tokens_per_request 4 "
@@ -293,14 +292,11 @@ def bench_resolve(quick: bool):
     for B in (1, 64, 256):
         sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=4)
         vals = {}
-        try:
-            for stop in (1, 2, 3, 4, 5, 0):
-                cuda_ops._set_resolve_debug(stop=stop)
-                vals[stops[stop - 1]] = graph_time_resolve(sets, flush=True, iters=iters)
-        finally:
-            cuda_ops._set_resolve_debug()
+        for stop in (1, 2, 3, 4, 5, 0):
+            vals[stops[stop - 1]] = graph_time_resolve(
+                sets, flush=True, iters=iters, launch=functools.partial(probe.resolve, stop=stop))
         cum[f"batch{B}"] = vals
-        _check_resolve(sets, B, 0.05)
+        check_resolve(sets, B, 0.05)
         del sets
         log(f"resolve to stop point, batch {B}, D 4096, miss 5%, cold (µs, cumulative): " +
             ", ".join(f"{k} {v:.1f}" for k, v in vals.items()))
@@ -315,7 +311,8 @@ def bench_resolve(quick: bool):
             f"{'after a spin' if steady else 'no spin'} (µs; SM MHz): " +
             ", ".join(f"{k} {v:.2f}" for k, v in phases[key].items()))
     RESULTS["resolve_phases"] = phases
-    info = {str(tok): cuda_ops._module().resolve_launch_info(64, 2048, 4096, 64, tok, 0, 2048)
+    info = {str(tok): probe.launch_info(64, 2048, 4096, 64, 2048,
+                                        tuning=KernelTuning(max_tokens_per_request=tok))
             for tok in (1, 4)}
     RESULTS["resolve_launch_info_D4096"] = info
     log("launch info (T=64, K=2048, D=4096, P=2048):", info)
@@ -328,7 +325,7 @@ def bench_resolve(quick: bool):
         t0 = time.perf_counter()
         n = 3
         for _ in range(n):
-            _reset(s)
+            reset_hot_state(s)
             reference.resolve(*resolve_args(s))
         torch.cuda.synchronize()
         us = (time.perf_counter() - t0) / n * 1e6
@@ -338,14 +335,14 @@ def bench_resolve(quick: bool):
 
 
 def profile_resolve(B: int, launches: int = 4) -> None:
-    """A few resolve launches of one batch (for `ncu -k regex:resolve_kernel`)."""
+    """A few resolve launches of one batch (for `ncu -k regex:resolve_`)."""
     sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=1)
     s = sets[0]
     for _ in range(launches):
-        _reset(s)
-        cuda_ops.resolve(*resolve_args(s))
+        reset_hot_state(s)
+        probe.resolve(*resolve_args(s))
     torch.cuda.synchronize()
-    cuda_ops.check_errors()
+    probe.check_errors()
 
 
 # --------------------------------------------------------------------------------------
@@ -372,14 +369,11 @@ def gather_gbps(src_layers, dst_layers, n_rows, row_bytes, reps, rpw=None, cps=N
     src_rows = src_layers[0].shape[0] if span_rows is None else span_rows
     dst_rows = dst_layers[0].shape[0]
     ps = [plan_for(n_rows, 2048, src_rows, dst_rows, g, contiguous) for _ in range(plans)]
+    tuning = KernelTuning(copy_rows_per_warp=rpw or 0, copy_ctas_per_sm=cps or 0)
 
     def fn(i):
         s, d, c = ps[i % len(ps)]
-        if rpw is None:
-            cuda_ops.gather_rows(src_layers, dst_layers, s, d, c)
-        else:
-            cuda_ops.gather_rows_tuned(src_layers, dst_layers, s, d, c, rows_per_warp=rpw,
-                                       ctas_per_sm=cps)
+        probe.gather_rows(src_layers, dst_layers, s, d, c, tuning=tuning)
 
     fn(0)
     us = time_events(fn, reps, flush=True)
@@ -473,8 +467,8 @@ def bench_copies(quick: bool):
         sb = torch.randperm(4096, device=DEV)[:n].to(torch.int32)
         db = torch.randperm(4096, device=DEV)[:n].to(torch.int32)
         nbytes = n * bs * row_bytes * L
-        spill = time_events(lambda i: cuda_ops.copy_blocks(dev, host, sb, db, bs), 10)
-        restore = time_events(lambda i: cuda_ops.copy_blocks(host, dev, db, sb, bs), 10)
+        spill = time_events(lambda i: probe.copy_blocks(dev, host, sb, db, bs), 10)
+        restore = time_events(lambda i: probe.copy_blocks(host, dev, db, sb, bs), 10)
         sbl, dbl = sb.tolist(), db.tolist()
 
         def dma(i, src=dev, dst=host, a=sbl, b=dbl):
@@ -499,7 +493,7 @@ def bench_copies(quick: bool):
     hostm = [torch.empty((8192, row_bytes), dtype=torch.uint8).pin_memory() for _ in range(Lm)]
     sr = torch.randperm(8192, device=DEV)[:256].to(torch.int32)
     dr = torch.randperm(8192, device=DEV)[:256].to(torch.int32)
-    us = time_events(lambda i: cuda_ops.mirror_rows(devm, hostm, sr, dr), 10)
+    us = time_events(lambda i: probe.mirror_rows(devm, hostm, sr, dr), 10)
     res["mirror_256x61"] = dict(us=us, gbps=256 * Lm * row_bytes / us / 1e3)
     log(f"mirror 256 rows x 61 layers: {us:.1f} µs ({res['mirror_256x61']['gbps']:.1f} GB/s)")
     RESULTS["copies"] = res
@@ -549,7 +543,7 @@ def bench_huge_pages(quick: bool):
     log(f"transparent_hugepage: {thp}; nr_hugepages: {nr}")
     for mode in ("4k", "thp", "hugetlb"):
         t0 = time.perf_counter()
-        a = cuda_ops.host_alloc_registered(nbytes, mode)
+        a = probe.host_alloc_registered(nbytes, mode)
         alloc_s = time.perf_counter() - t0
         if not a["ptr"]:
             res[mode] = dict(ok=False, message=a["message"])
@@ -573,7 +567,7 @@ def bench_huge_pages(quick: bool):
             f"16K rows {gbs[16384]:.1f} GB/s, 128K rows {gbs[131072]:.1f} GB/s; 16K rows within "
             + ", ".join(f"{k} MiB {v:.1f}" for k, v in spans.items()))
         del host, arr
-        cuda_ops.host_free_registered(a["ptr"], a["bytes"])
+        probe.host_free_registered(a["ptr"], a["bytes"])
     RESULTS["huge_pages"] = res
 
 
@@ -607,9 +601,9 @@ def bench_layout(quick: bool):
     bs = 64
     pool_bytes = 24 << 30
     t0 = time.perf_counter()
-    a = cuda_ops.host_alloc_registered(pool_bytes, "thp")
+    a = probe.host_alloc_registered(pool_bytes, "thp")
     if not a["ptr"]:
-        a = cuda_ops.host_alloc_registered(pool_bytes, "4k")
+        a = probe.host_alloc_registered(pool_bytes, "4k")
     if not a["ptr"]:
         raise RuntimeError(f"could not register 24 GiB: {a['message']}")
     import ctypes
@@ -650,10 +644,10 @@ def bench_layout(quick: bool):
                     views, ids = layout_views(buf, layout, L, H, row_bytes, bs)
                     ps = [(ids(p).to(torch.int32).view(N // K, K), d) for p, d in plans]
 
-                    def fn(i, views=views, ps=ps, pm=pair_major, rpw=0, cps=0):
+                    def fn(i, views=views, ps=ps,
+                           tuning=KernelTuning(copy_pair_major=pair_major)):
                         s, d = ps[i % len(ps)]
-                        cuda_ops.gather_rows_tuned(views, dst, s, d, count, rows_per_warp=rpw,
-                                                   ctas_per_sm=cps, pair_major=pm)
+                        probe.gather_rows(views, dst, s, d, count, tuning=tuning)
 
                     fn(0)
                     us = time_events(fn, reps, flush=False)
@@ -685,7 +679,7 @@ def bench_layout(quick: bool):
     finally:
         RESULTS["layout"] = res
         del buf, arr
-        cuda_ops.host_free_registered(a["ptr"], a["bytes"])
+        probe.host_free_registered(a["ptr"], a["bytes"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -696,9 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated subset of resolve,gather,copies,huge,layout")
     ap.add_argument("--profile-resolve", type=int, metavar="BATCH",
                     help="only run 4 resolve launches of this batch (D 4096, miss 5 %%) for a "
-                         "profiler, e.g. ncu -k regex:resolve_kernel --launch-skip 3")
+                         "profiler, e.g. ncu -k regex:resolve_ --launch-skip 3")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or not cuda_ops.available():
+    if not torch.cuda.is_available() or not probe.available():
         print("bench_kernels: needs a CUDA device and the compiled extension", file=sys.stderr)
         return 2
     if args.profile_resolve:

@@ -1,7 +1,7 @@
 // resolve (DESIGN.md §4.1): one CTA per request maps its logical top-k positions to device
 // rows, updates the hot-slot LRU and writes the miss plan. See docs/kernels.md.
 //
-// resolve_kernel (the kernel) of the leading CTA of a request (the CTA of its first token; the
+// resolve_general_kernel of the leading CTA of a request (the CTA of its first token; the
 // CTAs of its other tokens exit at once, the CTA of a padding token writes -1 / 0 and exits):
 //   entry  two dependent global round trips: (1) selections (8 per thread in registers),
 //          token_rows around t; (2) slot_pos and the lru chunk into registers, the hot_blocks,
@@ -17,27 +17,23 @@
 // writes out_rows = -1 and miss_count = 0 for its tokens and leaves slot_pos, lru and stats
 // untouched; the first error of the launch is recorded.
 //
-// resolve_fast_kernel (the default launch, resolve_fast.cuh) runs a leaner path for requests of
-// one token and hands every other request to this kernel's code, resolve_general.
+// SPT: LRU entries (slots) per thread; THREADS: CTA size; Probe: NoProbe in production
+// (resolve_probe.cuh).
+#pragma once
+
 #include <climits>
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
 #include "hisparse_ops.h"
+#include "resolve_common.cuh"
+#include "resolve_probe.cuh"
 
-namespace hisparse {
-namespace {
+namespace hisparse::resolve_detail {
 
-constexpr int kMaxWarps = 32;
 constexpr unsigned long long kNoError = ~0ull;
-constexpr int kMaxDevices = 64;
-constexpr int kMaxHotBlocksSmem = 4096;  // hot_blocks row staged in shared memory up to this
 constexpr int kHashSpread = 4;  // a request's hash part: up to 4 entries per reference (<= C)
-// Dynamic shared memory per CTA: the Hopper opt-in (227 KiB) less room for the static control
-// blocks (~2.5 KiB).
-constexpr long long kSmemBudget = 227LL * 1024 - 3 * 1024;
-constexpr int kMaxStagePages = 8192;  // residency + host_blocks rows staged up to this P
 
 // Error candidates of one CTA: atomicMin over (priority, key, detail) picks the error the
 // reference twin would raise first (its check order, then first-reference order).
@@ -48,51 +44,6 @@ enum Priority : unsigned {
   kPrioDuplicate = 3,
   kPrioHotBlock = 4,
 };
-
-__device__ __forceinline__ int hash_index(int key, int cap) {
-  return static_cast<int>(__umulhi(static_cast<unsigned>(key) * 0x9E3779B1u,
-                                   static_cast<unsigned>(cap)));
-}
-
-// Inclusive sum of v over the lanes of a warp (all 32 lanes call).
-__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += n;
-  }
-  return v;
-}
-
-// L2 prefetch of a row that is read by scattered gathers (not staged).
-__device__ __forceinline__ void prefetch_l2(const void* base, long long bytes) {
-  const char* p = static_cast<const char*>(base);
-  const long long lines = bytes < (64 << 10) ? (bytes + 127) / 128 : (64 << 10) / 128;
-  for (long long i = threadIdx.x; i < lines; i += blockDim.x) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i * 128));
-  }
-}
-
-// First error of the launch wins the device word; the winner mirrors the record into
-// pinned host memory (details first, code last) so the host can poll it without any copy.
-__device__ __forceinline__ void record_error_impl(int32_t* error, int32_t* error_host, int code,
-                                                  int row, int a, int b) {
-  if (atomicCAS(error, 0, code) == 0) {
-    error[1] = row;
-    error[2] = a;
-    error[3] = b;
-    if (error_host != nullptr) {
-      volatile int32_t* h = error_host;
-      h[1] = row;
-      h[2] = a;
-      h[3] = b;
-      __threadfence_system();
-      h[0] = code;
-      __threadfence_system();
-    }
-  }
-}
-#define record_error(err, ...) record_error_impl(err, p.error_host, __VA_ARGS__)
 
 // Fill -1 / 0 for refs [base, base+n) and tokens [t0, t0+ntok).
 __device__ __forceinline__ void fail_request(const ResolveParams& p, long long base, int n, int t0, int ntok) {
@@ -110,34 +61,30 @@ __device__ __forceinline__ void report_err(const ResolveParams& p, unsigned long
   const int bs = p.block_size;
   switch (prio) {
     case kPrioPosition:
-      record_error(p.error, kErrPositionOutOfRange, row, detail, p.num_pages * bs);
+      record_error(p, kErrPositionOutOfRange, row, detail, p.num_pages * bs);
       break;
     case kPrioNoHost:
-      record_error(p.error, kErrNoHostBlock, row, detail, detail / bs);
+      record_error(p, kErrNoHostBlock, row, detail, detail / bs);
       break;
     case kPrioDuplicate:
-      record_error(p.error, kErrDuplicateSlot, row, __ldg(&p.topk[base + key]), detail);
+      record_error(p, kErrDuplicateSlot, row, __ldg(&p.topk[base + key]), detail);
       break;
     case kPrioHotBlock:
-      record_error(p.error, kErrHotBlockMissing, row, detail, __ldg(&p.topk[base + key]));
+      record_error(p, kErrHotBlockMissing, row, detail, __ldg(&p.topk[base + key]));
       break;
     default:
       break;
   }
 }
 
-// =========================================================================================
-// resolve_kernel: two dependent global round trips, then shared memory and registers only.
-// =========================================================================================
-
 constexpr int kRefsInRegs = 8;   // selections per thread kept in registers (one "chunk")
 constexpr int kLookahead = 4;    // tokens after t read at entry to size the run without a scan
 constexpr unsigned long long kEmptyEntry = ~0ull;
 constexpr unsigned kResidentRef = 0x80000000u;  // in an entry's ref word (stats mode only)
 
-// Control block of the fast kernel. Per-warp partials instead of counters that need an
+// Control block of the general path. Per-warp partials instead of counters that need an
 // initialising barrier; the scan buffers are double-buffered across chunk rounds.
-struct Ctl2 {
+struct GeneralCtl {
   int run[3][kMaxWarps];  // per warp: run end, first earlier token, last later token
   int n_host;
   int n_res;
@@ -146,8 +93,8 @@ struct Ctl2 {
   int cap_flag;
   int corrupt_flag;
   int victim_flag;
-  unsigned long long err;   // classify errors (position, host block)
-  unsigned long long err2;  // hit / victim errors (duplicate slot, hot block)
+  unsigned long long classify_err;  // position, host block
+  unsigned long long hit_err;       // hit / victim errors (duplicate slot, hot block)
   int hits[kMaxWarps];                          // LRU hit counts per warp
   int misses[2][kRefsInRegs][kMaxWarps];        // first-reference misses per (u, warp)
 };
@@ -203,46 +150,13 @@ __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned pri
   atomicMin(err, v);
 }
 
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// Copy n int32 from global to shared without registers (16-byte pieces when both sides allow).
-__device__ __forceinline__ void stage_row(int* dst, const int32_t* src, int n) {
-  if ((n & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0 &&
-      (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) cp_async16(dst + i, src + i);
-  } else {
-    for (int i = threadIdx.x; i < n; i += blockDim.x) cp_async4(dst + i, src + i);
-  }
-}
-
-// Debug timing (benchmarks only): thread 0 of CTA 0 stamps %globaltimer (ns) at phase ends
-// 0..6, and clock64 at stamps 0 and 6 into [7] and [8] (the SM clock during the launch).
-__device__ __forceinline__ void mark_time2(const ResolveParams& p, int phase) {
-  if (p.debug_times != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    p.debug_times[phase] = t;
-    if (phase == 0) p.debug_times[7] = clock64();
-    if (phase == 6) p.debug_times[8] = clock64();
-  }
-}
-
-// The general path: any run length, any K and D, every error. resolve_kernel runs it for a
-// whole launch; resolve_fast_kernel hands it the requests that its fast path does not take.
-template <int SPT, int THREADS>
-__device__ __forceinline__ void resolve_general(const ResolveParams& p) {
+// The general path: any run length, any K and D, every error. resolve_general_kernel runs it
+// for a whole launch; resolve_fast_kernel hands it the requests that its fast path does not
+// take.
+template <int SPT, int THREADS, class Probe>
+__device__ __forceinline__ void resolve_general(const ResolveParams& p, const Probe& probe) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ Ctl2 s;
+  __shared__ GeneralCtl s;
   constexpr int nwarps = THREADS >> 5;
   constexpr int CH = kRefsInRegs * THREADS;  // selections per chunk
   // slot_pos values for hit marking are loaded at entry when they fit in registers
@@ -258,7 +172,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
   const int bs = p.block_size;
   const int bs_shift = (bs & (bs - 1)) == 0 ? __ffs(bs) - 1 : -1;
   const long long base = static_cast<long long>(t) * K;
-  if (p.debug_stop == 1) return;
+  if (probe.stops_at(1)) return;
 
   // ---- round trip 1: everything that does not depend on the state row -------------------
   // This token's selections (chunk 0, registers), the state row, the previous token's row,
@@ -287,7 +201,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
   if (t > 0 && prev == row) return;  // not the first token of its run
 
   // ---- round trip 2: the request's rows -----------------------------------------------------
-  mark_time2(p, 0);
+  probe.mark(0);
   const bool row_ok = row >= 0 && row < p.num_rows;
   const long long row_p = static_cast<long long>(row) * p.num_pages;
   const long long row_d = static_cast<long long>(row) * D;
@@ -396,8 +310,8 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     s.cap_flag = 0;
     s.corrupt_flag = 0;
     s.victim_flag = 0;
-    s.err = kNoError;
-    s.err2 = kNoError;
+    s.classify_err = kNoError;
+    s.hit_err = kNoError;
   }
   // Contiguity scan of token_rows (per-warp partials; reduced after the barrier).
   {
@@ -418,7 +332,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     }
   }
   cp_async_wait_all();
-  mark_time2(p, 1);
+  probe.mark(1);
   __syncthreads();  // ---- B1: staged rows, hash part, control block, run partials ---------
 
   int run_end, first_other, last_same;
@@ -433,13 +347,13 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
   const int N = ntok * K;
   if (!row_ok) {
     fail_request(p, base, N, t, ntok);
-    if (tid == 0) record_error(p.error, kErrStateRowOutOfRange, -1, row, p.num_rows);
+    if (tid == 0) record_error(p, kErrStateRowOutOfRange, -1, row, p.num_rows);
     return;
   }
   if (first_other != INT_MAX || last_same >= run_end) {
     fail_request(p, base, N, t, ntok);
     if (tid == 0 && first_other != INT_MAX)
-      record_error(p.error, kErrNotContiguous, row, t, first_other);
+      record_error(p, kErrNotContiguous, row, t, first_other);
     return;
   }
   const int n0 = N < CH ? N : CH;  // selections of chunk 0
@@ -451,7 +365,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       if (i >= n_pre && i < n0) ref[u] = __ldg(&p.topk[base + i]);
     }
   }
-  if (p.debug_stop == 2) return;
+  if (probe.stops_at(2)) return;
 
   // ---- classify and insert ------------------------------------------------------------------
   const long long npos = static_cast<long long>(p.num_pages) * bs;
@@ -492,7 +406,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       return -1;
     }
     if (q < -1 || q >= npos) {
-      submit_err(&s.err, kPrioPosition, i, q);
+      submit_err(&s.classify_err, kPrioPosition, i, q);
       return -1;
     }
     const int page = page_of(q);
@@ -509,7 +423,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       return -1;
     }
     if (hb < 0) {
-      submit_err(&s.err, kPrioNoHost, i, q);
+      submit_err(&s.classify_err, kPrioNoHost, i, q);
       return -1;
     }
     bool ins;
@@ -569,24 +483,24 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     if (my_host) atomicAdd(&s.n_host, my_host);
     if (my_res) atomicAdd(&s.n_res, my_res);
   }
-  mark_time2(p, 2);
+  probe.mark(2);
   __syncthreads();  // ---- B2: the hash is complete --------------------------------------------
 
   {
     const int n_host = s.n_host;
     if (s.cap_flag || n_host + s.n_res > p.union_capacity) {
       fail_request(p, base, N, t, ntok);
-      if (tid == 0) record_error(p.error, kErrUnionCapacity, row, N, p.union_capacity);
+      if (tid == 0) record_error(p, kErrUnionCapacity, row, N, p.union_capacity);
       return;
     }
-    if (s.err != kNoError) {
+    if (s.classify_err != kNoError) {
       fail_request(p, base, N, t, ntok);
-      report_err(p, s.err, row, base);
+      report_err(p, s.classify_err, row, base);
       return;
     }
     if (n_host > D) {
       fail_request(p, base, N, t, ntok);
-      if (tid == 0) record_error(p.error, kErrHotOverflow, row, n_host, D);
+      if (tid == 0) record_error(p, kErrHotOverflow, row, n_host, D);
       return;
     }
     if (n_host == 0) {  // fully resident (or empty): the hot state is never touched
@@ -597,7 +511,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       return;
     }
   }
-  if (p.debug_stop == 3) return;
+  if (probe.stops_at(3)) return;
 
   // ---- hit marking in slot order -----------------------------------------------------------
   {
@@ -615,10 +529,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
           if (old == -1) {
             first = true;
           } else {
-            submit_err(&s.err2, kPrioDuplicate, v, old);
-            submit_err(&s.err2, kPrioDuplicate, v, slot);
+            submit_err(&s.hit_err, kPrioDuplicate, v, old);
+            submit_err(&s.hit_err, kPrioDuplicate, v, slot);
           }
-          if (hot_block(slot) < 0) submit_err(&s.err2, kPrioHotBlock, v, slot);
+          if (hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, v, slot);
         }
       }
       const unsigned bits = __ballot_sync(0xffffffffu, hit);
@@ -655,14 +569,14 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       if (warp_hit_pos) atomicAdd(&s.n_hit_pos, warp_hit_pos);
     }
   }
-  mark_time2(p, 3);
+  probe.mark(3);
   __syncthreads();  // ---- B3: hitmask, slot_of of hits, counts --------------------------------
-  if (s.err2 != kNoError && static_cast<unsigned>(s.err2 >> 60) == kPrioDuplicate) {
+  if (s.hit_err != kNoError && static_cast<unsigned>(s.hit_err >> 60) == kPrioDuplicate) {
     fail_request(p, base, N, t, ntok);
-    report_err(p, s.err2, row, base);
+    report_err(p, s.hit_err, row, base);
     return;
   }
-  if (p.debug_stop == 4) return;
+  if (probe.stops_at(4)) return;
 
   const int H = s.n_hit_slots;
   const int E = D - H;
@@ -712,7 +626,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     const unsigned bal = __ballot_sync(0xffffffffu, (flags >> u) & 1u);
     if (lane == 0) s.misses[0][u][warp] = __popc(bal);
   }
-  mark_time2(p, 4);
+  probe.mark(4);
   __syncthreads();  // ---- B4: scan partials, corrupt flag ----------------------------------------
   if (s.corrupt_flag) {
     fail_request(p, base, N, t, ntok);
@@ -725,7 +639,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
           break;
         }
       }
-      record_error(p.error, kErrCorruptLru, row, bad, D);
+      record_error(p, kErrCorruptLru, row, bad, D);
     }
     return;
   }
@@ -808,9 +722,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     __syncthreads();
     rank_flags(fl, nu, buf, [&](int u, int m) { slot_of[hc[u]] = -2 - m; });
   }
-  mark_time2(p, 5);
+  probe.mark(5);
   __syncthreads();  // ---- B5: victims, miss ranks -----------------------------------------------
-  if (p.debug_stop == 5) return;
+  if (probe.stops_at(5)) return;
 
   // Walk the host-backed selections that missed: (selection, hash index) -> f(i, h, m).
   auto for_misses = [&](auto&& f) {
@@ -840,18 +754,18 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
       }
     }
   };
-  if (s.victim_flag || s.err2 != kNoError) {
+  if (s.victim_flag || s.hit_err != kNoError) {
     // A hit or a victim has no hot block: find the error the reference reports first
     // (hits were submitted during hit marking), write nothing.
     for_misses([&](int i, int h, int m) {
       if (static_cast<int>(static_cast<unsigned>(tab[h])) == i) {
         const int slot = victims[m];
-        if (hot_block(slot) < 0) submit_err(&s.err2, kPrioHotBlock, i, slot);
+        if (hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, i, slot);
       }
     });
     __syncthreads();
     fail_request(p, base, N, t, ntok);
-    report_err(p, s.err2, row, base);
+    report_err(p, s.hit_err, row, base);
     return;
   }
 
@@ -900,222 +814,13 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p) {
     if (s.n_hit_pos) atomicAdd(st + 1, static_cast<unsigned long long>(s.n_hit_pos));
     if (M) atomicAdd(st + 2, static_cast<unsigned long long>(M));
   }
-  mark_time2(p, 6);
+  probe.mark(6);
 }
 
-template <int SPT, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) resolve_kernel(const ResolveParams p) {
-  resolve_general<SPT, THREADS>(p);
+template <int SPT, int THREADS, class Probe>
+__global__ void __launch_bounds__(THREADS, 1) resolve_general_kernel(const ResolveParams p,
+                                                                     const Probe probe) {
+  resolve_general<SPT, THREADS>(p, probe);
 }
 
-#include "resolve_fast.cuh"
-
-int pow2_at_least(int x) {
-  int v = 1;
-  while (v < x) v <<= 1;
-  return v;
-}
-
-// Benchmarks only (set_resolve_debug): kernel variant and stop point of the next launches.
-int g_debug_variant = 0;
-int g_debug_stop = 0;
-
-// One launch of `kernel` (one CTA per token). The shared-memory opt-in is per device and per
-// function; `configured` (one array per kernel) raises it once to the largest size seen, so
-// that steady-state (and graph-captured) launches make no extra runtime call.
-cudaError_t launch_one(void (*kernel)(const ResolveParams), int* configured, int threads,
-                       const ResolveParams& p, size_t smem_bytes, cudaStream_t stream) {
-  if (smem_bytes > 48 * 1024) {
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    const int bytes = static_cast<int>(smem_bytes);
-    if (device >= kMaxDevices || configured[device] < bytes) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-      if (err != cudaSuccess) return err;
-      if (device < kMaxDevices) configured[device] = bytes;
-    }
-  }
-  kernel<<<p.num_tokens, threads, smem_bytes, stream>>>(p);
-  return cudaGetLastError();
-}
-
-template <int SPT, int THREADS>
-cudaError_t launch_spt(const ResolveParams& p, size_t smem_bytes, cudaStream_t stream) {
-  static int configured[kMaxDevices] = {0};
-  return launch_one(resolve_kernel<SPT, THREADS>, configured, THREADS, p, smem_bytes, stream);
-}
-
-template <int KPT, int SPT, int THREADS, int GSPT>
-cudaError_t launch_fast(const ResolveParams& p, size_t smem_bytes, cudaStream_t stream) {
-  static int configured[kMaxDevices] = {0};
-  return launch_one(resolve_fast_kernel<KPT, SPT, THREADS, GSPT>, configured, THREADS, p,
-                    smem_bytes, stream);
-}
-
-// The fast path's instantiation for a shape (selections and slots per thread), or false when
-// only the general kernel can take it: bs a power of two dividing D, K <= D, at most one hot
-// block per thread, an instantiated
-// (kpt, spt, threads, general_spt) that holds K and D (see resolve_fast.cuh).
-bool fast_shape(int K, int D, int bs, int P, int threads, int general_spt, int& kpt, int& spt) {
-  if (bs <= 0 || (bs & (bs - 1)) != 0 || D % bs != 0 || K < 1 || K > D) return false;
-  if (D / bs > threads) return false;  // one hot block per thread is staged
-  if (static_cast<long long>(P) * bs >= INT_MAX) return false;
-  kpt = threads == 512 ? 4 : 2;
-  if (K % kpt != 0 || K > kpt * threads) return false;
-  if (threads == 1024) {
-    spt = D <= 4096 ? 4 : (D <= 8192 ? 8 : 0);
-    if (spt == 4 && general_spt > 4) return false;
-    if (spt == 8 && general_spt != 8) return false;
-  } else {
-    spt = D <= 4096 ? 8 : (D <= 8192 ? 16 : 0);
-    if (spt != general_spt) return false;
-  }
-  return spt != 0 && D % spt == 0;
-}
-
-// Vector loads of the fast path: topk rows by kpt ints, slot_pos by 16 B, lru by 2 * spt B.
-bool fast_aligned(const ResolveParams& p, int kpt, int spt) {
-  auto aligned = [](const void* ptr, size_t a) {
-    return (reinterpret_cast<uintptr_t>(ptr) & (a - 1)) == 0;
-  };
-  return aligned(p.topk, 4 * kpt) && aligned(p.slot_pos, 16) && aligned(p.lru, spt >= 8 ? 16 : 8);
-}
-
-size_t fast_smem_bytes(int kpt, int spt, int threads, int hot_blocks, int stage_pages) {
-  if (threads == 1024 && spt == 4) return FastPlan<2, 4, 1024>::bytes(hot_blocks, stage_pages);
-  if (threads == 1024 && spt == 8) return FastPlan<2, 8, 1024>::bytes(hot_blocks, stage_pages);
-  if (threads == 512 && spt == 8) return FastPlan<4, 8, 512>::bytes(hot_blocks, stage_pages);
-  if (threads == 512 && spt == 16) return FastPlan<4, 16, 512>::bytes(hot_blocks, stage_pages);
-  return 0;
-}
-
-cudaError_t launch_general(const ResolveParams& p, int threads, int spt, size_t smem_bytes,
-                           cudaStream_t stream) {
-  if (threads == 1024) {
-    switch (spt) {
-      case 1: return launch_spt<1, 1024>(p, smem_bytes, stream);
-      case 2: return launch_spt<2, 1024>(p, smem_bytes, stream);
-      case 4: return launch_spt<4, 1024>(p, smem_bytes, stream);
-      case 8: return launch_spt<8, 1024>(p, smem_bytes, stream);
-      case 16: return launch_spt<16, 1024>(p, smem_bytes, stream);
-      case 32: return launch_spt<32, 1024>(p, smem_bytes, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  switch (spt) {
-    case 1: return launch_spt<1, 512>(p, smem_bytes, stream);
-    case 2: return launch_spt<2, 512>(p, smem_bytes, stream);
-    case 4: return launch_spt<4, 512>(p, smem_bytes, stream);
-    case 8: return launch_spt<8, 512>(p, smem_bytes, stream);
-    case 16: return launch_spt<16, 512>(p, smem_bytes, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-}  // namespace
-
-void set_resolve_debug(int variant, int stop) {
-  g_debug_variant = variant;
-  g_debug_stop = stop;
-}
-
-ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int block_size,
-                                      int max_tokens_per_request, int threads, int num_pages) {
-  ResolveLaunchInfo info{};
-  // 1024 threads measured faster than 512 at every batch (docs/kernels.md); 512 is kept
-  // selectable for D <= 8192.
-  info.threads = (num_slots > 8192 || threads != 512) ? 1024 : 512;
-  int spt = (num_slots + info.threads - 1) / info.threads;
-  spt = pow2_at_least(spt < 1 ? 1 : spt);
-  info.slots_per_thread = spt;
-  int tok = max_tokens_per_request < 1 ? 1 : max_tokens_per_request;
-  if (num_tokens > 0 && tok > num_tokens) tok = num_tokens;
-  const long long n = static_cast<long long>(tok) * k;
-  auto round32 = [](long long c) { return c < 32 ? 32LL : (c + 31) & ~31LL; };
-  // The union bound: 1.5 entries per selection of max_tokens_per_request tokens.
-  long long bound = round32((3 * n + 1) / 2);
-  const int hot_blocks = block_size > 0 ? num_slots / block_size : 0;
-  info.hot_blocks_in_smem = hot_blocks <= kMaxHotBlocksSmem ? hot_blocks : 0;
-  auto words4 = [](long long w) { return (w + 3) & ~3LL; };
-  const long long fixed_bytes = words4((num_slots + 31) / 32) * 4 +
-                                words4(info.hot_blocks_in_smem) * 4;
-  auto bytes_for = [&](long long phys, long long bnd, long long stage) {
-    const long long vc = bnd < num_slots ? bnd : num_slots;
-    return ((phys * 12 + vc * 2 + 15) & ~15LL) + fixed_bytes + words4(stage) * 8;
-  };
-  const long long budget = kSmemBudget;
-  // Priorities: the bound itself, then the staged page rows, then spare hash entries (up to
-  // kHashSpread per selection) that keep the probe chains short.
-  while (bound > 32 && bytes_for(bound, bound, 0) > budget) bound -= 32;
-  long long stage = 0;
-  if (num_pages > 0 && num_pages <= kMaxStagePages &&
-      bytes_for(bound, bound, num_pages) <= budget)
-    stage = num_pages;
-  int fast_kpt = 0, fast_spt = 0;
-  info.fast_path = fast_shape(k, num_slots, block_size, num_pages, info.threads,
-                              info.slots_per_thread, fast_kpt, fast_spt) ? 1 : 0;
-  size_t fast_bytes = 0;
-  if (info.fast_path) {
-    info.fast_kpt = fast_kpt;
-    info.fast_spt = fast_spt;
-    const int hot = num_slots / block_size;
-    // staged page rows when they fit beside the tables
-    if (num_pages > 0 && num_pages <= kMaxStagePages &&
-        fast_smem_bytes(fast_kpt, fast_spt, info.threads, hot, num_pages) <= kSmemBudget)
-      info.fast_stage_pages = num_pages;
-    fast_bytes = fast_smem_bytes(fast_kpt, fast_spt, info.threads, hot, info.fast_stage_pages);
-  }
-  // Spare hash entries of the general path: with the fast path only in the room its plan
-  // takes anyway. Every byte of shared memory past that comes out of the L1 cache, which
-  // holds the fused kernel's spilled registers (measured: the same single-token launch
-  // planned for 4 tokens, 224 KiB, ran 0.4 µs slower than planned for 1, 149 KiB, at batch
-  // 64, D 4096, and 2.7 µs slower at D 8192).
-  long long phys_budget = budget;
-  if (info.fast_path) {
-    phys_budget = static_cast<long long>(fast_bytes);
-    if (phys_budget < bytes_for(bound, bound, stage)) phys_budget = bytes_for(bound, bound, stage);
-  }
-  long long phys = round32(kHashSpread * n);
-  if (phys < bound) phys = bound;
-  while (phys > bound && bytes_for(phys, bound, stage) > phys_budget) phys -= 32;
-  info.hash_capacity = static_cast<int>(phys);
-  info.union_capacity = static_cast<int>(bound);
-  info.victim_capacity = static_cast<int>(bound < num_slots ? bound : num_slots);
-  info.stage_pages = static_cast<int>(stage);
-  info.general_smem_bytes = static_cast<size_t>(bytes_for(phys, bound, stage));
-  info.smem_bytes = info.general_smem_bytes > fast_bytes ? info.general_smem_bytes : fast_bytes;
-  return info;
-}
-
-cudaError_t launch_resolve(const ResolveParams& params, int max_tokens_per_request,
-                           int threads, cudaStream_t stream) {
-  if (params.num_tokens == 0) return cudaSuccess;
-  const ResolveLaunchInfo info =
-      resolve_launch_info(params.num_tokens, params.k, params.num_slots, params.block_size,
-                          max_tokens_per_request, threads, params.num_pages);
-  ResolveParams p = params;
-  p.hash_capacity = info.hash_capacity;
-  p.union_capacity = info.union_capacity;
-  p.victim_capacity = info.victim_capacity;
-  p.hot_blocks_in_smem = info.hot_blocks_in_smem;
-  p.stage_pages = info.stage_pages;
-  p.fast_stage_pages = info.fast_stage_pages;
-  p.debug_stop = g_debug_stop;
-  if (g_debug_variant == 0 && info.fast_path && fast_aligned(p, info.fast_kpt, info.fast_spt)) {
-    const int g = info.slots_per_thread;  // the general path's instantiation for this D
-    const size_t bytes = info.smem_bytes;  // the larger of the two plans
-    if (info.threads == 1024 && info.fast_spt == 4) {
-      if (g == 4) return launch_fast<2, 4, 1024, 4>(p, bytes, stream);
-      if (g == 2) return launch_fast<2, 4, 1024, 2>(p, bytes, stream);
-      return launch_fast<2, 4, 1024, 1>(p, bytes, stream);
-    }
-    if (info.threads == 1024) return launch_fast<2, 8, 1024, 8>(p, bytes, stream);
-    if (info.fast_spt == 8) return launch_fast<4, 8, 512, 8>(p, bytes, stream);
-    return launch_fast<4, 16, 512, 16>(p, bytes, stream);
-  }
-  const size_t general_bytes = info.general_smem_bytes;
-  return launch_general(p, info.threads, info.slots_per_thread, general_bytes, stream);
-}
-
-}  // namespace hisparse
+}  // namespace hisparse::resolve_detail
