@@ -42,36 +42,58 @@ PLUGIN_NAME = "hisparse_residency"
 #: The logger every module of the package logs under.
 PACKAGE_LOGGER = "vllm_hisparse"
 
-_registered = False
+_announced = False
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands our records to the handlers of vLLM's ``vllm`` logger, whatever they are when
+    the record is emitted: ``vllm serve`` configures its logging only after it loaded the
+    plugins, and each engine process configures it again."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
 
 
 def _route_logs_to_vllm() -> None:
-    """Give the package logger vLLM's handlers, unless the application configured logging.
+    """Print the package's records through vLLM's log output, unless the application
+    configured logging itself (a handler or level on our logger or on the root).
 
-    Records still propagate, so an application that configures the root logger later
-    (or pytest's caplog) sees them too."""
+    Records still propagate, so pytest's caplog and root handlers added later see them."""
     ours = logging.getLogger(PACKAGE_LOGGER)
     if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers:
-        return  # configured by the application (or the CLI): leave it alone
-    vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        return  # VLLM_CONFIGURE_LOGGING=0: nothing to share
-    for handler in vllm_logger.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(vllm_logger.level or logging.INFO)
+        return
+    ours.addHandler(_ToVllmHandlers())
+    ours.setLevel(logging.INFO)
+
+
+def _vllm_logging_configured() -> bool:
+    return bool(logging.getLogger("vllm").handlers)
+
+
+def _announce() -> None:
+    """The one INFO line per process: package, version, what it registered."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("vllm_hisparse %s: plugin %s registered the KV connector %s",
+                    vllm_hisparse.__version__, PLUGIN_NAME, CONNECTOR_NAME)
+
+
+def _check_config(vllm_config) -> None:
+    # vllm serve configures logging after loading plugins: the first config built
+    # afterwards announces the plugin, so the line is printed in the API server too.
+    _announce()
+    check_extra_config(vllm_config)
 
 
 def register() -> None:
     """Register the connector, hook KV planning and config validation; idempotent."""
-    global _registered
     if compat.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME):
         logger.debug("registered %s from %s", CONNECTOR_NAME, CONNECTOR_MODULE)
     if compat.install_planner_hook(select_builder):
         logger.debug("installed the vllm_hisparse KV planner hook")
-    if patches_config.install(check_extra_config):
+    if patches_config.install(_check_config):
         logger.debug("installed the vllm_hisparse VllmConfig check")
-    if not _registered:
-        _registered = True
         _route_logs_to_vllm()
-        logger.info("vllm_hisparse %s: plugin %s registered the KV connector %s",
-                    vllm_hisparse.__version__, PLUGIN_NAME, CONNECTOR_NAME)
+    if _vllm_logging_configured():
+        _announce()
