@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
+from vllm_hisparse.core.units import GIB
+
 logger = logging.getLogger("vllm_hisparse.worker")
 
 SEGMENT_PREFIX = "vllm-hisparse-pool-"
@@ -64,7 +66,6 @@ _TMP_GRACE_S = 60.0  # a creator takes its lock right after O_EXCL; older unlock
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _SMAPS_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux uapi value
-_GIB = 1 << 30
 _FILE_MODE = 0o600
 _PAGE_MODES = ("hugetlb", "thp", "small")
 
@@ -268,7 +269,7 @@ def remove_stale_segments(candidates: Sequence[Candidate]) -> list[str]:
                 removed.append(path)
                 logger.warning("host pool: removed stale shared segment %s (%.2f GiB) left by a "
                                "process that exited without closing it (creator pid %s): its "
-                               "memory is reclaimed", path, st.st_size / _GIB, _header_pid(fd))
+                               "memory is reclaimed", path, st.st_size / GIB, _header_pid(fd))
             finally:
                 os.close(fd)
     return removed
@@ -416,7 +417,7 @@ def create_segment(name: str, data_bytes: int, header: dict[str, Any], *,
         logger.info("host pool: shared segment not created in %s: %s", cand.directory, reason)
     raise SegmentError(
         f"host pool: could not create the shared host pool segment {file_name} "
-        f"({file_bytes / _GIB:.2f} GiB): " + "; ".join(failures)
+        f"({file_bytes / GIB:.2f} GiB): " + "; ".join(failures)
         + ". Enlarge /dev/shm (docker: --shm-size or --ipc=host), reserve 2 MiB pages on a "
         "hugetlbfs mount, point VLLM_HISPARSE_SHM_DIR at a memory file system with room, or "
         "set VLLM_HISPARSE_SHARED_HOST_POOL=0 (one private pool per rank: TP times the memory)")
@@ -434,7 +435,7 @@ def _try_create(cand: Candidate, file_name: str, data_bytes: int, file_bytes: in
             return None, f"statvfs failed: {exc}"
         free = st.f_bavail * st.f_frsize
         if free < file_bytes:
-            return None, (f"{free / _GIB:.2f} GiB free, {file_bytes / _GIB:.2f} GiB needed")
+            return None, (f"{free / GIB:.2f} GiB free, {file_bytes / GIB:.2f} GiB needed")
     final = os.path.join(cand.directory, file_name)
     tmp = f"{final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
