@@ -14,6 +14,7 @@ from vllm_hisparse.core import capacity
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm import config as config_module
 from vllm_hisparse.vllm import patches_config
+from vllm_hisparse.vllm.plugin import register
 from vllm_hisparse.vllm.compat import CUDAGraphMode
 from vllm_hisparse.vllm.config import (
     ACCEPTED_KEYS,
@@ -306,7 +307,8 @@ def test_config_check_patch_install_remove(dsa_model_dir):
         assert not patches_config.installed() and not patches_config.remove()
         make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))  # vLLM alone: accepted
     finally:
-        assert patches_config.install(config_module.check_extra_config)
+        register()  # reinstalls the plugin's check
+    assert patches_config.installed()
     with pytest.raises(ValueError, match="host_pool_gb"):
         make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))
     # Configs that do not name the connector are untouched.
