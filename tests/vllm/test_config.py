@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 
 import pytest
+from vllm.config import KVTransferConfig
 
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.core import capacity
+from vllm_hisparse.core.capacity import HostMemoryLimit
+from vllm_hisparse.vllm import config as config_module
+from vllm_hisparse.vllm import patches_config
+from vllm_hisparse.vllm.plugin import register
 from vllm_hisparse.vllm.compat import CUDAGraphMode
 from vllm_hisparse.vllm.config import (
     ACCEPTED_KEYS,
@@ -23,6 +30,22 @@ from vllm_hisparse.vllm.config import (
 )
 
 ENGINE = dict(top_k=2048, block_size=64, max_decode_query_len=1)
+GIB = 1 << 30
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend this machine has ``physical`` GiB of RAM and a ``cgroup`` GiB limit."""
+
+    def set_machine(physical_gib, cgroup_gib=None):
+        limit = HostMemoryLimit(
+            None if physical_gib is None else int(physical_gib * GIB),
+            None if cgroup_gib is None else int(cgroup_gib * GIB),
+            None if cgroup_gib is None else "/sys/fs/cgroup/memory.max",
+        )
+        monkeypatch.setattr(config_module, "host_memory_limit", lambda: limit)
+
+    return set_machine
 
 
 def parse(extra, **engine):
@@ -32,7 +55,8 @@ def parse(extra, **engine):
 # ---------------------------------------------------------------- extra-config keys
 
 
-def test_defaults():
+def test_defaults(machine):
+    machine(2048)
     config = parse({"host_pool_gib": 384})
     assert config.host_pool_gib == 384.0
     assert config.host_pool_bytes == 384 << 30
@@ -74,6 +98,24 @@ def test_record_trace_path(tmp_path):
         parse({"host_pool_gib": 1, "record_trace": ""})
 
 
+def test_record_trace_must_be_a_writable_file(tmp_path, monkeypatch):
+    for directory in (str(tmp_path), str(tmp_path) + "/"):
+        with pytest.raises(HiSparseConfigError, match=r"record_trace=.* is a directory; accepted: "
+                           "a writable file path"):
+            parse({"host_pool_gib": 1, "record_trace": directory})
+    existing = tmp_path / "old.trace"
+    existing.write_bytes(b"")
+    assert parse({"host_pool_gib": 1, "record_trace": str(existing)}).record_trace == str(existing)
+    # Permission bits do not bind root, so the kernel's answer is simulated.
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if os.path.samefile(
+        path, tmp_path) or os.path.samefile(path, existing) else real_access(path, mode))
+    with pytest.raises(HiSparseConfigError, match=r"old.trace' exists and is not writable"):
+        parse({"host_pool_gib": 1, "record_trace": str(existing)})
+    with pytest.raises(HiSparseConfigError, match=rf"directory '{tmp_path}' is not writable"):
+        parse({"host_pool_gib": 1, "record_trace": str(tmp_path / "new.trace")})
+
+
 def test_unknown_key_names_key_and_accepted_keys():
     with pytest.raises(HiSparseConfigError) as err:
         parse({"host_pool_gib": 1, "host_pool_gb": 2})
@@ -91,6 +133,48 @@ def test_host_pool_gib_required():
 def test_host_pool_gib_bad_values(value):
     with pytest.raises(HiSparseConfigError, match=r"host_pool_gib=.* accepted: a finite number > 0"):
         parse({"host_pool_gib": value})
+
+
+@pytest.mark.parametrize("value", [1e6, 1e30, 10**400, 9])
+def test_host_pool_gib_bounded_by_ram_and_cgroup(machine, value):
+    """Larger than the machine: a named error with both numbers, not MemoryError /
+    ValueError / OverflowError later."""
+    machine(16, 8)
+    with pytest.raises(HiSparseConfigError) as err:
+        parse({"host_pool_gib": value})
+    message = str(err.value)
+    assert "more than this machine can pin" in message
+    assert "physical RAM 16.00 GiB" in message and "cgroup memory limit 8.00 GiB" in message
+    assert "accepted: host_pool_gib <= 8.00" in message
+    machine(16)
+    assert parse({"host_pool_gib": 9}).host_pool_gib == 9.0
+    machine(None)  # the OS does not say: no bound to check against
+    assert parse({"host_pool_gib": 17}).host_pool_gib == 17.0
+
+
+def test_host_memory_limit_reads_cgroup_v2_and_v1(tmp_path):
+    proc, cg = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/app/worker\n")
+    (cg / "app" / "worker").mkdir(parents=True)
+    (cg / "app" / "worker" / "memory.max").write_text("max\n")
+    (cg / "app" / "memory.max").write_text(f"{6 * GIB}\n")
+    limit = capacity.host_memory_limit(proc_root=str(proc), cgroup_root=str(cg))
+    assert limit.cgroup_bytes == 6 * GIB
+    assert limit.cgroup_file == str(cg / "app" / "memory.max")
+    assert limit.physical_bytes == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert limit.limit_bytes == min(6 * GIB, limit.physical_bytes)
+    # v1, in a container whose cgroup path does not exist under the namespaced mount.
+    (proc / "self" / "cgroup").write_text("4:memory:/docker/abc\n0::/\n")
+    (cg / "memory").mkdir()
+    (cg / "memory" / "memory.limit_in_bytes").write_text(f"{3 * GIB}\n")
+    limit = capacity.host_memory_limit(proc_root=str(proc), cgroup_root=str(cg))
+    assert (limit.cgroup_bytes, limit.cgroup_file) == (
+        3 * GIB, str(cg / "memory" / "memory.limit_in_bytes"))
+    (cg / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited
+    assert capacity.host_memory_limit(proc_root=str(proc), cgroup_root=str(cg)).cgroup_bytes is None
+    assert "no cgroup memory limit" in capacity.host_memory_limit(
+        proc_root=str(tmp_path / "none"), cgroup_root=str(cg)).describe()
 
 
 @pytest.mark.parametrize(
@@ -148,6 +232,87 @@ def test_found_alone_and_under_multiconnector(dsa_model_dir):
     assert resolve_config(multi).host_pool_gib == 8.0
     with pytest.raises(HiSparseConfigError, match="does not name HiSparseResidencyConnector"):
         resolve_config(plain)
+
+
+MALFORMED_MULTI = [
+    ({"a": 1}, r"kv_connector_extra_config.connectors is a dict; accepted: a list"),
+    (["x"], r"connectors\[0\] is 'x' \(str\); accepted: an object"),
+    ([None], r"connectors\[0\] is None \(NoneType\)"),
+    ([{"kv_role": "kv_both"}], r"connectors\[0\].kv_connector is None; accepted: a connector name"),
+    ([{"kv_connector": CONNECTOR_NAME, "kv_connector_extra_config": [["host_pool_gib", 1]]}],
+     r"connectors\[0\].kv_connector_extra_config is a list; accepted: an object or null"),
+]
+
+
+def _nested(levels: int) -> dict:
+    extra = {"connectors": [{"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"host_pool_gib": 1}}]}
+    for _ in range(levels - 1):
+        extra = {"connectors": [{"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                 "kv_connector_extra_config": extra}]}
+    return extra
+
+
+@pytest.mark.parametrize(("connectors", "message"), MALFORMED_MULTI)
+def test_malformed_multiconnector_children_are_named(dsa_model_dir, connectors, message):
+    """Shapes vLLM's KVTransferConfig accepts: rejected with the path of the bad entry,
+    when the VllmConfig is built (vLLM's own checks would raise AttributeError)."""
+    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                             kv_connector_extra_config={"connectors": connectors})
+    with pytest.raises(ValueError, match=message) as err:
+        make_vllm_config(dsa_model_dir, kv_transfer=multi)
+    assert isinstance(err.value.errors()[0]["ctx"]["error"], HiSparseConfigError)
+
+
+def test_multiconnector_nesting_is_bounded(dsa_model_dir):
+    nested = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                              kv_connector_extra_config=_nested(2))
+    assert find_connector_extra_config(
+        make_vllm_config(dsa_model_dir, kv_transfer=nested)) == {"host_pool_gib": 1}
+    deep = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                            kv_connector_extra_config=_nested(50))
+    with pytest.raises(ValueError, match=r"nests MultiConnector more than 4 levels deep"):
+        make_vllm_config(dsa_model_dir, kv_transfer=deep)
+
+
+# ---------------------------------------------------------------- checked when VllmConfig is built
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"host_pool_gib": 1, "host_pool_gb": 2}, r"unknown kv_connector_extra_config key "
+         r"'host_pool_gb' \(did you mean 'host_pool_gib'\?\)"),
+        ({"host_pool_gib": -1}, r"host_pool_gib=-1 is invalid"),
+        ({"host_pool_gib": 1, "ops_backend": "triton"}, r"ops_backend='triton' is invalid"),
+        ({"host_pool_gib": 1, "device_buffer_size": "4096"}, r"device_buffer_size='4096'"),
+        ({"host_pool_gib": 1, "record_trace": "/"}, r"record_trace='/' is a directory"),
+    ],
+)
+@pytest.mark.parametrize("under_multi", [False, True])
+def test_bad_extra_config_fails_when_vllm_config_is_built(dsa_model_dir, extra, message, under_multi):
+    """Issue 14: the API-server process builds the VllmConfig; the error is ours and names
+    the key (pydantic wraps it in a ValidationError, itself a ValueError)."""
+    with pytest.raises(ValueError, match=message) as err:
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(extra, under_multi=under_multi))
+    assert isinstance(err.value.errors()[0]["ctx"]["error"], HiSparseConfigError)
+
+
+def test_config_check_patch_install_remove(dsa_model_dir):
+    bad = {"host_pool_gib": 1, "host_pool_gb": 2}
+    assert patches_config.installed()
+    assert not patches_config.install(config_module.check_extra_config)  # idempotent
+    assert patches_config.remove()
+    try:
+        assert not patches_config.installed() and not patches_config.remove()
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))  # vLLM alone: accepted
+    finally:
+        register()  # reinstalls the plugin's check
+    assert patches_config.installed()
+    with pytest.raises(ValueError, match="host_pool_gb"):
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))
+    # Configs that do not name the connector are untouched.
+    make_vllm_config(dsa_model_dir)
 
 
 def test_configured_twice_is_an_error(dsa_model_dir):

@@ -26,8 +26,10 @@ from tests.vllm.dsa_specs import (
     sparse_mla_spec,
 )
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import HiSparseConfigError
+from vllm_hisparse.vllm import config as config_module
+from vllm_hisparse.vllm.config import HiSparseConfigError, resolve_config
 from vllm_hisparse.vllm.kv_planning import (
     HiSparseKVCacheConfigBuilder,
     capacity_report,
@@ -43,6 +45,15 @@ from vllm_hisparse.vllm.kv_planning import (
 
 MLA_PAGE = 64 * 656  # 41,984 B
 INDEXER_PAGE = 64 * 132  # 8,448 B
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _large_host():
+    """The 64 GiB host pools below must pass the RAM check on any test machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config_module, "host_memory_limit",
+                      lambda: HostMemoryLimit(1 << 42, None, None))
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -211,13 +222,15 @@ def test_capacity_report_arithmetic():
     table = format_capacity_table(report)
     for fragment in ("device blocks", "10,001", "545,792 B", "5 sparse-MLA + 1 indexer",
                      "2,000 x 2,561,024 B", "4.77 GiB", "9.54 GiB (2 pinned copies)",
-                     "no residency", "admission", "steady state"):
+                     "no residency", "admission", "steady state",
+                     "hot rows per request", "4,096 per sparse-MLA layer"):
         assert fragment in table
+    assert report.hot_rows_per_request == 64 * 64
 
 
 def test_engine_capacity_report(configured):
     config = plan(configured, deepseek_v32_specs(), num_blocks=20_000)
-    report = engine_capacity_report(configured, config)
+    report = engine_capacity_report(configured, config, resolve_config(configured))
     assert (report.device_blocks, report.bytes_per_block) == (20_000, 545_792)
     assert (report.num_sparse_groups, report.num_indexer_groups) == (5, 1)
     # A host block holds a page of every sparse-MLA layer and of every indexer layer.

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import ast
+import logging
+import os
 import pathlib
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -12,7 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, s
 from vllm.platforms.interface import Platform
 
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
-from vllm_hisparse.vllm import compat
+import vllm_hisparse
+from vllm_hisparse.vllm import compat, patches_config, plugin
 from vllm_hisparse.vllm.config import HiSparseConfigError
 from vllm_hisparse.vllm.kv_planning import BUILDER_QUALNAME, select_builder
 from vllm_hisparse.vllm.plugin import register
@@ -90,10 +95,67 @@ def test_connector_construction_is_honest(dsa_model_dir):
     """Config errors first; a missing KV cache config is a clear error, in both roles."""
     from vllm_hisparse.connector import HiSparseResidencyConnector
 
-    bad = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 0}))
+    bad = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    # Changed after the VllmConfig check (which would have refused it): the connector
+    # still checks in its own process.
+    bad.kv_transfer_config.kv_connector_extra_config["host_pool_gib"] = 0
     with pytest.raises(HiSparseConfigError, match="host_pool_gib=0"):
         HiSparseResidencyConnector(bad, KVConnectorRole.SCHEDULER, None)
     good = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ValueError, match="needs the engine's KV cache config"):
             HiSparseResidencyConnector(good, role, None)
+
+
+def test_register_logs_name_and_version_once(monkeypatch, caplog, dsa_model_dir):
+    monkeypatch.setattr(plugin, "_announced", False)
+    with caplog.at_level(logging.INFO, logger="vllm_hisparse.vllm.plugin"):
+        register()
+        register()
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    lines = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.plugin"
+             and r.levelno == logging.INFO]
+    assert lines == [f"vllm_hisparse {vllm_hisparse.__version__}: plugin hisparse_residency "
+                     "registered the KV connector HiSparseResidencyConnector"]
+    assert patches_config.installed()
+
+
+def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):
+    """A process set up like ``vllm serve``: vLLM loads the entry point, then configures its
+    logging, then builds the config. Our lines are printed through vLLM's handler."""
+    code = (
+        "import logging, pathlib\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.config.logging import LoggingConfig\n"
+        "from vllm.logger import configure_logging\n"
+        "load_general_plugins()\n"
+        "configure_logging(LoggingConfig())\n"
+        "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
+        f"make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"
+        "logging.getLogger('vllm_hisparse.vllm.connector_scheduler').info('capacity table')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_PLUGINS="hisparse_residency")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert output.count(f"vllm_hisparse {vllm_hisparse.__version__}: plugin hisparse_residency") == 1, output
+    assert "capacity table" in output
+
+
+@pytest.mark.slow
+def test_hand_built_config_needs_the_plugin_loaded(dsa_model_dir):
+    """What docs/troubleshooting.md says: without register() (load_general_plugins), vLLM
+    cannot resolve the connector name while it builds the VllmConfig."""
+    code = (
+        "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
+        "import pathlib, sys\n"
+        "try:\n"
+        f"    make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"
+        "except Exception as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_PLUGINS="")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=ROOT)
+    assert "Unsupported connector type: HiSparseResidencyConnector" in run.stdout, run.stdout + run.stderr

@@ -114,3 +114,25 @@ def reader_rank(device: str, spec: dict, out, go):
         pool.close()
     except BaseException:
         out.put(("error", traceback.format_exc()))
+
+
+def race_create(shm_dir: str, name: str, go, out, release):
+    """One of two creators of one segment name, started together: report whether this one
+    published it, then hold it until ``release``."""
+    from vllm_hisparse.worker import shm_segment
+
+    try:
+        go.wait(120)
+        try:
+            segment = shm_segment.create_segment(name, 4096, {}, huge_pages="never",
+                                                 dirs=(shm_dir,))
+        except shm_segment.SegmentError as exc:
+            out.put(("refused", str(exc)))
+            return
+        out.put(("published", segment.inode))
+        release.wait(120)
+        segment.unlink()
+        segment.mapping.close()
+        segment.close_file()
+    except BaseException:
+        out.put(("error", traceback.format_exc()))

@@ -276,3 +276,186 @@ def test_two_ranks_writer_spills_reader_restores_and_gathers_cuda():
         _two_ranks("cuda:0", path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------ hostile and broken files
+
+OTHER_UID = 54321
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def _plant(shm_dir: str, name: str, body: bytes = b"\0" * 4096, mode: int = 0o600) -> str:
+    path = os.path.join(shm_dir, shm_segment.SEGMENT_PREFIX + name)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL, mode)
+    os.write(fd, body)
+    os.close(fd)
+    os.chmod(path, mode)
+    return path
+
+
+@needs_root
+def test_a_segment_planted_by_another_user_is_refused(shm_dir):
+    name = new_name()
+    path = _plant(shm_dir, name)
+    os.chown(path, OTHER_UID, OTHER_UID)
+    with pytest.raises(shm_segment.SegmentError, match=rf"refusing shared segment {path}: it is "
+                       rf"owned by uid {OTHER_UID}, this process runs as uid 0"):
+        HostPool(*GEOMETRY, pin=False,
+                 shared=SharedSegment(**spec(shm_dir, name, False, open_timeout_s=60)))
+    with pytest.raises(shm_segment.SegmentError, match=rf"owned by uid {OTHER_UID}"):
+        HostPool(*GEOMETRY, pin=False, shared=SharedSegment(**spec(shm_dir, name, True)))
+    assert os.path.exists(path), "another user's file is never removed"
+
+
+def test_a_segment_others_can_access_is_refused(shm_dir):
+    name = new_name()
+    path = _plant(shm_dir, name, mode=0o666)
+    with pytest.raises(shm_segment.SegmentError, match=r"has mode 0666; segments are created 0600"):
+        HostPool(*GEOMETRY, pin=False,
+                 shared=SharedSegment(**spec(shm_dir, name, False, open_timeout_s=60)))
+    os.unlink(path)
+    os.symlink("/etc/passwd", path)
+    with pytest.raises(shm_segment.SegmentError, match=r"cannot be opened"):
+        HostPool(*GEOMETRY, pin=False,
+                 shared=SharedSegment(**spec(shm_dir, name, False, open_timeout_s=60)))
+
+
+@needs_root
+def test_stale_cleanup_skips_other_users_files(shm_dir, caplog):
+    foreign = _plant(shm_dir, "someone-else", mode=0o644)
+    os.chown(foreign, OTHER_UID, OTHER_UID)
+    with caplog.at_level(logging.INFO, logger="vllm_hisparse.worker"):
+        pool = HostPool(*GEOMETRY, pin=False,
+                        shared=SharedSegment(**spec(shm_dir, new_name(), True)))
+    pool.close()
+    assert os.path.exists(foreign)
+    assert f"leaving {foreign} alone: it is owned by uid {OTHER_UID}" in caplog.text
+
+
+def test_racing_creators_never_both_publish(shm_dir):
+    """The check-then-publish race, made deterministic: a second creator publishes the name
+    while the first is between its check and its publication (pinning, in ``on_mapped``)."""
+    name = new_name()
+    inner: list[shm_segment.Segment] = []
+
+    def second_creator_wins(segment):
+        inner.append(shm_segment.create_segment(name, 4096, {}, huge_pages="never",
+                                                dirs=(shm_dir,)))
+        return None
+
+    with pytest.raises(shm_segment.SegmentError, match="was published by another process"):
+        shm_segment.create_segment(name, 4096, {}, huge_pages="never", dirs=(shm_dir,),
+                                   on_mapped=second_creator_wins)
+    (winner,) = inner
+    path = os.path.join(shm_dir, shm_segment.SEGMENT_PREFIX + name)
+    assert os.stat(path).st_ino == winner.inode, "the loser must not replace the winner's file"
+    assert os.listdir(shm_dir) == [os.path.basename(path)], "the loser's temp file is gone"
+    winner.unlink()
+    winner.mapping.close()
+    winner.close_file()
+
+
+def test_two_creator_processes_racing_one_name(shm_dir):
+    name = new_name()
+    go, release, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    racers = [CTX.Process(target=procs.race_create, args=(shm_dir, name, go, out, release))
+              for _ in range(2)]
+    for p in racers:
+        p.start()
+    try:
+        go.set()
+        results = sorted(get(out)[0] for _ in racers)
+        assert results == ["published", "refused"]
+    finally:
+        release.set()
+        for p in racers:
+            p.join(60)
+    assert os.listdir(shm_dir) == []
+
+
+def _header(**fields) -> bytes:
+    import json
+    import struct
+
+    header = dict(data_offset=shm_segment.DATA_OFFSET, data_bytes=4096, creator_pid=1,
+                  page_mode="small")
+    header.update(fields)
+    body = json.dumps(header).encode()
+    return b"vllm-hisparse-v1" + struct.pack("<Q", len(body)) + body
+
+
+def _raw(length: int, body: bytes) -> bytes:
+    import struct
+
+    return b"vllm-hisparse-v1" + struct.pack("<Q", length) + body
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"", "shorter than the 24 B header prefix"),
+    (b"vllm-hisparse", "shorter than the 24 B header prefix"),
+    (b"vllm-hisparse-v2" + b"\0" * 64, "bad magic"),
+    (_raw(1 << 40, b"{}"), "runs past"),
+    (_raw(5, b"{oops"), "not JSON"),
+    (_raw(3, b"\xff\xfe{"), "not JSON"),
+    (_raw(2, b"[]"), "a JSON list, not an object"),
+    (_raw(2, b"{}"), "data_offset=None"),
+    (_header(data_offset="2097152"), "data_offset='2097152'"),
+    (_header(data_offset=4096), "data_offset=4096, this version uses 2097152"),
+    (_header(creator_pid=True), "creator_pid=True"),
+    (_header(data_bytes=-1), "data_bytes=-1"),
+    (_header(page_mode="gigantic"), "page_mode='gigantic'"),
+])
+def test_malformed_headers_are_segment_errors(shm_dir, body, why):
+    import fcntl
+
+    name = new_name()
+    path = _plant(shm_dir, name, body)
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a live "creator": the opener reads the header
+    try:
+        with pytest.raises(shm_segment.SegmentError, match="not a valid host pool segment") as err:
+            shm_segment.open_segment(name, 4096, {}, dirs=(shm_dir,), timeout_s=5)
+        assert why in str(err.value)
+    finally:
+        os.close(fd)
+
+
+def test_killed_engine_segment_is_reclaimed_at_next_start(shm_dir, caplog):
+    import signal
+
+    name = new_name()
+    out, release = CTX.Queue(), CTX.Event()
+    engine = CTX.Process(target=procs.create_and_hold,
+                         args=(spec(shm_dir, name, True), GEOMETRY, 3, out, release))
+    engine.start()
+    _, path, _, _ = get(out)
+    old_inode = os.stat(path).st_ino
+    os.kill(engine.pid, signal.SIGKILL)
+    engine.join(60)
+    assert engine.exitcode == -signal.SIGKILL and os.path.exists(path)
+    with caplog.at_level(logging.WARNING, logger="vllm_hisparse.worker"):
+        pool = HostPool(*GEOMETRY, pin=False, shared=SharedSegment(**spec(shm_dir, name, True)))
+    assert f"removed stale shared segment {path}" in caplog.text
+    assert f"(creator pid {engine.pid}): its memory is reclaimed" in caplog.text
+    assert pool.segment_path == path and os.stat(path).st_ino != old_inode
+    pool.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_read_only_opener_maps_read_only(shm_dir):
+    name = new_name()
+    with pytest.raises(ValueError, match="creating rank cannot map it read-only"):
+        SharedSegment(**spec(shm_dir, name, True, read_only=True))
+    creator = HostPool(*GEOMETRY, pin=False, shared=SharedSegment(**spec(shm_dir, name, True)))
+    creator.buffer[:8] = 5
+    reader = HostPool(*GEOMETRY, pin=False,
+                      shared=SharedSegment(**spec(shm_dir, name, False, read_only=True)))
+    assert bool((reader.buffer[:8] == 5).all())
+    with pytest.raises(TypeError, match="readonly"):
+        reader._mapping[shm_segment.DATA_OFFSET] = 1
+    start = f"{reader.buffer.data_ptr() - shm_segment.DATA_OFFSET:x}-"
+    with open("/proc/self/maps") as f:
+        perms = [line.split()[1] for line in f if line.startswith(start)]
+    assert perms == ["r--s"], perms  # the creator's own mapping in this process is rw-s
+    reader.close()
+    creator.close()

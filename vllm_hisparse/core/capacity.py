@@ -29,12 +29,11 @@ once. Block rounding makes the usable size slightly smaller than the budget.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from vllm_hisparse.core.host_pool import host_block_bytes
-from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, cdiv
-
-GIB = 1 << 30
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB, cdiv
 
 ROW_BYTES_FP8_DS_MLA = 656
 """One token, one layer, ``fp8_ds_mla``: 512 fp8 latent + 4 fp32 scales + 64 bf16 rope."""
@@ -156,8 +155,9 @@ def host_memory(
     block_bytes = host_block_bytes(
         geometry.block_size, geometry.row_bytes, geometry.num_sparse_layers, block_alignment_bytes
     )
-    num_blocks = int(host_pool_gib * GIB) // block_bytes
     copies = dp_replicas_per_node * (1 if shared_across_tp else tp_size)
+    # Blocks are per replica: the copies multiply the physical memory, not divide the budget.
+    num_blocks = host_blocks_for_budget(int(host_pool_gib * GIB), block_bytes, 1)
     usable_gib = num_blocks * block_bytes / GIB
     return HostMemory(
         logical_gib=float(host_pool_gib),
@@ -258,3 +258,105 @@ def critical_path_layers(geometry: ModelGeometry,
     small, larger = divmod(layers, groups)  # `larger` groups of small + 1, the rest of small
     return (larger * min(first_launch_layers, small + 1)
             + (groups - larger) * min(first_launch_layers, small))
+
+
+# --------------------------------------------------------------------------------------
+# Host memory: sizing the pool and bounding it by what the machine has
+# --------------------------------------------------------------------------------------
+
+
+def host_blocks_for_budget(host_pool_bytes: int, host_block_bytes: int, host_copies: int) -> int:
+    """Host blocks a per-replica budget buys when ``host_copies`` ranks each pin a copy.
+
+    The one sizing rule: the planner, the scheduler role, the worker role and
+    ``vllm-hisparse plan`` all size the pool with it, so they agree on the block count."""
+    if host_block_bytes <= 0 or host_copies <= 0:
+        raise ValueError(f"host_block_bytes={host_block_bytes} and host_copies={host_copies} "
+                         "must be positive")
+    return int(host_pool_bytes) // (host_block_bytes * host_copies)
+
+
+@dataclass(frozen=True)
+class HostMemoryLimit:
+    """What bounds the host memory of this process: physical RAM and its memory cgroup."""
+
+    physical_bytes: int | None
+    """``SC_PHYS_PAGES * SC_PAGE_SIZE``; None when the OS does not say."""
+    cgroup_bytes: int | None
+    """The smallest memory limit of this process's cgroup and its ancestors; None: no limit."""
+    cgroup_file: str | None
+    """The file ``cgroup_bytes`` was read from (cgroup v2 ``memory.max`` or v1
+    ``memory.limit_in_bytes``)."""
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The binding limit (the smaller of the two), or None when neither is known."""
+        known = [b for b in (self.physical_bytes, self.cgroup_bytes) if b is not None]
+        return min(known) if known else None
+
+    def describe(self) -> str:
+        """Both numbers, for error messages."""
+        physical = ("physical RAM unknown" if self.physical_bytes is None
+                    else f"physical RAM {self.physical_bytes / GIB:.2f} GiB")
+        cgroup = ("no cgroup memory limit" if self.cgroup_bytes is None
+                  else f"cgroup memory limit {self.cgroup_bytes / GIB:.2f} GiB ({self.cgroup_file})")
+        return f"{physical}, {cgroup}"
+
+
+_CGROUP_V1_UNLIMITED = 1 << 62
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        pages, page_bytes = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return pages * page_bytes if pages > 0 and page_bytes > 0 else None
+
+
+def _read_limit(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (v2): no limit
+
+
+def _cgroup_limit(proc_root: str, cgroup_root: str) -> tuple[int | None, str | None]:
+    """The smallest limit over this process's memory cgroup and its ancestors (v2 and v1).
+
+    Inside a container the cgroup path in ``/proc/self/cgroup`` may not exist under the
+    (namespaced) mount, so every ancestor down to the mount root is tried."""
+    try:
+        with open(os.path.join(proc_root, "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    candidates = []  # (directory, limit file name)
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            candidates.append((cgroup_root, path, "memory.max"))
+        elif "memory" in controllers.split(","):
+            candidates.append((os.path.join(cgroup_root, "memory"), path, "memory.limit_in_bytes"))
+    best: tuple[int | None, str | None] = (None, None)
+    for mount, path, file_name in candidates:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            limit_file = os.path.join(mount, *parts[:depth], file_name)
+            limit = _read_limit(limit_file)
+            # cgroup v1 writes "no limit" as a huge number (2^63 rounded down to a page).
+            if limit is None or limit >= _CGROUP_V1_UNLIMITED:
+                continue
+            if best[0] is None or limit < best[0]:
+                best = (limit, limit_file)
+    return best
+
+
+def host_memory_limit(*, proc_root: str = "/proc",
+                      cgroup_root: str = "/sys/fs/cgroup") -> HostMemoryLimit:
+    """Physical RAM and the cgroup memory limit of this process (roots injectable for tests)."""
+    cgroup_bytes, cgroup_file = _cgroup_limit(proc_root, cgroup_root)
+    return HostMemoryLimit(_physical_memory_bytes(), cgroup_bytes, cgroup_file)

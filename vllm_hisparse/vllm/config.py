@@ -2,8 +2,15 @@
 
 Every problem is reported at startup as a ``HiSparseConfigError`` (a ``ValueError``)
 whose message names the offending key or option and what is accepted. Nothing here
-changes vLLM state; ``resolve_config`` is called by the planner and by both connector
-roles, so each process fails with the same message.
+changes vLLM state. Two entry points:
+
+* ``check_extra_config(vllm_config)`` validates what needs no engine facts (keys, types,
+  ranges, the host budget against this machine's memory, the shape of a MultiConnector
+  entry). The plugin runs it when vLLM builds a ``VllmConfig`` (``patches_config``), so
+  ``vllm serve`` fails in the API-server process, before any engine process starts.
+* ``resolve_config(vllm_config)`` is the one parse: the above plus the engine facts
+  (``top_k``, ``block_size``, speculative tokens) and engine compatibility. The planner
+  calls it once per planning and the connector once per role; the roles get the result.
 
 Extra-config keys (all per data-parallel replica):
 
@@ -14,7 +21,7 @@ key                       meaning                                               
 ``device_buffer_size``    hot rows per request (a multiple of ``block_size``)     ``(q + 1) * top_k``
 ``eager_host_mirror``     mirror new KV rows to the host pool as written          ``true``
 ``ops_backend``           ``auto`` | ``cuda`` | ``reference`` (pure-torch twins) ``auto``
-``record_trace``          file to record per-step top-k selections into           none
+``record_trace``          writable file to record per-step top-k selections into  none
 ``index_share_prefetch``  IndexShare followers' rows copied on a side stream      ``true``
                           under earlier layers' compute (false: one launch per
                           index group at its leader)
@@ -34,6 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hisparse.core.capacity import host_blocks_for_budget, host_memory_limit
+from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
 # The default grid cap of the followers' copies (its docstring says why 16).
 from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
@@ -64,7 +73,9 @@ ACCEPTED_KEYS = (
 #: Upper bound of ``prefetch_max_ctas``: larger grids than this are never useful.
 MAX_PREFETCH_CTAS = 4096
 
-_GIB = 1 << 30
+#: How deep MultiConnector entries may nest (vLLM builds each level's children itself;
+#: deeper is a generated or looping config, not a deployment).
+MAX_MULTI_CONNECTOR_DEPTH = 4
 
 
 class HiSparseConfigError(ValueError):
@@ -95,7 +106,7 @@ class HiSparseResidencyConfig:
 
     @property
     def host_pool_bytes(self) -> int:
-        return int(self.host_pool_gib * _GIB)
+        return int(self.host_pool_gib * GIB)
 
     @property
     def hot_blocks_per_request(self) -> int:
@@ -108,17 +119,55 @@ class HiSparseResidencyConfig:
 # --------------------------------------------------------------------------------------
 
 
-def _connector_entries(kv_connector: str | None, extra: Mapping[str, Any]) -> list[dict]:
-    """Extra configs of every ``CONNECTOR_NAME`` entry, descending into MultiConnector."""
+def _malformed(where: str, problem: str, accepted: str) -> HiSparseConfigError:
+    return HiSparseConfigError(
+        f"kv_transfer_config: {where} {problem}; accepted: {accepted} (checked by "
+        f"vllm_hisparse while looking for {CONNECTOR_NAME})."
+    )
+
+
+def _connector_entries(kv_connector: Any, extra: Any, where: str = "kv_connector_extra_config",
+                       depth: int = 0) -> list[Any]:
+    """Extra configs of every ``CONNECTOR_NAME`` entry, descending into MultiConnector.
+
+    vLLM takes ``kv_connector_extra_config`` as an untyped dict, so a malformed
+    MultiConnector entry (``connectors`` not a list, a child that is not an object, an
+    extra config that is not an object) would otherwise surface as an ``AttributeError``
+    deep in vLLM; each gets a named error here, with its path."""
     if kv_connector == CONNECTOR_NAME:
-        return [dict(extra)]
+        return [extra]
     if kv_connector != "MultiConnector":
         return []
-    found: list[dict] = []
-    for child in extra.get("connectors", []) or []:
-        found += _connector_entries(
-            child.get("kv_connector"), child.get("kv_connector_extra_config", {}) or {}
-        )
+    if depth >= MAX_MULTI_CONNECTOR_DEPTH:
+        raise _malformed(where, f"nests MultiConnector more than {MAX_MULTI_CONNECTOR_DEPTH} "
+                         "levels deep", f"at most {MAX_MULTI_CONNECTOR_DEPTH} levels")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise _malformed(where, f"of MultiConnector is a {type(extra).__name__}",
+                         'an object {"connectors": [...]}')
+    children = extra.get("connectors", [])
+    if children is None:
+        children = []
+    if not isinstance(children, list):
+        raise _malformed(f"{where}.connectors", f"is a {type(children).__name__}",
+                         "a list of connector objects")
+    found: list[Any] = []
+    for index, child in enumerate(children):
+        child_where = f"{where}.connectors[{index}]"
+        if not isinstance(child, Mapping):
+            raise _malformed(child_where, f"is {child!r} ({type(child).__name__})",
+                             'an object {"kv_connector": NAME, "kv_connector_extra_config": {...}}')
+        name = child.get("kv_connector")
+        if not isinstance(name, str) or not name:
+            raise _malformed(f"{child_where}.kv_connector", f"is {name!r}",
+                             "a connector name (string)")
+        child_extra = child.get("kv_connector_extra_config")
+        if child_extra is not None and not isinstance(child_extra, Mapping):
+            raise _malformed(f"{child_where}.kv_connector_extra_config",
+                             f"is a {type(child_extra).__name__}", "an object or null")
+        found += _connector_entries(name, child_extra or {},
+                                    f"{child_where}.kv_connector_extra_config", depth + 1)
     return found
 
 
@@ -139,7 +188,14 @@ def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
             f"kv_transfer_config lists {CONNECTOR_NAME} {len(entries)} times; "
             "accepted: exactly one entry (top level or one MultiConnector child)."
         )
-    return entries[0] if entries else None
+    if not entries:
+        return None
+    if not isinstance(entries[0], Mapping):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: kv_connector_extra_config must be a JSON object; "
+            f"got {type(entries[0]).__name__}."
+        )
+    return dict(entries[0])
 
 
 def is_connector_configured(vllm_config: VllmConfig) -> bool:
@@ -181,12 +237,37 @@ def _parse_host_pool_gib(extra: Mapping[str, Any]) -> float:
             "data-parallel replica)."
         )
     value = extra["host_pool_gib"]
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+    # Ints first: math.isfinite(10**400) itself raises OverflowError.
+    if not _is_number(value) or value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: host_pool_gib={value!r} is invalid; accepted: a "
             "finite number > 0 (GiB of pinned host memory per data-parallel replica)."
         )
+    _check_host_pool_fits_memory(value)
     return float(value)
+
+
+def _check_host_pool_fits_memory(host_pool_gib: float | int) -> None:
+    """Refuse a budget larger than this machine's RAM or memory cgroup can ever pin.
+
+    Checked against the smaller of the two; a budget that passes may still be too large
+    with several replicas or private per-rank pools on one node (the worker's pinning
+    then fails with its own message)."""
+    limit = host_memory_limit()
+    if limit.limit_bytes is None:
+        return
+    # int/float comparison is exact in Python (no overflow for 10**400).
+    if host_pool_gib > limit.limit_bytes / GIB:
+        try:
+            shown = f"{host_pool_gib:g}"
+        except OverflowError:  # an int beyond float range
+            shown = f"<an integer of {len(str(host_pool_gib))} digits>"
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: host_pool_gib={shown} is more than this machine can pin "
+            f"({limit.describe()}); accepted: host_pool_gib <= "
+            f"{limit.limit_bytes / GIB:.2f} (GiB of pinned host memory per data-parallel "
+            "replica, on every node that runs one)."
+        )
 
 
 def default_device_buffer_size(top_k: int, block_size: int, max_decode_query_len: int) -> int:
@@ -261,11 +342,25 @@ def _parse_record_trace(extra: Mapping[str, Any]) -> str | None:
             f"{CONNECTOR_NAME}: record_trace={value!r} is invalid; accepted: a file "
             "path (string) or null."
         )
+    accepted = "accepted: a writable file path in an existing, writable directory"
+    if os.path.isdir(value):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace={value!r} is a directory; {accepted}."
+        )
+    if os.path.exists(value) and not os.access(value, os.W_OK):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace={value!r} exists and is not writable; {accepted}."
+        )
     parent = os.path.dirname(os.path.abspath(value))
     if not os.path.isdir(parent):
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: record_trace={value!r}: directory {parent!r} does not "
-            "exist; accepted: a file path in an existing directory."
+            f"exist; {accepted}."
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace={value!r}: directory {parent!r} is not "
+            f"writable; {accepted}."
         )
     return value
 
@@ -278,6 +373,41 @@ def _parse_prefetch_max_ctas(extra: Mapping[str, Any]) -> int:
             f"between 0 (no cap: every SM) and {MAX_PREFETCH_CTAS}."
         )
     return value
+
+
+def _check_standalone(extra: Any) -> None:
+    """The checks that need no engine facts (keys, types, ranges, machine memory)."""
+    if not isinstance(extra, Mapping):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: kv_connector_extra_config must be a JSON object; "
+            f"got {type(extra).__name__}."
+        )
+    _reject_unknown_keys(extra)
+    _parse_host_pool_gib(extra)
+    if "device_buffer_size" in extra:
+        value = extra["device_buffer_size"]
+        if not _is_int(value) or not 0 < value <= MAX_DEVICE_BUFFER_ROWS:
+            raise HiSparseConfigError(
+                f"{CONNECTOR_NAME}: device_buffer_size={value!r} is invalid; accepted: a "
+                f"multiple of block_size between max_decode_query_len*top_k and "
+                f"{MAX_DEVICE_BUFFER_ROWS}."
+            )
+    _parse_bool(extra, "eager_host_mirror", True)
+    _parse_ops_backend(extra)
+    _parse_record_trace(extra)
+    _parse_bool(extra, "index_share_prefetch", True)
+    _parse_prefetch_max_ctas(extra)
+
+
+def check_extra_config(vllm_config: VllmConfig) -> None:
+    """Validate our extra config without engine facts; a no-op unless it names us.
+
+    What the plugin runs while vLLM builds a ``VllmConfig`` (the model's ``index_topk``
+    and the final ``block_size`` may not be known yet; ``resolve_config`` checks the
+    rest when the engine plans its KV cache)."""
+    extra = find_connector_extra_config(vllm_config)
+    if extra is not None:
+        _check_standalone(extra)
 
 
 def parse_extra_config(
@@ -407,12 +537,10 @@ def check_host_pool_holds_one_request(
     ``host_block_bytes`` is one page of every sparse-MLA layer; ``host_copies`` is how
     many ranks of the replica pin their own copy (see ``kv_planning``).
     """
-    if host_block_bytes <= 0 or host_copies <= 0:
-        raise ValueError("host_block_bytes and host_copies must be positive")
-    host_blocks = config.host_pool_bytes // (host_block_bytes * host_copies)
-    needed_blocks = _cdiv(max_model_len, config.block_size)
+    host_blocks = host_blocks_for_budget(config.host_pool_bytes, host_block_bytes, host_copies)
+    needed_blocks = cdiv(max_model_len, config.block_size)
     if host_blocks < needed_blocks:
-        needed_gib = needed_blocks * host_block_bytes * host_copies / _GIB
+        needed_gib = needed_blocks * host_block_bytes * host_copies / GIB
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: host_pool_gib={config.host_pool_gib:g} buys "
             f"{host_blocks} host blocks, fewer than one max_model_len={max_model_len} "
@@ -423,9 +551,5 @@ def check_host_pool_holds_one_request(
     return host_blocks
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
+    return cdiv(a, b) * b

@@ -112,7 +112,7 @@ class HiSparseConnectorScheduler:
         compat.assign_group_role(
             kv_cache_config, residency_manager_group_ids(kv_cache_config, self.sparse_group_ids))
 
-        report = engine_capacity_report(vllm_config, kv_cache_config)
+        report = engine_capacity_report(vllm_config, kv_cache_config, hisparse_config)
         logger.info("%s", format_capacity_table(report))
         self.capacity_report = report
         self.host_pool = HostBlockPool(report.host_blocks)

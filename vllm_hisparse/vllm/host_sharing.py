@@ -70,9 +70,11 @@ class HostPoolSharing:
         if not self.shared:
             return None
         shm_dir = os.environ.get(ENV_SHM_DIR) or None
+        # The ranks that do not write the host pool only read it: they map it read-only.
         return SharedSegment(self.segment_name + suffix, create=tp_rank == WRITER_TP_RANK,
                              num_ranks=self.num_ranks, open_timeout_s=OPEN_TIMEOUT_S,
-                             dirs=(shm_dir,) if shm_dir else None)
+                             dirs=(shm_dir,) if shm_dir else None,
+                             read_only=not self.writes_host(tp_rank))
 
     def describe(self, tp_rank: int) -> str:
         if not self.shared:

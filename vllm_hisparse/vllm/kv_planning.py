@@ -39,6 +39,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB, cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import (
     DefaultKVCacheConfigBuilder,
@@ -55,6 +56,7 @@ from vllm_hisparse.vllm.compat import (
 from vllm_hisparse.vllm.config import (
     CONNECTOR_NAME,
     HiSparseConfigError,
+    HiSparseResidencyConfig,
     check_host_pool_holds_one_request,
     is_connector_configured,
     resolve_config,
@@ -66,11 +68,6 @@ MAX_SPLIT_GROUPS = 8
 
 #: Qualified name the planner hook hands to vLLM.
 BUILDER_QUALNAME = "vllm_hisparse.vllm.kv_planning.HiSparseKVCacheConfigBuilder"
-
-#: Pages at the tail of a running request that are never released (DESIGN.md §5).
-ACTIVE_TAIL_PAGES = 2
-
-_GIB = 1 << 30
 
 
 # --------------------------------------------------------------------------------------
@@ -377,7 +374,7 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
     def get_kv_cache_groups(
         self, vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
     ) -> list[KVCacheGroupSpec]:
-        resolve_config(vllm_config)  # fail with the config error before planning
+        config = resolve_config(vllm_config)  # fail with the config error before planning
         if vllm_config.model_config.supports_kv_cache_grouping:
             raise HiSparseConfigError(
                 f"{CONNECTOR_NAME} plans the KV cache groups itself; accepted: a model "
@@ -395,7 +392,7 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
             # With auto-fit (-1) max_model_len is not final yet; the connector checks
             # again at construction, after auto-fit.
             check_host_pool_holds_one_request(
-                resolve_config(vllm_config),
+                config,
                 host_block_bytes=host_block_bytes(
                     split.groups[i] for i in split.sparse_group_ids + split.indexer_group_ids
                 ),
@@ -474,12 +471,16 @@ class CapacityReport:
     host_copies: int
     """Ranks of the replica that each pin a copy of the host pool."""
     max_concurrency_without_residency: int
+    """Full residency (every page of every group on the device): vLLM without us."""
     max_concurrency_at_admission: int
     max_concurrency_steady: int
+    """Hybrid residency in steady state (hot region + tail on the device, the rest on host)."""
+    hot_rows_per_request: int
+    """Device rows one request's hot region holds per sparse-MLA layer."""
 
     @property
     def logical_host_gib(self) -> float:
-        return self.host_blocks * self.host_block_bytes / _GIB
+        return self.host_blocks * self.host_block_bytes / GIB
 
     @property
     def physical_host_gib(self) -> float:
@@ -514,7 +515,7 @@ def capacity_report(
     Each request also needs its whole length in host blocks. The null block is not
     usable, hence ``device_blocks - 1``.
     """
-    pages = -(-max_model_len // block_size)
+    pages = cdiv(max_model_len, block_size)
     always_resident = (num_indexer_groups + num_other_groups) * pages
     usable = max(device_blocks - 1, 0)
 
@@ -523,7 +524,7 @@ def capacity_report(
         return usable // per_request if per_request else 0
 
     host_fit = host_blocks // pages
-    window_pages = min(-(-admission_window_tokens // block_size), pages)
+    window_pages = min(cdiv(admission_window_tokens, block_size), pages)
     return CapacityReport(
         device_blocks=device_blocks,
         bytes_per_block=bytes_per_block,
@@ -539,6 +540,7 @@ def capacity_report(
         max_concurrency_steady=min(
             fit(min(hot_blocks_per_request + ACTIVE_TAIL_PAGES, pages)), host_fit
         ),
+        hot_rows_per_request=hot_blocks_per_request * block_size,
     )
 
 
@@ -558,9 +560,12 @@ def format_capacity_table(report: CapacityReport) -> str:
             f"{report.physical_host_gib:.2f} GiB ({report.host_copies} pinned "
             f"cop{'y' if report.host_copies == 1 else 'ies'})",
         ),
-        ("max concurrency, no residency", f"{report.max_concurrency_without_residency:,}"),
+        ("hot rows per request", f"{report.hot_rows_per_request:,} per sparse-MLA layer"),
+        ("max concurrency, no residency", f"{report.max_concurrency_without_residency:,} "
+         "(full residency: every page on the device)"),
         ("max concurrency, admission", f"{report.max_concurrency_at_admission:,}"),
-        ("max concurrency, steady state", f"{report.max_concurrency_steady:,}"),
+        ("max concurrency, steady state", f"{report.max_concurrency_steady:,} "
+         "(hybrid residency: hot rows + tail on the device)"),
     ]
     width = max(len(label) for label, _ in rows)
     lines = [f"{CONNECTOR_NAME} KV capacity (max_model_len requests):"]
@@ -569,10 +574,10 @@ def format_capacity_table(report: CapacityReport) -> str:
 
 
 def engine_capacity_report(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: HiSparseResidencyConfig
 ) -> CapacityReport:
-    """The capacity report for a planned engine (what the connector logs at startup)."""
-    config = resolve_config(vllm_config)
+    """The capacity report for a planned engine (what the connector logs at startup);
+    ``config`` is the connector's parsed config (``resolve_config``, parsed once)."""
     groups = kv_cache_config.kv_cache_groups
     sparse_ids = sparse_group_ids(kv_cache_config)
     indexer_ids = indexer_group_ids(kv_cache_config)

@@ -8,25 +8,92 @@ config names ``HiSparseResidencyConnector``:
 1. registers the connector class with vLLM's ``KVConnectorFactory`` under that name
    (lazy: the module is imported only when a config asks for it);
 2. installs the planner hook (``compat.install_planner_hook``), whose callback returns
-   our KV-cache config builder only for configs that name the connector.
+   our KV-cache config builder only for configs that name the connector;
+3. installs the config check (``patches_config``): every ``VllmConfig`` built from then
+   on validates our ``kv_connector_extra_config`` (top level or MultiConnector child),
+   so ``vllm serve`` rejects a bad key in the API-server process;
+4. sends this package's log records to vLLM's log handler (vLLM configures only its own
+   ``vllm`` logger; without this, our INFO lines, e.g. the startup capacity table, would
+   not be printed).
 
-Calling ``register()`` again is a no-op.
+It logs one INFO line (package and version) per process. Calling ``register()`` again
+is a no-op.
+
+A ``VllmConfig`` built by hand (a script, a test) before vLLM loaded its plugins has no
+connector registered under our name and no config check: call
+``vllm.plugins.load_general_plugins()`` first (``vllm serve``, ``LLM(...)`` and
+``EngineArgs`` do it themselves), see docs/troubleshooting.md.
 """
 
 from __future__ import annotations
 
 import logging
 
-from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME
+import vllm_hisparse
+from vllm_hisparse.vllm import compat, patches_config
+from vllm_hisparse.vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME, check_extra_config
 from vllm_hisparse.vllm.kv_planning import select_builder
 
 logger = logging.getLogger(__name__)
 
+#: The entry point's name in pyproject.toml.
+PLUGIN_NAME = "hisparse_residency"
+
+#: The logger every module of the package logs under.
+PACKAGE_LOGGER = "vllm_hisparse"
+
+_announced = False
+
+
+class _ToVllmHandlers(logging.Handler):
+    """Hands our records to the handlers of vLLM's ``vllm`` logger, whatever they are when
+    the record is emitted: ``vllm serve`` configures its logging only after it loaded the
+    plugins, and each engine process configures it again."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def _route_logs_to_vllm() -> None:
+    """Print the package's records through vLLM's log output, unless the application
+    configured logging itself (a handler or level on our logger or on the root).
+
+    Records still propagate, so pytest's caplog and root handlers added later see them."""
+    ours = logging.getLogger(PACKAGE_LOGGER)
+    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers:
+        return
+    ours.addHandler(_ToVllmHandlers())
+    ours.setLevel(logging.INFO)
+
+
+def _vllm_logging_configured() -> bool:
+    return bool(logging.getLogger("vllm").handlers)
+
+
+def _announce() -> None:
+    """The one INFO line per process: package, version, what it registered."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("vllm_hisparse %s: plugin %s registered the KV connector %s",
+                    vllm_hisparse.__version__, PLUGIN_NAME, CONNECTOR_NAME)
+
+
+def _check_config(vllm_config) -> None:
+    # vllm serve configures logging after loading plugins: the first config built
+    # afterwards announces the plugin, so the line is printed in the API server too.
+    _announce()
+    check_extra_config(vllm_config)
+
 
 def register() -> None:
-    """Register the connector by name and hook KV planning; idempotent."""
+    """Register the connector, hook KV planning and config validation; idempotent."""
     if compat.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME):
         logger.debug("registered %s from %s", CONNECTOR_NAME, CONNECTOR_MODULE)
     if compat.install_planner_hook(select_builder):
         logger.debug("installed the vllm_hisparse KV planner hook")
+    if patches_config.install(_check_config):
+        logger.debug("installed the vllm_hisparse VllmConfig check")
+        _route_logs_to_vllm()
+    if _vllm_logging_configured():
+        _announce()

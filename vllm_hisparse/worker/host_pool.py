@@ -34,6 +34,9 @@ creates it, the others open it (bounded wait), every process registers its own m
 ``cudaHostRegister``. Page modes are the same names: ``hugetlb``, ``thp`` (measured from
 ``/proc/self/smaps``), ``pinned`` (registered, 4 KiB pages) or ``pageable`` (not registered).
 The creator counts the physical memory; the openers map it (``physical_gib == 0``).
+Openers that only read (``SharedSegment(read_only=True)``: the TP ranks that do not write
+the host pool) map it read-only, so a stray write faults instead of corrupting every rank's
+KV; their ``buffer`` and ``layers`` must then never be written.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ import dataclasses
 import logging
 import mmap
 import threading
+import warnings
 import weakref
 from typing import Literal, Sequence
 
 import torch
 
+from vllm_hisparse.core.capacity import host_blocks_for_budget
+from vllm_hisparse.core.units import GIB
 from vllm_hisparse.ops import host_ranges
 from vllm_hisparse.worker import shm_segment
 
@@ -59,7 +65,7 @@ DEFAULT_LAYOUT: Layout = "position"
 HUGE_PAGE_BYTES = 2 << 20
 _MAP_HUGETLB = 0x40000  # Linux, all architectures we build for
 _CUDA_HOST_REGISTER_PORTABLE = 1
-GIB = 1 << 30
+_CUDA_HOST_REGISTER_READ_ONLY = 8  # the device only reads the range (read-only mappings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +81,8 @@ class SharedSegment:
         open_timeout_s: how long an opening rank waits for the creator's segment.
         dirs: directories to create it in / look for it in; None = every writable 2 MiB
             hugetlbfs mount, then ``/dev/shm``.
+        read_only: an opener that never writes the pool maps it read-only (the creator
+            always writes: it fills the header).
     """
 
     name: str
@@ -82,9 +90,12 @@ class SharedSegment:
     num_ranks: int = 2
     open_timeout_s: float = 600.0
     dirs: Sequence[str] | None = None
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         shm_segment.segment_file_name(self.name)  # validates the name
+        if self.create and self.read_only:
+            raise ValueError("SharedSegment: the creating rank cannot map it read-only")
         if self.open_timeout_s <= 0:
             raise ValueError(f"SharedSegment: open_timeout_s must be > 0, got "
                              f"{self.open_timeout_s!r}")
@@ -209,7 +220,7 @@ class HostPool:
     def blocks_for_bytes(cls, pool_bytes: int, num_layers: int, block_size: int,
                          row_bytes: int) -> int:
         """How many host blocks ``pool_bytes`` hold for this geometry."""
-        return pool_bytes // (num_layers * block_size * row_bytes)
+        return host_blocks_for_budget(pool_bytes, num_layers * block_size * row_bytes, 1)
 
     # ---------------------------------------------------------------- allocation
 
@@ -261,10 +272,10 @@ class HostPool:
         return dict(num_layers=self.num_layers, num_blocks=self.num_blocks,
                     block_size=self.block_size, row_bytes=self.row_bytes, layout=self.layout)
 
-    def _register(self, buffer: torch.Tensor) -> str | None:
+    def _register(self, buffer: torch.Tensor, read_only: bool = False) -> str | None:
         """cudaHostRegister ``buffer``; the failure reason, or None when registered."""
-        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.total_bytes,
-                                                  _CUDA_HOST_REGISTER_PORTABLE)
+        flags = _CUDA_HOST_REGISTER_PORTABLE | (_CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.total_bytes, flags)
         if int(err) != 0:
             return f"cudaHostRegister failed ({err})"
         self._registered_ptr = buffer.data_ptr()
@@ -299,13 +310,17 @@ class HostPool:
         else:
             segment = shm_segment.open_segment(
                 shared.name, self.total_bytes, self._header(), dirs=shared.dirs,
-                timeout_s=shared.open_timeout_s)
+                timeout_s=shared.open_timeout_s, writable=not shared.read_only)
         self._segment = segment
         self._mapping = segment.mapping
-        buffer = torch.frombuffer(segment.mapping, dtype=torch.uint8)[
-            offset:offset + self.total_bytes]
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark a tensor over a read-only buffer read-only;
+            # the mapping's protection is what enforces it.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            buffer = torch.frombuffer(segment.mapping, dtype=torch.uint8)[
+                offset:offset + self.total_bytes]
         if self._pin and not shared.create:
-            reason = self._register(buffer)
+            reason = self._register(buffer, read_only=shared.read_only)
             if reason is not None:
                 del buffer
                 self._mapping = None

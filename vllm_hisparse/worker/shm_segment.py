@@ -14,15 +14,22 @@ offset 0, the data at ``DATA_OFFSET`` (2 MiB, so the data is huge-page aligned).
 
 Protocol (no other communication between the processes):
 
-* the **creator** makes a temporary file (``O_EXCL``) and holds an exclusive ``flock`` on it
-  for its whole life; it sizes, maps and faults in the file, lets the caller pin it, writes
-  the header and only then renames it to the final name (atomic publication: an opener never
-  sees a half-built segment);
+* the **creator** makes a temporary file (``O_EXCL``, mode ``0600``) and holds an exclusive
+  ``flock`` on it for its whole life; it sizes, maps and faults in the file, lets the caller
+  pin it, writes the header and only then publishes it by hard-linking it to the final name
+  (``link`` fails if the name exists: of two creators racing for one name exactly one
+  publishes, the other gets a :class:`SegmentError`; an opener never sees a half-built
+  segment);
 * an **opener** polls the candidate directories for the final name until a deadline. A file
   whose lock can be taken shared has no live creator (it was left by a crashed run: the kernel
-  drops the lock of a dead process) and is skipped;
-* before creating, the creator removes such **stale** files (any name with our prefix in the
-  candidate directories: a crashed run leaves its pages allocated in tmpfs until then);
+  drops the lock of a dead process) and is skipped. Openers that only read map it read-only;
+* before attaching to or replacing a file, both check that it is a regular file owned by this
+  user and not accessible to others (another user could plant a file under our name in the
+  world-writable ``/dev/shm``): anything else is a :class:`SegmentError` naming the owner and
+  mode. Every malformed header is a :class:`SegmentError` too;
+* before creating, the creator removes **stale** files: names with our prefix, owned by this
+  user, that no live creator holds (a killed engine leaves its pages allocated in tmpfs until
+  then; the next start reclaims them and logs it). Other users' files are skipped;
 * on close the creator unlinks the name; the memory is freed when the last process unmaps it.
 
 ``flock`` locks belong to the open file, not the pid, so the liveness test also holds across
@@ -39,10 +46,13 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
+
+from vllm_hisparse.core.units import GIB
 
 logger = logging.getLogger("vllm_hisparse.worker")
 
@@ -56,7 +66,8 @@ _TMP_GRACE_S = 60.0  # a creator takes its lock right after O_EXCL; older unlock
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _SMAPS_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux uapi value
-_GIB = 1 << 30
+_FILE_MODE = 0o600
+_PAGE_MODES = ("hugetlb", "thp", "small")
 
 FsKind = Literal["hugetlbfs", "tmpfs"]
 
@@ -191,8 +202,37 @@ def _flock_probe_is_free(fd: int) -> bool:
     return True
 
 
+def ownership_problem(st: os.stat_result, *, private: bool = True) -> str | None:
+    """Why a segment file must not be attached to (None when it is ours and private).
+    ``private=False``: only the owner matters (stale cleanup may remove any file of ours)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return (f"is owned by uid {st.st_uid}, this process runs as uid {os.geteuid()} "
+                "(planted by another user, or left by another user's engine)")
+    if private and st.st_mode & 0o077:
+        return (f"has mode {stat.S_IMODE(st.st_mode):04o}; segments are created {_FILE_MODE:04o} "
+                "(others could read or change the KV)")
+    return None
+
+
+def _refuse(path: str, problem: str) -> SegmentError:
+    return SegmentError(
+        f"host pool: refusing shared segment {path}: it {problem}. Remove the file if it is "
+        "not yours to keep, or point VLLM_HISPARSE_SHM_DIR at a directory only this user "
+        "can write")
+
+
+def _header_pid(fd: int) -> str:
+    try:
+        return str(_parse_header(os.pread(fd, _HEADER_LIMIT_BYTES, 0), "").get("creator_pid"))
+    except SegmentError:
+        return "unknown"
+
+
 def remove_stale_segments(candidates: Sequence[Candidate]) -> list[str]:
-    """Unlink segment files (our prefix) that no live creator holds; returns their paths."""
+    """Unlink this user's segment files (our prefix) that no live creator holds; returns
+    their paths. Other users' files are skipped (logged), never a reason to fail."""
     removed = []
     for cand in candidates:
         try:
@@ -204,11 +244,15 @@ def remove_stale_segments(candidates: Sequence[Candidate]) -> list[str]:
                 continue
             path = os.path.join(cand.directory, entry)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except OSError:
-                continue
+                continue  # another user's private file, a dangling link, gone meanwhile
             try:
                 st = os.fstat(fd)
+                problem = ownership_problem(st, private=False)
+                if problem is not None:
+                    logger.info("host pool: leaving %s alone: it %s", path, problem)
+                    continue
                 if ".tmp." in entry and time.time() - st.st_mtime < _TMP_GRACE_S:
                     continue  # maybe a creator between O_EXCL and flock
                 if not _flock_probe_is_free(fd):
@@ -219,9 +263,13 @@ def remove_stale_segments(candidates: Sequence[Candidate]) -> list[str]:
                     os.unlink(path)
                 except FileNotFoundError:
                     continue
+                except PermissionError as exc:
+                    logger.info("host pool: could not remove stale segment %s: %s", path, exc)
+                    continue
                 removed.append(path)
                 logger.warning("host pool: removed stale shared segment %s (%.2f GiB) left by a "
-                               "process that exited without closing it", path, st.st_size / _GIB)
+                               "process that exited without closing it (creator pid %s): its "
+                               "memory is reclaimed", path, st.st_size / GIB, _header_pid(fd))
             finally:
                 os.close(fd)
     return removed
@@ -267,16 +315,37 @@ def _write_header(mapping: mmap.mmap, header: dict[str, Any]) -> None:
     mapping[0:len(_MAGIC) + 8 + len(body)] = _MAGIC + struct.pack("<Q", len(body)) + body
 
 
-def _read_header(fd: int) -> dict[str, Any] | None:
-    raw = os.pread(fd, _HEADER_LIMIT_BYTES, 0)
-    if len(raw) < len(_MAGIC) + 8 or raw[:len(_MAGIC)] != _MAGIC:
-        return None
-    (length,) = struct.unpack("<Q", raw[len(_MAGIC):len(_MAGIC) + 8])
-    body = raw[len(_MAGIC) + 8:len(_MAGIC) + 8 + length]
+def _parse_header(raw: bytes, path: str) -> dict[str, Any]:
+    """The header at the start of a segment file; :class:`SegmentError` for every defect."""
+    def bad(why: str) -> SegmentError:
+        return SegmentError(f"host pool: {path} is not a valid host pool segment ({why}); "
+                            "remove it if no engine of this user is running")
+
+    start = len(_MAGIC) + 8
+    if len(raw) < start:
+        raise bad(f"{len(raw)} B, shorter than the {start} B header prefix")
+    if raw[:len(_MAGIC)] != _MAGIC:
+        raise bad("bad magic")
+    (length,) = struct.unpack("<Q", raw[len(_MAGIC):start])
+    if start + length > min(len(raw), _HEADER_LIMIT_BYTES):
+        raise bad(f"header length {length} B runs past the {min(len(raw), _HEADER_LIMIT_BYTES)} "
+                  "B header area")
     try:
-        return json.loads(body)
-    except ValueError:
-        return None
+        header = json.loads(raw[start:start + length])
+    except ValueError as exc:  # also UnicodeDecodeError
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is a JSON {type(header).__name__}, not an object")
+    for key in ("data_offset", "data_bytes", "creator_pid"):
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise bad(f"header {key}={value!r}, accepted: an integer >= 0")
+    if header["data_offset"] != DATA_OFFSET:
+        raise bad(f"header data_offset={header['data_offset']}, this version uses {DATA_OFFSET}")
+    if header.get("page_mode") not in _PAGE_MODES:
+        raise bad(f"header page_mode={header.get('page_mode')!r}, accepted: "
+                  f"{', '.join(_PAGE_MODES)}")
+    return header
 
 
 def _fault_in(mapping: mmap.mmap, start: int, length: int) -> None:
@@ -317,10 +386,15 @@ def create_segment(name: str, data_bytes: int, header: dict[str, Any], *,
     for cand in cands:
         final = os.path.join(cand.directory, file_name)
         try:
-            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(final, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             continue
+        except OSError as exc:  # another user's private file, a symlink (ELOOP)
+            raise _refuse(final, f"cannot be opened ({exc})") from None
         try:
+            problem = ownership_problem(os.fstat(fd))
+            if problem is not None:
+                raise _refuse(final, problem)
             if not _flock_probe_is_free(fd):
                 raise SegmentError(
                     f"host pool: shared segment {final} is held by a live process; two engines "
@@ -343,7 +417,7 @@ def create_segment(name: str, data_bytes: int, header: dict[str, Any], *,
         logger.info("host pool: shared segment not created in %s: %s", cand.directory, reason)
     raise SegmentError(
         f"host pool: could not create the shared host pool segment {file_name} "
-        f"({file_bytes / _GIB:.2f} GiB): " + "; ".join(failures)
+        f"({file_bytes / GIB:.2f} GiB): " + "; ".join(failures)
         + ". Enlarge /dev/shm (docker: --shm-size or --ipc=host), reserve 2 MiB pages on a "
         "hugetlbfs mount, point VLLM_HISPARSE_SHM_DIR at a memory file system with room, or "
         "set VLLM_HISPARSE_SHARED_HOST_POOL=0 (one private pool per rank: TP times the memory)")
@@ -361,7 +435,7 @@ def _try_create(cand: Candidate, file_name: str, data_bytes: int, file_bytes: in
             return None, f"statvfs failed: {exc}"
         free = st.f_bavail * st.f_frsize
         if free < file_bytes:
-            return None, (f"{free / _GIB:.2f} GiB free, {file_bytes / _GIB:.2f} GiB needed")
+            return None, (f"{free / GIB:.2f} GiB free, {file_bytes / GIB:.2f} GiB needed")
     final = os.path.join(cand.directory, file_name)
     tmp = f"{final}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -409,8 +483,17 @@ def _try_create(cand: Candidate, file_name: str, data_bytes: int, file_bytes: in
                 return None, reason
             accepted = segment
         _write_header(mapping, full_header)
-        os.rename(tmp, final)
+        # link, not rename: rename would replace a segment another creator published since
+        # the check in create_segment, and both would "succeed".
+        try:
+            os.link(tmp, final)
+        except FileExistsError:
+            raise SegmentError(
+                f"host pool: shared segment {final} was published by another process while "
+                "this one built its own; two engines with the same instance id and "
+                "data-parallel rank on one node?") from None
         published = True
+        os.unlink(tmp)
         return segment, None
     finally:
         if not published:
@@ -430,11 +513,14 @@ def _try_create(cand: Candidate, file_name: str, data_bytes: int, file_bytes: in
 
 def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
                  dirs: Sequence[str] | None = None, timeout_s: float = 600.0,
-                 poll_s: float = 0.05) -> Segment:
+                 poll_s: float = 0.05, writable: bool = True) -> Segment:
     """Map segment ``name`` once its creator has published it.
 
     ``expect``: header entries that must match (geometry); a mismatch raises ``ValueError``
-    naming both values. Waits at most ``timeout_s``, then raises :class:`SegmentTimeout`."""
+    naming both values. ``writable=False`` opens and maps it read-only (a write through the
+    mapping faults). A file that is not this user's private regular file, or whose header
+    is malformed, raises :class:`SegmentError` at once. Waits at most ``timeout_s``, then
+    raises :class:`SegmentTimeout`."""
     file_name = segment_file_name(name)
     cands = candidate_dirs(dirs)
     deadline = time.monotonic() + timeout_s
@@ -443,21 +529,25 @@ def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
     while True:
         for cand in cands:
             path = os.path.join(cand.directory, file_name)
+            access = os.O_RDWR if writable else os.O_RDONLY
             try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                fd = os.open(path, access | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 continue
+            except OSError as exc:  # another user's private file, a symlink (ELOOP)
+                raise _refuse(path, f"cannot be opened ({exc})") from None
             keep = False
             try:
+                problem = ownership_problem(os.fstat(fd))
+                if problem is not None:
+                    raise _refuse(path, problem)
                 if _flock_probe_is_free(fd):
                     if path not in stale_seen:
                         stale_seen.add(path)
                         logger.info("host pool: %s has no live creator (left by a crashed "
                                     "run); waiting for the creating rank to replace it", path)
                     continue
-                header = _read_header(fd)
-                if header is None:
-                    raise SegmentError(f"host pool: {path} is not a host pool segment (bad header)")
+                header = _parse_header(os.pread(fd, _HEADER_LIMIT_BYTES, 0), path)
                 for key, value in {**expect, "data_bytes": data_bytes}.items():
                     if header.get(key) != value:
                         raise ValueError(
@@ -468,8 +558,8 @@ def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
                 if file_bytes < header["data_offset"] + data_bytes:
                     raise SegmentError(f"host pool: {path} is {file_bytes} B, shorter than its "
                                        "header says")
-                mapping = mmap.mmap(fd, file_bytes, flags=mmap.MAP_SHARED,
-                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mapping = mmap.mmap(fd, file_bytes, flags=mmap.MAP_SHARED, prot=prot)
                 keep = True
                 return Segment(path=path, fs=cand.fs, fd=fd, mapping=mapping,
                                data_bytes=data_bytes, created=False, header=header,
@@ -492,4 +582,4 @@ def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
 
 __all__ = ["Candidate", "DATA_OFFSET", "SEGMENT_PREFIX", "Segment", "SegmentError", "SegmentTimeout",
            "candidate_dirs", "create_segment", "huge_page_fraction", "open_segment",
-           "remove_stale_segments", "segment_file_name"]
+           "ownership_problem", "remove_stale_segments", "segment_file_name"]
