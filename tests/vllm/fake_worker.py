@@ -13,7 +13,12 @@ acknowledged later, in a configurable way:
 * ``num_workers`` with ``stagger_steps``: worker ``i`` reports each transfer
   ``i * stagger_steps`` steps later than worker 0 (vLLM aggregates the reports);
 * ``fail``: a predicate on ``(TransferSpec, worker index)`` that fails that copy once
-  (later copies of a retried page get new transfer ids).
+  (later copies of a retried page get new transfer ids);
+* ``lose``: a predicate on ``(TransferSpec, worker index)``: that worker never acks it;
+* ``repeat``: a predicate on ``(transfer id, worker index)``: that final ack is sent twice
+  in its report, and once more in the next report.
+
+Each worker's report carries its rank (``worker_rank``), as the real worker role's does.
 
 It also checks the command protocol a real worker relies on: every transfer id is new
 and every lease's blocks are distinct.
@@ -49,6 +54,8 @@ class FakeWorker:
     stagger_steps: int = 0
     report_enqueued: bool = False
     fail: Callable[[TransferSpec, int], bool] | None = None
+    lose: Callable[[TransferSpec, int], bool] | None = None
+    repeat: Callable[[int, int], bool] | None = None
     multi_index: int | None = None
     """Position of our connector among MultiConnector children (None: used alone)."""
     multi_size: int = 2
@@ -57,7 +64,10 @@ class FakeWorker:
     seen_ids: set[int] = field(default_factory=set)
     commands: list = field(default_factory=list)
     num_failed: int = 0
+    num_lost: int = 0
+    num_repeated: int = 0
     _due: list[_Due] = field(default_factory=list)
+    _resend: list[_Due] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.order not in ("fifo", "reverse", "random"):
@@ -84,6 +94,9 @@ class FakeWorker:
                 self.seen_ids.add(spec.transfer_id)
                 delay = self.delay_steps + (self._rng.randint(0, self.jitter_steps) if self.jitter_steps else 0)
                 for worker in range(self.num_workers):
+                    if self.lose and self.lose(spec, worker):
+                        self.num_lost += 1
+                        continue
                     failed = bool(self.fail and self.fail(spec, worker))
                     self.num_failed += failed
                     self._due.append(_Due(self.step + delay + worker * self.stagger_steps, spec.transfer_id, worker, failed))
@@ -103,9 +116,16 @@ class FakeWorker:
 
     def _report(self) -> KVConnectorOutput | None:
         due = [d for d in self._due if d.step <= self.step - 1]
-        if not due:
+        resent, self._resend = self._resend, []
+        if not due and not resent:
             return None
         self._due = [d for d in self._due if d.step > self.step - 1]
+        if self.repeat:
+            twice = [d for d in due if self.repeat(d.transfer_id, d.worker)]
+            self.num_repeated += len(twice)
+            self._resend = list(twice)
+            due = due + twice
+        due = due + resent
         if self.order == "reverse":
             due.reverse()
         elif self.order == "random":
@@ -118,7 +138,7 @@ class FakeWorker:
                 completed=[d.transfer_id for d in mine if not d.failed],
                 failed=[d.transfer_id for d in mine if d.failed],
             )
-            per_worker.append(HiSparseWorkerMetadata(acks=acks))
+            per_worker.append(HiSparseWorkerMetadata(acks=acks, worker_rank=worker))
         meta = per_worker[0]
         for other in per_worker[1:]:
             meta = meta.aggregate(other)  # what vLLM's KVOutputAggregator does

@@ -125,7 +125,7 @@ def test_preempted_requests_resume_from_the_host(dsa_model_dir):
     host (external tokens), not recomputed, and everything is returned at the end."""
     h = _harness(dsa_model_dir, num_blocks=140)
     # Long outputs: growth, not admission, runs out of blocks (the admission headroom
-    # gate, HiSparseConnectorScheduler.offer, prevents preemptions right after admission).
+    # gate, HiSparseSchedulerRole.offer, prevents preemptions right after admission).
     h.add_requests(8, prompt_len=4 * BS, max_tokens=400)
     stats = h.run_to_completion()
     assert stats.preemptions > 0

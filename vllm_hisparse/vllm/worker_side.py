@@ -38,8 +38,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
+from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
@@ -56,16 +58,11 @@ from vllm_hisparse.vllm.kv_planning import (host_copies_per_replica, host_page_b
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
-from vllm_hisparse.worker.ack_merger import AckMerger
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore, page_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -108,7 +105,7 @@ class HiSparseWorkerRole:
         self.block_size = hisparse_config.block_size
         self.sparse_group_ids = sparse_group_ids(kv_cache_config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.max_pages = _cdiv(self.max_model_len, self.block_size)
+        self.max_pages = cdiv(self.max_model_len, self.block_size)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = check_host_pool_holds_one_request(
@@ -132,7 +129,11 @@ class HiSparseWorkerRole:
         self.host_pool: HostPool | None = None
         self.lanes: list[_Lane] = []
         self.step_view: StepView | None = None
-        self._merger = AckMerger(len(self.sparse_group_ids))
+        # Every transfer runs in each sparse group's executor: one vote over them.
+        self._vote = AckVote(len(self.sparse_group_ids), "sparse-group executor")
+        # This worker's place among the replica's workers (the scheduler votes per rank).
+        pc = vllm_config.parallel_config
+        self.worker_rank = int(pc.rank) % max(1, int(pc.world_size))
         # lead block id -> that page's block id in every sparse group (G > 1 only).
         self._bundles: dict[int, list[int]] = {}
         # Tracked (residency-managed) requests: id -> state row. A request is tracked from its
@@ -352,6 +353,7 @@ class HiSparseWorkerRole:
         request_ids = step_inputs.get("request_ids")
         batch_rows = self._batch_state_rows(request_ids)
         self._check_rows(cmd)
+        self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
@@ -394,7 +396,8 @@ class HiSparseWorkerRole:
         failed_saves, self._failed_indexer_saves = self._failed_indexer_saves, []
         if acks.is_empty() and not failed_saves:
             return None
-        return HiSparseWorkerMetadata(acks=acks, failed_indexer_saves=failed_saves)
+        return HiSparseWorkerMetadata(acks=acks, worker_rank=self.worker_rank,
+                                      failed_indexer_saves=failed_saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids of host-prefix loads that failed (vLLM then fails the requests:
@@ -406,7 +409,7 @@ class HiSparseWorkerRole:
 
     def _poll_acks(self) -> None:
         """Merge the lanes' acks into the pending report; note failed host-prefix loads."""
-        acks = self._merger.merge([lane.executor.acks() for lane in self.lanes])
+        acks = self._vote.vote([(i, lane.executor.acks()) for i, lane in enumerate(self.lanes)])
         if acks.is_empty():
             return
         self._stats.add(failed_transfers=len(acks.failed))
