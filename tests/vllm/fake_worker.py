@@ -19,6 +19,9 @@ acknowledged later, in a configurable way:
   in its report, and once more in the next report.
 
 Each worker's report carries its rank (``worker_rank``), as the real worker role's does.
+A host-prefix load (``metadata.load_requests``) is reported per request, as vLLM's
+``KVOutputAggregator`` hands it over: in ``finished_recving`` once every worker acked its
+RESTORE, and in ``failed_recving`` too when one of them failed it.
 
 It also checks the command protocol a real worker relies on: every transfer id is new
 and every lease's blocks are distinct.
@@ -68,6 +71,8 @@ class FakeWorker:
     num_repeated: int = 0
     _due: list[_Due] = field(default_factory=list)
     _resend: list[_Due] = field(default_factory=list)
+    _loads: dict[int, str] = field(default_factory=dict)  # RESTORE id -> request id
+    _load_votes: dict[int, list] = field(default_factory=dict)  # id -> [workers, failed]
 
     def __post_init__(self) -> None:
         if self.order not in ("fifo", "reverse", "random"):
@@ -89,6 +94,7 @@ class FakeWorker:
         meta = self._our_metadata(scheduler_output)
         if meta is not None:
             self.commands.append(meta)
+            self._loads.update(meta.load_requests)
             for spec in meta.command.transfers:
                 assert spec.transfer_id not in self.seen_ids, f"transfer id {spec.transfer_id} reused"
                 self.seen_ids.add(spec.transfer_id)
@@ -130,6 +136,19 @@ class FakeWorker:
             due.reverse()
         elif self.order == "random":
             self._rng.shuffle(due)
+        finished, failed_loads = set(), set()
+        for d in due:
+            rid = self._loads.get(d.transfer_id)
+            if rid is None:
+                continue
+            vote = self._load_votes.setdefault(d.transfer_id, [set(), False])
+            vote[0].add(d.worker)
+            vote[1] |= d.failed
+            if len(vote[0]) == self.num_workers:
+                del self._load_votes[d.transfer_id], self._loads[d.transfer_id]
+                finished.add(rid)
+                if vote[1]:
+                    failed_loads.add(rid)
         per_worker = []
         for worker in range(self.num_workers):
             mine = [d for d in due if d.worker == worker]
@@ -147,4 +166,5 @@ class FakeWorker:
             slots = [None] * self.multi_size
             slots[self.multi_index] = meta
             meta = multi_worker_meta(metadata=tuple(slots))
-        return KVConnectorOutput(kv_connector_worker_meta=meta)
+        return KVConnectorOutput(kv_connector_worker_meta=meta, finished_recving=finished or None,
+                                 failed_recving=failed_loads)

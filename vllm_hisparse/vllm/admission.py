@@ -34,7 +34,7 @@ class AdmissionGate:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Host-prefix hit past vLLM's own (``num_computed_tokens``, block aligned), as
-        external tokens loaded synchronously; ``None`` (wait) when the host pool cannot
+        external tokens loaded asynchronously; ``None`` (wait) when the host pool cannot
         back the request.
 
         The hit is the longest published prefix of the request's block hashes, in whole
@@ -56,7 +56,9 @@ class AdmissionGate:
         # first one it cannot allocate.
         first_chunk = min(max(request.num_tokens - num_computed_tokens, 1), self._max_chunk_tokens)
         self._offered = (rid, cdiv(first_chunk, self.block_size))
-        return hit_pages * self.block_size, False
+        # A hit loads asynchronously: vLLM keeps the request in WAITING_FOR_REMOTE_KVS
+        # until the worker reports the load, so a failed one is reported per request.
+        return hit_pages * self.block_size, hit_pages > 0
 
     def _note_unadmitted(self, scheduled: dict[str, int]) -> None:
         """Unmet device demand the connector can see, fed to the policy's next decision
@@ -98,6 +100,7 @@ class AdmissionGate:
                     f"{CONNECTOR_NAME}: request {rid!r}: a host prefix of {prefix_pages} pages "
                     f"was offered but only {len(hits)} are still published")
             self._host_hits[rid] = (hits, local_pages)
+            self._loads_to_start.append(rid)
         self._requests[rid] = request
         need = self._host_pages_for(request) - prefix_pages
         self._host_remaining[rid] = need

@@ -137,8 +137,10 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_worker_meta()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # Host-prefix loads, per request: vLLM refuses block-level load errors
+        # (get_block_ids_with_load_errors) with several KV cache groups.
+        return self._worker.get_transfer_results()
 
     def shutdown(self) -> None:
         if self._worker is not None:

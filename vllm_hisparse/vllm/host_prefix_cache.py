@@ -1,12 +1,14 @@
 """The scheduler role's host-prefix cache: host pages served as vLLM prefix hits.
 
-A full page (docs/vllm-integration.md, "Host-prefix hits")
-is published in the host pool under vLLM's block hash once both its sparse-MLA rows
-(the mirror) and its indexer page (saved with the step's mirror, ``IndexerPages``) are
-on the host. ``get_num_new_matched_tokens`` reports published pages past vLLM's own
-prefix-cache hit as external tokens (a synchronous load); vLLM allocates blocks for
-them, and the policy adopts those blocks and restores the pages into them before the
-step's forward (``ResidencyPolicy.adopt_host_prefix``), indexer pages included.
+A full page (docs/vllm-integration.md, "The host tier as a prefix cache") is published
+in the host pool under vLLM's block hash once both its sparse-MLA rows (the mirror) and
+its indexer page (saved with the step's mirror, ``IndexerPages``) are on the host.
+``get_num_new_matched_tokens`` reports published pages past vLLM's own prefix-cache hit
+as external tokens, loaded asynchronously: vLLM allocates blocks for them and holds the
+request in WAITING_FOR_REMOTE_KVS; the policy adopts those blocks and restores the pages
+into them (``ResidencyPolicy.adopt_host_prefix``), indexer pages included, and the worker
+reports the request in ``finished_recving`` (``failed_recving`` too if the load failed:
+vLLM then fails that request alone).
 
 A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`: it keeps
 the leased hits (``_host_hits``), the identities waiting for their mirror
@@ -133,6 +135,16 @@ class HostPrefixCache:
             self._require_policy().revoke_block_hashes(
                 tid, [(rid, serial, page, host) for rid, serial, page, host, _ in entries])
 
+    def _start_loads(self, new_rows: dict[str, int]) -> None:
+        """Requests vLLM admitted this step with a host-prefix hit wait for it in
+        WAITING_FOR_REMOTE_KVS: the policy adopts them now, and the step's command loads
+        their pages (``load_requests`` names each load's request for the worker)."""
+        loads, self._loads_to_start = self._loads_to_start, []
+        for rid in loads:
+            if rid in self._host_hits and rid not in self._row_of:
+                new_rows[rid] = self._add_request(rid)
+                self._adopted_tokens = 0  # not scheduled this step
+
     def _adopt_host_prefix(self, rid: str) -> int:
         """A new request with a leased host prefix: the policy adopts vLLM's blocks for
         its pages and loads those not already on the device (sparse-MLA rows through
@@ -146,6 +158,7 @@ class HostPrefixCache:
         load_id = policy.adopt_host_prefix(rid, leads, hits, local_pages)
         policy.set_block_hashes(rid, 0, self._requests[rid].block_hashes[:n])
         if load_id >= 0:
+            self._load_requests[load_id] = rid
             self._step_indexer_pages[load_id] = IndexerPages(
                 [[m.req_to_blocks[rid][p].block_id for p in range(local_pages, n)]
                  for m in self._indexer_managers],

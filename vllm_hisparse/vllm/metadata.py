@@ -49,6 +49,9 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     bundles: dict[int, list[int]] = field(default_factory=dict)
     # Transfer id -> indexer pages copied with it (host-prefix publication and loads).
     indexer_pages: dict[int, IndexerPages] = field(default_factory=dict)
+    #: RESTORE id -> the request whose host-prefix hit it loads (an asynchronous load:
+    #: the worker reports the request in ``finished_recving`` / ``failed_recving``).
+    load_requests: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

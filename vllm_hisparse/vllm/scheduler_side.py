@@ -23,11 +23,12 @@ Division of labour
 
 Per step: ``build_connector_meta`` feeds the step's scheduled tokens to the policy
 (one vectorised ``schedule_rows`` call; a request that crosses into new pages adopts
-vLLM's blocks through a callback), takes the policy's :class:`~vllm_hisparse.core.StepCommand`, applies its
-page losses to vLLM's block tables (null blocks), and returns the command as metadata.
-It does not modify ``scheduler_output``. ``update_connector_output`` votes the worker
-acks per (transfer, worker) and applies them (``scheduler_acks``). The work is proportional to the scheduled requests (one dict walk and a
-few numpy operations) plus what changed this step.
+vLLM's blocks through a callback), takes the policy's
+:class:`~vllm_hisparse.core.StepCommand`, applies its page losses to vLLM's block tables
+(null blocks), and returns the command as metadata. It does not modify
+``scheduler_output``. ``update_connector_output`` votes the worker acks per (transfer,
+worker) and applies them (``scheduler_acks``). The work is proportional to the scheduled
+requests (one dict walk and a few numpy operations) plus what changed this step.
 
 Requirement R1 (docs/core.md): the policy is told which requests are prefilling (a
 prompt not fully computed, or a recompute), so it never demotes them or releases their
@@ -37,6 +38,7 @@ Preemption: vLLM recomputes a preempted request, so the policy ends it (``abort`
 which publishes its clean pages; when vLLM re-admits it, they are host-prefix hits, so
 only its partial last page is recomputed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -143,6 +145,10 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._offered_hit: tuple[str, int] | None = None
         # Admitted requests with a leased host prefix: id -> (host blocks, local pages).
         self._host_hits: dict[str, tuple[list[int], int]] = {}
+        # Of those, the ones whose load starts with this step's command, and this step's
+        # loads by RESTORE id (metadata.load_requests).
+        self._loads_to_start: list[str] = []
+        self._load_requests: dict[int, str] = {}
         # This step's indexer page copies, by the transfer they ride with.
         self._step_indexer_pages: dict[int, IndexerPages] = {}
         # MIRROR id -> pages (request id, serial, page, host block) whose indexer pages
@@ -268,6 +274,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         if self._prefilling:
             self._update_prefilling(scheduled)
         new_rows: dict[str, int] = {}
+        if self._loads_to_start:
+            self._start_loads(new_rows)
         if scheduled:
             n = len(scheduled)
             keys = tuple(scheduled)
@@ -311,7 +319,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
             self._plan_indexer_saves(keys, rows, counts, command, indexer_pages)
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command),
-            indexer_pages=indexer_pages,
+            indexer_pages=indexer_pages, load_requests=self._take_load_requests(),
         )
 
     # ------------------------------------------------------------------ R1: prefilling
@@ -376,6 +384,10 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._host_remaining[rid] = remaining - used
         self._host_outstanding -= used
         return leads
+
+    def _take_load_requests(self) -> dict[int, str]:
+        loads, self._load_requests = self._load_requests, {}
+        return loads
 
     def _apply_command(self, command: StepCommand) -> None:
         """Mirror the command's page losses/restores into vLLM's block tables; track
