@@ -13,7 +13,15 @@ acknowledged later, in a configurable way:
 * ``num_workers`` with ``stagger_steps``: worker ``i`` reports each transfer
   ``i * stagger_steps`` steps later than worker 0 (vLLM aggregates the reports);
 * ``fail``: a predicate on ``(TransferSpec, worker index)`` that fails that copy once
-  (later copies of a retried page get new transfer ids).
+  (later copies of a retried page get new transfer ids);
+* ``lose``: a predicate on ``(TransferSpec, worker index)``: that worker never acks it;
+* ``repeat``: a predicate on ``(transfer id, worker index)``: that final ack is sent twice
+  in its report, and once more in the next report.
+
+Each worker's report carries its rank (``worker_rank``), as the real worker role's does.
+A host-prefix load (``metadata.load_requests``) is reported per request, as vLLM's
+``KVOutputAggregator`` hands it over: in ``finished_recving`` once every worker acked its
+RESTORE, and in ``failed_recving`` too when one of them failed it.
 
 It also checks the command protocol a real worker relies on: every transfer id is new
 and every lease's blocks are distinct.
@@ -49,6 +57,8 @@ class FakeWorker:
     stagger_steps: int = 0
     report_enqueued: bool = False
     fail: Callable[[TransferSpec, int], bool] | None = None
+    lose: Callable[[TransferSpec, int], bool] | None = None
+    repeat: Callable[[int, int], bool] | None = None
     multi_index: int | None = None
     """Position of our connector among MultiConnector children (None: used alone)."""
     multi_size: int = 2
@@ -57,7 +67,12 @@ class FakeWorker:
     seen_ids: set[int] = field(default_factory=set)
     commands: list = field(default_factory=list)
     num_failed: int = 0
+    num_lost: int = 0
+    num_repeated: int = 0
     _due: list[_Due] = field(default_factory=list)
+    _resend: list[_Due] = field(default_factory=list)
+    _loads: dict[int, str] = field(default_factory=dict)  # RESTORE id -> request id
+    _load_votes: dict[int, list] = field(default_factory=dict)  # id -> [workers, failed]
 
     def __post_init__(self) -> None:
         if self.order not in ("fifo", "reverse", "random"):
@@ -79,11 +94,15 @@ class FakeWorker:
         meta = self._our_metadata(scheduler_output)
         if meta is not None:
             self.commands.append(meta)
+            self._loads.update(meta.load_requests)
             for spec in meta.command.transfers:
                 assert spec.transfer_id not in self.seen_ids, f"transfer id {spec.transfer_id} reused"
                 self.seen_ids.add(spec.transfer_id)
                 delay = self.delay_steps + (self._rng.randint(0, self.jitter_steps) if self.jitter_steps else 0)
                 for worker in range(self.num_workers):
+                    if self.lose and self.lose(spec, worker):
+                        self.num_lost += 1
+                        continue
                     failed = bool(self.fail and self.fail(spec, worker))
                     self.num_failed += failed
                     self._due.append(_Due(self.step + delay + worker * self.stagger_steps, spec.transfer_id, worker, failed))
@@ -103,13 +122,33 @@ class FakeWorker:
 
     def _report(self) -> KVConnectorOutput | None:
         due = [d for d in self._due if d.step <= self.step - 1]
-        if not due:
+        resent, self._resend = self._resend, []
+        if not due and not resent:
             return None
         self._due = [d for d in self._due if d.step > self.step - 1]
+        if self.repeat:
+            twice = [d for d in due if self.repeat(d.transfer_id, d.worker)]
+            self.num_repeated += len(twice)
+            self._resend = list(twice)
+            due = due + twice
+        due = due + resent
         if self.order == "reverse":
             due.reverse()
         elif self.order == "random":
             self._rng.shuffle(due)
+        finished, failed_loads = set(), set()
+        for d in due:
+            rid = self._loads.get(d.transfer_id)
+            if rid is None:
+                continue
+            vote = self._load_votes.setdefault(d.transfer_id, [set(), False])
+            vote[0].add(d.worker)
+            vote[1] |= d.failed
+            if len(vote[0]) == self.num_workers:
+                del self._load_votes[d.transfer_id], self._loads[d.transfer_id]
+                finished.add(rid)
+                if vote[1]:
+                    failed_loads.add(rid)
         per_worker = []
         for worker in range(self.num_workers):
             mine = [d for d in due if d.worker == worker]
@@ -118,7 +157,7 @@ class FakeWorker:
                 completed=[d.transfer_id for d in mine if not d.failed],
                 failed=[d.transfer_id for d in mine if d.failed],
             )
-            per_worker.append(HiSparseWorkerMetadata(acks=acks))
+            per_worker.append(HiSparseWorkerMetadata(acks=acks, worker_rank=worker))
         meta = per_worker[0]
         for other in per_worker[1:]:
             meta = meta.aggregate(other)  # what vLLM's KVOutputAggregator does
@@ -127,4 +166,5 @@ class FakeWorker:
             slots = [None] * self.multi_size
             slots[self.multi_index] = meta
             meta = multi_worker_meta(metadata=tuple(slots))
-        return KVConnectorOutput(kv_connector_worker_meta=meta)
+        return KVConnectorOutput(kv_connector_worker_meta=meta, finished_recving=finished or None,
+                                 failed_recving=failed_loads)

@@ -1,4 +1,4 @@
-"""Admission headroom (``HiSparseConnectorScheduler.offer``) on vLLM's real Scheduler.
+"""Admission headroom (``HiSparseSchedulerRole.offer``) on vLLM's real Scheduler.
 
 Finding (``vllm-hisparse simulate --requests 8 --prompt-len 512 --output-len 128
 --device-blocks 160``): with the connector vLLM preempted 3 times against once without.

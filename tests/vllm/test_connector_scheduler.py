@@ -195,19 +195,7 @@ def test_acks_in_and_out_of_order(small_topk_model_dir, worker):
 
 def test_completion_needs_every_worker(small_topk_model_dir):
     """Two workers, the second acking two steps later: a transfer completes only once
-    both completed it; a failure on either worker fails it."""
-    from vllm_hisparse.core.commands import WorkerAcks
-
-    harness = build(small_topk_model_dir)
-    residency = harness.residency
-    residency.num_workers = 2  # what a TP=2 engine's world size gives
-    first = residency._count_acks(WorkerAcks(enqueued=[5], completed=[5, 6], failed=[7]))
-    assert (first.enqueued, first.completed, first.failed) == ([], [], [7])
-    second = residency._count_acks(WorkerAcks(enqueued=[5], completed=[5, 7], failed=[6]))
-    assert (second.enqueued, second.completed, second.failed) == ([5], [5], [6])
-    third = residency._count_acks(WorkerAcks(completed=[6, 7]))  # late, already failed
-    assert (third.completed, third.failed) == ([], [])
-    # And end to end with staggered reports.
+    both completed it (the vote itself: tests/core/test_ack_vote.py)."""
     worker = FakeWorker(num_workers=2, stagger_steps=2)
     harness = build(small_topk_model_dir, worker=worker)
     harness.residency.num_workers = 2
@@ -217,6 +205,82 @@ def test_completion_needs_every_worker(small_topk_model_dir):
     assert harness.residency.policy.num_open_transfers >= 2  # worker 1 has not acked yet
     harness.run_to_completion()
     harness.assert_no_leaks()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_duplicate_acks_are_counted_once(small_topk_model_dir, async_scheduling):
+    """[7] defect 2: a completion repeated in one report and re-sent a step later is
+    dropped and counted (it crashed ``Scheduler.update_from_output`` with ProtocolError)."""
+    worker = FakeWorker(repeat=lambda tid, rank: tid % 3 == 0)
+    harness = build(small_topk_model_dir, worker=worker, async_scheduling=async_scheduling)
+    run(harness, dict(count=4, prompt_len=512, max_tokens=64))
+    assert worker.num_repeated > 0
+    residency = harness.residency
+    assert residency._duplicates_seen == 2 * worker.num_repeated
+    assert residency._vote.num_open == 0
+
+
+def test_a_worker_repeating_an_ack_does_not_vote_for_another(small_topk_model_dir):
+    """[7] defect 3: worker 0 sends each completion twice while worker 1 acks three steps
+    later; no transfer completes before worker 1 completed it (acks were counted per id:
+    worker 0's repeat completed the transfer while worker 1 was still copying)."""
+    worker = FakeWorker(num_workers=2, stagger_steps=3, repeat=lambda tid, rank: rank == 0)
+    harness = build(small_topk_model_dir, worker=worker)
+    residency = harness.residency
+    residency.num_workers = 2
+    harness.add_requests(2, prompt_len=256, max_tokens=16)
+    issued = []
+    for _ in range(3):
+        harness.step()
+        issued += [t.transfer_id for t in worker.commands[-1].command.transfers]
+    open_ids = {t.transfer_id for t in residency.policy._txns.values()}
+    assert set(issued) <= open_ids  # worker 0 reported them twice; worker 1 not yet
+    harness.run_to_completion()
+    harness.assert_no_leaks()
+    assert residency._vote.num_open == 0  # decided ballots are forgotten
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_lost_ack_stops_with_a_named_error(small_topk_model_dir, num_workers):
+    """[7] defect 4: a worker never acks one transfer. The engine stalled forever; now,
+    past ack_deadline_s, the scheduler raises WorkerSilentError naming the worker and
+    the transfer (its copy may still be in flight: its blocks are never reused)."""
+    import time
+
+    from vllm_hisparse.core.ack_vote import WorkerSilentError
+
+    lost = []
+
+    def lose(spec, rank):
+        if rank == num_workers - 1 and not lost and spec.kind == TransferKind.MIRROR:
+            lost.append(spec.transfer_id)
+            return True
+        return False
+
+    worker = FakeWorker(num_workers=num_workers, lose=lose)
+    harness = build(small_topk_model_dir, worker=worker,
+                    extra={"host_pool_gib": 1, "ack_deadline_s": 0.25})
+    harness.residency.num_workers = num_workers
+    harness.add_requests(2, prompt_len=256, max_tokens=64)
+    give_up = time.monotonic() + 5.0
+    with pytest.raises(WorkerSilentError) as info:
+        while time.monotonic() < give_up:
+            harness.step()
+            time.sleep(0.002)
+    message = str(info.value)
+    assert f"worker(s) [{num_workers - 1}] went silent: transfer {lost[0]} " in message
+    assert "ack_deadline_s=0.25" in message
+
+
+def test_ack_deadline_s_is_validated():
+    from vllm_hisparse.vllm.config import HiSparseConfigError, parse_extra_config
+
+    facts = dict(top_k=128, block_size=64, max_decode_query_len=1)
+    assert parse_extra_config({"host_pool_gib": 1}, **facts).ack_deadline_s == 60.0
+    assert parse_extra_config({"host_pool_gib": 1, "ack_deadline_s": 5}, **facts).ack_deadline_s == 5.0
+    for bad in (0, -1, float("nan"), float("inf"), True, "10", 1e9):
+        with pytest.raises(HiSparseConfigError, match="ack_deadline_s"):
+            parse_extra_config({"host_pool_gib": 1, "ack_deadline_s": bad}, **facts)
 
 
 @pytest.mark.parametrize("num_workers", [1, 2])

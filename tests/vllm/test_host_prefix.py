@@ -7,7 +7,9 @@
   and indexer pages) into exactly those blocks before the forward.
 * Preemption: a preempted request's pages are published, so it resumes from the host
   instead of recomputing.
-* A failed load is reported to vLLM through ``get_block_ids_with_load_errors``.
+* Loads are asynchronous (vLLM holds the request in WAITING_FOR_REMOTE_KVS): a failed load
+  is reported per request in ``failed_recving`` (vLLM refuses block-level
+  ``invalid_block_ids`` with several KV cache groups) and fails that request alone.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def test_a_prefix_published_on_the_host_is_loaded_into_vllms_blocks(dsa_model_di
 
     b = h.add_request(len(prompt) + 30, 3, prompt_token_ids=prompt + [11] * 30)
     out = h.step()
-    assert out.num_scheduled_tokens[b.request_id] == 30  # 640 tokens came from the host
+    assert b.request_id not in out.num_scheduled_tokens  # its pages load first
     meta = _metadata(out)
     (load,) = [t for t in meta.command.transfers if t.kind == TransferKind.RESTORE]
     assert not load.after_forward
@@ -73,7 +75,40 @@ def test_a_prefix_published_on_the_host_is_loaded_into_vllms_blocks(dsa_model_di
         assert meta.bundles[lead] == [t[load.device_blocks.index(lead)].block_id
                                       for t in sparse_tables]
     assert residency.policy.stats.num_prefix_load_pages == 10
+    assert meta.load_requests == {load.transfer_id: b.request_id}
+    while b.request_id not in out.num_scheduled_tokens:
+        out = h.step()
+    assert out.num_scheduled_tokens[b.request_id] == 30  # 640 tokens came from the host
     h.run_to_completion()
+    h.assert_no_leaks()
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failed_prefix_load_fails_that_request_alone(dsa_model_dir, async_scheduling,
+                                                       num_workers):
+    """[7] defect 1: a host-prefix hit whose RESTORE fails (on the last worker), on the real
+    multi-group plan (4 sparse-MLA groups + the indexer group). It crashed the engine
+    (block-level ``invalid_block_ids`` are refused with several KV cache groups); now vLLM
+    gets it per request (``failed_recving``), fails that request alone, the others
+    finish, and nothing leaks."""
+    worker = FakeWorker(num_workers=num_workers, fail=lambda spec, rank: (
+        spec.kind == TransferKind.RESTORE and rank == num_workers - 1))
+    h = _harness(dsa_model_dir, async_scheduling=async_scheduling, worker=worker)
+    h.residency.num_workers = num_workers
+    assert len(h.kv_cache_config.kv_cache_groups) > 2 and h.residency.indexer_group_ids
+    prompt = [(i * 29) % 900 + 10 for i in range(6 * BS)]
+    h.add_request(len(prompt), 2, prompt_token_ids=prompt)
+    h.run_to_completion()
+    assert h.scheduler.reset_prefix_cache()
+    hit = h.add_request(len(prompt) + 7, 4, prompt_token_ids=prompt + [13] * 7)
+    others = h.add_requests(2, prompt_len=3 * BS, max_tokens=8)
+    h.run_to_completion()
+    assert worker.num_failed == 1  # the one RESTORE, on the last worker
+    assert hit.is_finished() and hit.status.name == "FINISHED_ERROR"
+    assert hit.request_id not in h.stats.finished or not hit.output_token_ids
+    assert all(r.request_id in h.stats.finished and len(r.output_token_ids) == 8 for r in others)
+    assert h.residency.policy.stats.num_failed_prefix_load_pages == 6
     h.assert_no_leaks()
 
 
@@ -125,7 +160,7 @@ def test_preempted_requests_resume_from_the_host(dsa_model_dir):
     host (external tokens), not recomputed, and everything is returned at the end."""
     h = _harness(dsa_model_dir, num_blocks=140)
     # Long outputs: growth, not admission, runs out of blocks (the admission headroom
-    # gate, HiSparseConnectorScheduler.offer, prevents preemptions right after admission).
+    # gate, HiSparseSchedulerRole.offer, prevents preemptions right after admission).
     h.add_requests(8, prompt_len=4 * BS, max_tokens=400)
     stats = h.run_to_completion()
     assert stats.preemptions > 0
@@ -212,9 +247,11 @@ def test_worker_saves_indexer_pages_before_the_mirror_and_loads_them_back(role_r
                      device_blocks=[9], host_blocks=[3])])
     role.start_load_kv(HiSparseConnectorMetadata(
         command=load, bundles={9: [9] * len(role.lanes)},
-        indexer_pages={2: IndexerPages([[9]] * ngroups, [3], to_host=False)}))
+        indexer_pages={2: IndexerPages([[9]] * ngroups, [3], to_host=False)},
+        load_requests={2: "req-b"}))
     role.wait_for_save()
-    assert role.get_block_ids_with_load_errors() == set()
+    results = role.get_transfer_results()
+    assert results.finished_recving == {"req-b"} and not results.failed_recving
     for layer, view in enumerate(_page_views(role)):
         assert torch.equal(view[9], pattern[layer])
 
@@ -228,10 +265,13 @@ def test_worker_reports_a_failed_prefix_load_to_vllm(role_rig):
                      device_blocks=[4], host_blocks=[2])])
     role.start_load_kv(HiSparseConnectorMetadata(
         command=cmd, bundles={4: [4] * len(role.lanes)},
-        indexer_pages={7: IndexerPages([[4]] * ngroups, [2], to_host=False)}))
+        indexer_pages={7: IndexerPages([[4]] * ngroups, [2], to_host=False)},
+        load_requests={7: "req-a"}))
     role.wait_for_save()
-    assert role.get_block_ids_with_load_errors() == {4}
-    assert role.get_block_ids_with_load_errors() == set()  # reported once
+    results = role.get_transfer_results()
+    assert results.finished_recving == {"req-a"} and results.failed_recving == {"req-a"}
+    results = role.get_transfer_results()  # reported once
+    assert not results.finished_recving and not results.failed_recving
     meta = role.build_worker_meta()
     assert meta.acks.failed == [7]
 

@@ -356,7 +356,7 @@ def assert_nothing_leaked(rig: Rig):
         == rig.policy.host_pool.num_blocks
     for lane in rig.role.lanes:
         assert lane.engine.num_in_flight == 0
-    assert rig.role._merger.num_open == 0
+    assert rig.role._vote.num_open == 0
 
 
 def test_decode_loop_reads_ground_truth_under_pressure(model_dir):

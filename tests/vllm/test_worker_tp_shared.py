@@ -8,7 +8,8 @@ every row checked against ground truth). Rank 1 is a second ``HiSparseWorkerRole
 from a pickled copy of the config with ``parallel_config.rank = 1`` (as vLLM's multiprocess
 executor ships the config to each worker), with its own device KV; both ranks get every
 command, both ranks' acks are merged as the scheduler merges workers' reports
-(``AckMerger``: completed once every rank completed, failed if any failed).
+(``core.ack_vote.AckVote``: completed once every rank completed, failed once every rank
+reported it and one failed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.vllm.test_worker_side import (  # noqa: F401  (fixtures)
     run_decode_loop,
 )
 from vllm_hisparse.core import Residency
+from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import WorkerAcks
 from vllm_hisparse.vllm import host_sharing
 from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing, segment_name
@@ -38,7 +40,6 @@ from vllm_hisparse.vllm.kv_planning import host_copies_per_replica
 from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
 from vllm_hisparse.worker import shm_segment
-from vllm_hisparse.worker.ack_merger import AckMerger
 
 
 def with_tp(vllm_config, tp=2, backend="mp"):
@@ -134,7 +135,7 @@ class _Ranks:
     def __init__(self, writer, reader):
         self.roles = (writer, reader)
         self.current = writer
-        self._merger = AckMerger(2)
+        self._vote = AckVote(2, "worker")
 
     def __getattr__(self, name):  # max_pages, num_state_rows, host_num_blocks, ...
         return getattr(self.roles[0], name)
@@ -144,6 +145,7 @@ class _Ranks:
         return self.current.lanes
 
     def start_load_kv(self, metadata, **kw):
+        self._vote.expect(t.transfer_id for t in metadata.command.transfers)
         for role in self.roles:
             role.start_load_kv(metadata, **kw)
 
@@ -153,8 +155,8 @@ class _Ranks:
 
     def build_worker_meta(self):
         parts = [role.build_worker_meta() for role in self.roles]
-        acks = self._merger.merge([p.acks if p is not None else WorkerAcks() for p in parts])
-        return None if acks.is_empty() else HiSparseWorkerMetadata(acks=acks, num_workers=2)
+        acks = self._vote.vote([(rank, p.acks) for rank, p in enumerate(parts) if p is not None])
+        return None if acks.is_empty() else HiSparseWorkerMetadata(acks=acks)
 
 
 class TwoRankRig(Rig):

@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from vllm_hisparse.core.commands import HotLease, StepCommand, TransferKind, TransferSpec
-from vllm_hisparse.worker.ack_merger import AckMerger
-from vllm_hisparse.core.commands import WorkerAcks
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 
 
@@ -70,19 +68,6 @@ def test_to_kernel_rows():
     flat = torch.tensor([[0, 13, 27, -1]], dtype=torch.int32)  # blocks 0,1,2
     assert layout.to_kernel_rows(flat, 12) is flat
     assert layout.to_kernel_rows(flat, None).tolist() == [[0, 5, 11, -1]]
-
-
-def test_ack_merger_needs_every_part():
-    m = AckMerger(2)
-    out = m.merge([WorkerAcks(enqueued=[1, 2], completed=[1]), WorkerAcks(enqueued=[1])])
-    assert out.enqueued == [1] and out.completed == []
-    out = m.merge([WorkerAcks(), WorkerAcks(enqueued=[2], completed=[1])])
-    assert out.enqueued == [2] and out.completed == [1]
-    out = m.merge([WorkerAcks(failed=[2]), WorkerAcks(completed=[2])])
-    assert out.failed == [2] and out.completed == []
-    out = m.merge([WorkerAcks(completed=[2]), WorkerAcks(failed=[2])])
-    assert out.is_empty()
-    assert m.num_open == 0
 
 
 def test_vllm_block_ids_unscale_and_fill_null():

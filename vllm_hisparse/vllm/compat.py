@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "KVConnectorPromMetrics",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
     "MLAAttentionSpec",
     "SlidingWindowMLASpec",

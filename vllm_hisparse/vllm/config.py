@@ -27,6 +27,9 @@ key                       meaning                                               
                           index group at its leader)
 ``prefetch_max_ctas``     CTAs (SMs) those copies may use; 0 = every SM           ``16``
                           (measured on an H200 over PCIe)
+``ack_deadline_s``        seconds a transfer may wait for every worker's final    ``60``
+                          ack; past it the engine stops with ``WorkerSilentError``
+                          (docs/core.md, "Failure semantics")
 ========================  =====================================================  =====================
 
 ``q`` is the decode query length: 1 plus the number of speculative tokens.
@@ -68,6 +71,7 @@ ACCEPTED_KEYS = (
     "record_trace",
     "index_share_prefetch",
     "prefetch_max_ctas",
+    "ack_deadline_s",
 )
 
 #: Upper bound of ``prefetch_max_ctas``: larger grids than this are never useful.
@@ -76,6 +80,12 @@ MAX_PREFETCH_CTAS = 4096
 #: How deep MultiConnector entries may nest (vLLM builds each level's children itself;
 #: deeper is a generated or looping config, not a deployment).
 MAX_MULTI_CONNECTOR_DEPTH = 4
+
+#: Default ``ack_deadline_s``: far above any copy's time (a full host pool over PCIe
+#: takes seconds), short enough that a silent worker is named within a minute.
+DEFAULT_ACK_DEADLINE_S = 60.0
+#: Upper bound of ``ack_deadline_s`` (one day).
+MAX_ACK_DEADLINE_S = 86400.0
 
 
 class HiSparseConfigError(ValueError):
@@ -103,6 +113,8 @@ class HiSparseResidencyConfig:
     """Tokens per KV page (vLLM block)."""
     max_decode_query_len: int
     """Query tokens of one request in a decode step: 1 + speculative tokens."""
+    ack_deadline_s: float = DEFAULT_ACK_DEADLINE_S
+    """Seconds a transfer may stay without every worker's final ack."""
 
     @property
     def host_pool_bytes(self) -> int:
@@ -397,6 +409,7 @@ def _check_standalone(extra: Any) -> None:
     _parse_record_trace(extra)
     _parse_bool(extra, "index_share_prefetch", True)
     _parse_prefetch_max_ctas(extra)
+    _parse_ack_deadline_s(extra)
 
 
 def check_extra_config(vllm_config: VllmConfig) -> None:
@@ -408,6 +421,17 @@ def check_extra_config(vllm_config: VllmConfig) -> None:
     extra = find_connector_extra_config(vllm_config)
     if extra is not None:
         _check_standalone(extra)
+
+
+def _parse_ack_deadline_s(extra: Mapping[str, Any]) -> float:
+    value = extra.get("ack_deadline_s", DEFAULT_ACK_DEADLINE_S)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 < value <= MAX_ACK_DEADLINE_S):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: ack_deadline_s={value!r} is invalid; accepted: a number of "
+            f"seconds, greater than 0 and at most {MAX_ACK_DEADLINE_S:g}."
+        )
+    return float(value)
 
 
 def parse_extra_config(
@@ -433,6 +457,7 @@ def parse_extra_config(
         top_k=top_k,
         block_size=block_size,
         max_decode_query_len=max_decode_query_len,
+        ack_deadline_s=_parse_ack_deadline_s(extra),
     )
 
 

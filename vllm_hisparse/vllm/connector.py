@@ -5,7 +5,7 @@ The class is what vLLM's factory resolves for ``"kv_connector":
 (``SupportsHMA``, the required KV layout). Construction validates the configuration
 in both roles, then builds the role's implementation:
 
-* scheduler role → :class:`~vllm_hisparse.vllm.connector_scheduler.HiSparseConnectorScheduler`;
+* scheduler role → :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`;
 * worker role → ``vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`` (imported lazily,
   so the scheduler process never imports the worker stack).
 
@@ -28,7 +28,7 @@ from vllm_hisparse.vllm.kv_planning import sparse_group_ids
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetrics
 
 if TYPE_CHECKING:
-    from vllm_hisparse.vllm.connector_scheduler import HiSparseConnectorScheduler
+    from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
 
 #: Physical KV layout the split needs: groups of different page sizes share one
 #: pool only when the block is the outermost dimension.
@@ -65,12 +65,12 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
             )
         sparse_group_ids(kv_cache_config)  # the planner split must have run
         super().__init__(vllm_config, role, kv_cache_config)
-        self._scheduler: HiSparseConnectorScheduler | None = None
+        self._scheduler: HiSparseSchedulerRole | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_hisparse.vllm.connector_scheduler import HiSparseConnectorScheduler
+            from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
 
-            self._scheduler = HiSparseConnectorScheduler(vllm_config, self.hisparse_config, kv_cache_config)
+            self._scheduler = HiSparseSchedulerRole(vllm_config, self.hisparse_config, kv_cache_config)
         else:
             from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
 
@@ -112,7 +112,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.get_stats()
 
     @property
-    def scheduler_role(self) -> HiSparseConnectorScheduler:
+    def scheduler_role(self) -> HiSparseSchedulerRole:
         """The scheduler-role implementation (tests and tools)."""
         return self._scheduler
 
@@ -137,8 +137,10 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> Any:
         return self._worker.build_worker_meta()
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.get_block_ids_with_load_errors()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # Host-prefix loads, per request: vLLM refuses block-level load errors
+        # (get_block_ids_with_load_errors) with several KV cache groups.
+        return self._worker.get_transfer_results()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -3,9 +3,10 @@
 * scheduler → worker: :class:`HiSparseConnectorMetadata` wraps the core policy's
   :class:`~vllm_hisparse.core.StepCommand` for the step (ids only);
 * worker → scheduler: :class:`HiSparseWorkerMetadata` wraps the
-  :class:`~vllm_hisparse.core.WorkerAcks` observed since the previous step. With several
-  workers (tensor parallel) vLLM aggregates them; a transfer counts as completed only when
-  every worker completed it, and as failed when any worker failed it.
+  :class:`~vllm_hisparse.core.WorkerAcks` observed since the previous step, with the
+  worker's rank. With several workers (tensor parallel) vLLM aggregates them; the
+  scheduler votes per (transfer, worker): completed once every worker completed it,
+  failed once every worker reported it and one failed (``core.ack_vote``).
 """
 
 from __future__ import annotations
@@ -48,30 +49,41 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     bundles: dict[int, list[int]] = field(default_factory=dict)
     # Transfer id -> indexer pages copied with it (host-prefix publication and loads).
     indexer_pages: dict[int, IndexerPages] = field(default_factory=dict)
+    #: RESTORE id -> the request whose host-prefix hit it loads (an asynchronous load:
+    #: the worker reports the request in ``finished_recving`` / ``failed_recving``).
+    load_requests: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
 class HiSparseWorkerMetadata(KVConnectorWorkerMetadata):
-    """Transfer acks of one worker (or, after :meth:`aggregate`, of all of them)."""
+    """Transfer acks of one worker, by its rank; after :meth:`aggregate`, of several.
+
+    vLLM's ``KVOutputAggregator`` folds the workers' reports with :meth:`aggregate`; each
+    report keeps its rank (``peers``), so the scheduler votes per (transfer, worker)
+    (``core.ack_vote``): a worker repeating a completion never stands in for another.
+    """
 
     acks: WorkerAcks = field(default_factory=WorkerAcks)
-    num_workers: int = 1
+    #: The reporting worker's rank in its replica, ``0 .. world_size - 1``.
+    worker_rank: int = 0
     # Ids of MIRROR transfers whose indexer page saves failed on this worker: their
     # pages must not be published (a later hit could not load their indexer KV).
     failed_indexer_saves: list[int] = field(default_factory=list)
+    #: Reports of the other workers folded in by :meth:`aggregate` (their own ``peers``
+    #: empty).
+    peers: list["HiSparseWorkerMetadata"] = field(default_factory=list)
 
     def aggregate(self, other: "HiSparseWorkerMetadata") -> "HiSparseWorkerMetadata":
-        """Combine two workers' reports.
-
-        An id is failed if either failed it. Completion must be unanimous: an id is
-        completed only after every worker reported it, so partial completions are kept as
-        ``pending`` counts by the scheduler side (see ``connector_scheduler.py``); here the
-        reports are simply concatenated and the worker count summed, and the scheduler
-        counts completions per id against ``num_workers``.
-        """
+        """Both workers' reports, each under its rank (nothing is counted here)."""
         return HiSparseWorkerMetadata(
-            acks=WorkerAcks(enqueued=self.acks.enqueued + other.acks.enqueued,
-                            completed=self.acks.completed + other.acks.completed,
-                            failed=self.acks.failed + other.acks.failed),
-            num_workers=self.num_workers + other.num_workers,
-            failed_indexer_saves=self.failed_indexer_saves + other.failed_indexer_saves)
+            acks=self.acks, worker_rank=self.worker_rank,
+            failed_indexer_saves=self.failed_indexer_saves + other.failed_indexer_saves,
+            peers=[*self.peers, other.solo(), *other.peers])
+
+    def solo(self) -> "HiSparseWorkerMetadata":
+        """This worker's own report, without peers."""
+        return HiSparseWorkerMetadata(acks=self.acks, worker_rank=self.worker_rank)
+
+    def reports(self) -> list[tuple[int, WorkerAcks]]:
+        """``(worker rank, acks)`` of every worker folded in."""
+        return [(self.worker_rank, self.acks), *((p.worker_rank, p.acks) for p in self.peers)]

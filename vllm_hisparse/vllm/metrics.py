@@ -34,6 +34,7 @@ SCHEDULER_COUNTERS = (
     "num_demotions",
     "num_promotions",
     "num_failed_transfers",
+    "num_duplicate_acks",
     "num_preemptions",
     "num_preemptions_avoided",
     "num_admissions_deferred",
@@ -66,6 +67,8 @@ PROMETHEUS_METRICS: dict[str, tuple[str, str, str]] = {
                              "Transfers a worker reported failed (retried; nothing is lost)."),
     "num_preemptions": ("vllm:hisparse_residency_preemptions", "counter",
                         "Requests vLLM preempted while the connector was active."),
+    "num_duplicate_acks": ("vllm:hisparse_residency_duplicate_acks", "counter",
+                           "Transfer acks a worker repeated (dropped: acks are idempotent)."),
     "num_preemptions_avoided": ("vllm:hisparse_residency_preemptions_avoided", "counter",
                                 "Allocation failures answered by waiting for in-flight "
                                 "transfers that free device blocks instead of preempting."),

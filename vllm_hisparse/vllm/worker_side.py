@@ -25,8 +25,10 @@ Per step: ``start_load_kv`` (before the forward; needs ``has_sync_kv_loads``) ap
 command to every lane (tables, leases, pre-forward transfers, fence), checks that tracked
 requests with prefill tokens have no host-only page (R1, ``docs/worker.md``) and rewrites
 their rows of the sparse groups' batch block tables, and opens the step for the attention
-hook (group method and routed direct conversion sites); the forward reads through the hook; ``wait_for_save`` launches the
-post-forward spills and mirrors; ``build_worker_meta`` merges the lanes' acks.
+hook (group method and routed direct conversion sites); the forward reads through the
+hook; ``wait_for_save`` launches the post-forward spills and mirrors;
+``build_worker_meta`` votes the lanes' acks (``core.ack_vote``) and reports them under
+this worker's rank. Indexer pages and host-prefix loads: ``worker_host_prefix``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
+from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
@@ -54,18 +58,14 @@ from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
 from vllm_hisparse.vllm.kv_planning import (host_copies_per_replica, host_page_bytes,
                                             indexer_group_ids, sparse_group_ids)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
+from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
-from vllm_hisparse.worker.ack_merger import AckMerger
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
-from vllm_hisparse.worker.indexer_pages import IndexerPageStore, page_view
+from vllm_hisparse.worker.indexer_pages import IndexerPageStore
 
 logger = logging.getLogger("vllm_hisparse.vllm")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class _Lane:
     bindings: list[IndexGroupResidency] = field(default_factory=list)
 
 
-class HiSparseWorkerRole:
+class HiSparseWorkerRole(WorkerHostPrefix):
     """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
 
     Args:
@@ -108,7 +108,7 @@ class HiSparseWorkerRole:
         self.block_size = hisparse_config.block_size
         self.sparse_group_ids = sparse_group_ids(kv_cache_config)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.max_pages = _cdiv(self.max_model_len, self.block_size)
+        self.max_pages = cdiv(self.max_model_len, self.block_size)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = check_host_pool_holds_one_request(
@@ -124,15 +124,23 @@ class HiSparseWorkerRole:
         self.indexer_pages: IndexerPageStore | None = None
         # This step's indexer page copies (metadata), by the transfer they ride with.
         self._step_indexer_pages: dict[int, Any] = {}
-        # Host-prefix loads in flight: RESTORE id -> every vLLM block it fills (all groups).
-        self._prefix_loads: dict[int, list[int]] = {}
-        self._load_errors: set[int] = set()
+        # Host-prefix loads in flight: RESTORE id -> the request it loads (vLLM waits for
+        # it in WAITING_FOR_REMOTE_KVS), and which of them failed (indexer pages).
+        self._prefix_loads: dict[int, str] = {}
+        self._failed_load_ids: set[int] = set()
+        # Loads decided since the last get_transfer_results: finished / failed requests.
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
         self._failed_indexer_saves: list[int] = []
         self._pending_acks: list[WorkerAcks] = []
         self.host_pool: HostPool | None = None
         self.lanes: list[_Lane] = []
         self.step_view: StepView | None = None
-        self._merger = AckMerger(len(self.sparse_group_ids))
+        # Every transfer runs in each sparse group's executor: one vote over them.
+        self._vote = AckVote(len(self.sparse_group_ids), "sparse-group executor")
+        # This worker's place among the replica's workers (the scheduler votes per rank).
+        pc = vllm_config.parallel_config
+        self.worker_rank = int(pc.rank) % max(1, int(pc.world_size))
         # lead block id -> that page's block id in every sparse group (G > 1 only).
         self._bundles: dict[int, list[int]] = {}
         # Tracked (residency-managed) requests: id -> state row. A request is tracked from its
@@ -212,28 +220,6 @@ class HiSparseWorkerRole:
                     "%d host blocks, block stride %s rows", CONNECTOR_NAME, num_layers,
                     len(self.lanes), sum(len(l.units) for l in self.lanes), self.host_num_blocks,
                     [l.layout.block_stride_rows for l in self.lanes])
-
-    def _bind_indexer_pages(self, kv_caches: dict[str, torch.Tensor], segment: Any) -> None:
-        """Page views of the indexer layers and their host store (host-prefix hits); shared
-        by the TP ranks of a node like the sparse-MLA pool (``segment``), saved by the
-        writer rank only."""
-        groups = self.kv_cache_config.kv_cache_groups
-        views: list[list[torch.Tensor]] = []
-        for group_id in self.indexer_group_ids:
-            names = list(groups[group_id].layer_names)
-            missing = [n for n in names if n not in kv_caches]
-            if missing:
-                raise ValueError(f"{CONNECTOR_NAME}: register_kv_caches got no tensor for "
-                                 f"indexer layer {missing[0]!r} (KV cache group {group_id})")
-            views.append([page_view(kv_caches[n]) for n in names])
-        if views:
-            self.indexer_pages = IndexerPageStore(views, self.host_num_blocks,
-                                                  ops_backend=self.config.ops_backend,
-                                                  huge_pages=self._huge_pages, shared=segment,
-                                                  writes_host=self.writes_host)
-            logger.info("%s worker: %d indexer layers, %d B pages, %.2f GiB of host indexer "
-                        "pages", CONNECTOR_NAME, self.indexer_pages.num_layers,
-                        self.indexer_pages.page_bytes, self.indexer_pages.host_pool.logical_gib)
 
     def _index_units(self, group_id: int, names: list[str]) -> list[list[int]]:
         """Index units of a group: each leader with the followers after it (per-layer specs)."""
@@ -352,11 +338,12 @@ class HiSparseWorkerRole:
         request_ids = step_inputs.get("request_ids")
         batch_rows = self._batch_state_rows(request_ids)
         self._check_rows(cmd)
+        self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
         if self._step_indexer_pages:
-            self._load_indexer_pages(cmd)
+            self._load_indexer_pages(cmd, metadata)
         if batch_rows is not None:
             prefill = self._tracked_prefills(request_ids, batch_rows,
                                              step_inputs.get("scheduler_output"))
@@ -394,70 +381,18 @@ class HiSparseWorkerRole:
         failed_saves, self._failed_indexer_saves = self._failed_indexer_saves, []
         if acks.is_empty() and not failed_saves:
             return None
-        return HiSparseWorkerMetadata(acks=acks, failed_indexer_saves=failed_saves)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """vLLM block ids of host-prefix loads that failed (vLLM then fails the requests:
-        the forward already read them). Cleared by the call."""
-        if self.lanes:
-            self._poll_acks()
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return HiSparseWorkerMetadata(acks=acks, worker_rank=self.worker_rank,
+                                      failed_indexer_saves=failed_saves)
 
     def _poll_acks(self) -> None:
         """Merge the lanes' acks into the pending report; note failed host-prefix loads."""
-        acks = self._merger.merge([lane.executor.acks() for lane in self.lanes])
+        acks = self._vote.vote([(i, lane.executor.acks()) for i, lane in enumerate(self.lanes)])
         if acks.is_empty():
             return
         self._stats.add(failed_transfers=len(acks.failed))
         if self._prefix_loads:
-            for tid in acks.completed:
-                self._prefix_loads.pop(tid, None)
-            for tid in acks.failed:
-                self._load_errors.update(self._prefix_loads.pop(tid, ()))
+            self._decide_prefix_loads(acks)
         self._pending_acks.append(acks)
-
-    # ================================================================== indexer pages
-
-    def _load_indexer_pages(self, cmd: StepCommand) -> None:
-        """Host-prefix loads: indexer pages next to the RESTOREs the lanes just launched
-        (on the compute stream, so the forward reads them)."""
-        restores = {t.transfer_id: t for t in cmd.transfers
-                    if TransferKind(t.kind) is TransferKind.RESTORE}
-        for tid, pages in self._step_indexer_pages.items():
-            if pages.to_host:
-                continue
-            spec = restores.get(tid)
-            if spec is None:
-                raise ValueError(f"{CONNECTOR_NAME}: step {cmd.step_id} carries indexer pages "
-                                 f"for transfer {tid}, which is not one of its RESTOREs")
-            blocks = [b for lead in spec.device_blocks
-                      for b in (self._bundles.get(lead, [lead]) if len(self.lanes) > 1 else [lead])]
-            blocks += [b for group in pages.device_blocks for b in group]
-            self._prefix_loads[tid] = blocks
-            try:
-                if self.indexer_pages is None:
-                    raise RuntimeError("no indexer page store (no indexer layer registered)")
-                self.indexer_pages.load(pages.device_blocks, pages.host_blocks)
-            except Exception as exc:  # the forward would read garbage: vLLM fails the request
-                logger.warning("%s: indexer page load of transfer %d failed: %s",
-                               CONNECTOR_NAME, tid, exc)
-                self._load_errors.update(self._prefix_loads.pop(tid))
-
-    def _save_indexer_pages(self) -> None:
-        """Indexer pages completed by this forward, device → host, ahead of the mirror."""
-        for tid, pages in self._step_indexer_pages.items():
-            if not pages.to_host:
-                continue
-            try:
-                if self.indexer_pages is None:
-                    raise RuntimeError("no indexer page store (no indexer layer registered)")
-                self.indexer_pages.save(pages.device_blocks, pages.host_blocks)
-            except Exception as exc:  # those pages are then never published
-                logger.warning("%s: indexer page save with transfer %d failed: %s",
-                               CONNECTOR_NAME, tid, exc)
-                self._failed_indexer_saves.append(tid)
-        self._step_indexer_pages = {}
 
     def get_stats(self, *, sync: bool = False) -> HiSparseWorkerStats | None:
         """Counters since the previous call (None when nothing happened).

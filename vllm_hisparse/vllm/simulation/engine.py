@@ -874,12 +874,15 @@ class _Run:
         connector_output = None
         if worker is not None:
             worker.wait_for_save()
+            loads = worker.get_transfer_results(set())
             meta = worker.build_connector_worker_meta()
             stats = worker.get_kv_connector_stats()
             if stats is not None:
                 self._add_worker_stats(stats)
             worker.clear_connector_metadata()
-            connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+            connector_output = KVConnectorOutput(
+                kv_connector_worker_meta=meta, finished_recving=loads.finished_recving or None,
+                failed_recving=loads.failed_recving)
         sampled = []
         for rid, state, start, n in batch:
             sampled.append([SAMPLED_TOKEN] if start + n >= state.plan.prompt_len else [])

@@ -1,0 +1,167 @@
+"""The scheduler role's host-prefix cache: host pages served as vLLM prefix hits.
+
+A full page (docs/vllm-integration.md, "The host tier as a prefix cache") is published
+in the host pool under vLLM's block hash once both its sparse-MLA rows (the mirror) and
+its indexer page (saved with the step's mirror, ``IndexerPages``) are on the host.
+``get_num_new_matched_tokens`` reports published pages past vLLM's own prefix-cache hit
+as external tokens, loaded asynchronously: vLLM allocates blocks for them and holds the
+request in WAITING_FOR_REMOTE_KVS; the policy adopts those blocks and restores the pages
+into them (``ResidencyPolicy.adopt_host_prefix``), indexer pages included, and the worker
+reports the request in ``finished_recving`` (``failed_recving`` too if the load failed:
+vLLM then fails that request alone).
+
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`: it keeps
+the leased hits (``_host_hits``), the identities waiting for their mirror
+(``_identity_pending``) and the step's indexer page copies (``_step_indexer_pages``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from vllm_hisparse.core.commands import StepCommand, TransferKind
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.metadata import IndexerPages
+
+logger = logging.getLogger(__name__)
+
+
+class HostPrefixCache:
+    """Publication and loading of host-prefix pages (module docstring)."""
+
+    def _host_prefix_cache_usable(self, kv_cache_manager: Any) -> bool:
+        """Whether host pages can be published and served as prefix hits (logged)."""
+        caching, hash_block_size = compat.prefix_cache_geometry(kv_cache_manager)
+        why = None
+        if not caching:
+            why = "vLLM prefix caching is disabled"
+        elif hash_block_size != self.block_size:
+            why = f"vLLM hashes {hash_block_size}-token blocks, pages are {self.block_size} tokens"
+        elif not self.hisparse_config.eager_host_mirror:
+            why = "eager_host_mirror is false (indexer pages are saved with the mirror)"
+        elif not self.indexer_group_ids:
+            why = "the plan has no indexer group"
+        elif self._load_failure_policy != "fail":
+            why = (f"kv_load_failure_policy={self._load_failure_policy!r} (a failed host load "
+                   "would rewind tokens the policy already holds; accepted: 'fail')")
+        if why is not None:
+            logger.info("%s: host-prefix hits off: %s", CONNECTOR_NAME, why)
+            return False
+        logger.info("%s: host-prefix hits on (pages published once mirrored, indexer page "
+                    "included)", CONNECTOR_NAME)
+        return True
+
+    def _host_hit_pages(self, request: Any, local_pages: int) -> int:
+        """Published host pages of ``request`` past its first ``local_pages`` pages."""
+        if not self.host_prefix_cache:
+            return 0
+        max_pages = (request.num_tokens - 1) // self.block_size  # leave a token to compute
+        if max_pages <= local_pages:
+            return 0
+        hits = self._require_policy().lookup_host_prefix(request.block_hashes[:max_pages])
+        return max(0, hits - local_pages)
+
+    def _plan_indexer_saves(self, keys: tuple, rows: np.ndarray, counts: np.ndarray,
+                            command: StepCommand, indexer_pages: dict[int, IndexerPages]) -> None:
+        """Indexer pages of the pages this step's forward completes ride with its MIRROR.
+
+        The forward writes a completed page's last rows, so that MIRROR is what makes the
+        page clean, and the worker saves the indexer pages ahead of it on the same stream:
+        a page is clean only once its indexer page is on the host too. The policy gets
+        the pages' identities (vLLM's block hashes) now and publishes each page when it
+        is clean, even if its request ended meanwhile; identities not known yet (a token
+        still a placeholder under async scheduling) are given when the mirror completes,
+        if the request still runs. A failed mirror or indexer save revokes them
+        (``update_connector_output``). Cost: O(scheduled) numpy, plus the pages completed."""
+        policy = self._require_policy()
+        t = policy.tables
+        bs = self.block_size
+        after = t.num_tokens[rows]
+        full_after = after // bs
+        full_before = (after - counts) // bs
+        done = np.nonzero(full_after > full_before)[0]
+        if done.shape[0] == 0:
+            return
+        mirror = next((x for x in command.transfers if x.kind == TransferKind.MIRROR), None)
+        if mirror is None:
+            return
+        idx_tables = [m.req_to_blocks for m in self._indexer_managers]
+        device: list[list[int]] = [[] for _ in idx_tables]
+        host: list[int] = []
+        pending: list[tuple[str, int, int, int, bool]] = []
+        for i in done.tolist():
+            rid, row = keys[i], int(rows[i])
+            serial = int(t.serial[row])
+            first, end = int(full_before[i]), int(full_after[i])
+            hashes = self._requests[rid].block_hashes
+            known = min(end, len(hashes))
+            if known > first:
+                policy.set_block_hashes(rid, first, hashes[first:known])
+            for page in range(first, end):
+                host_block = int(t.host_block[row, page])
+                if host_block < 0:
+                    continue
+                for g, table in enumerate(idx_tables):
+                    device[g].append(table[rid][page].block_id)
+                host.append(host_block)
+                pending.append((rid, serial, page, host_block, page < known))
+        if pending:
+            indexer_pages[mirror.transfer_id] = IndexerPages(device, host, to_host=True)
+            self._identity_pending[mirror.transfer_id] = pending
+
+    def _give_late_identities(self, entries: list[tuple[str, int, int, int, bool]]) -> None:
+        """Identities not known when the pages' mirror was planned, now that it completed
+        (the policy publishes each page once it is also clean). Pages of requests that
+        ended or restarted since are skipped."""
+        policy = self._require_policy()
+        serial_of = policy.tables.serial
+        for rid, serial, page, _, given in entries:
+            if given:
+                continue
+            row = self._row_of.get(rid)
+            if row is None or int(serial_of[row]) != serial:
+                continue
+            hashes = self._requests[rid].block_hashes
+            if page < len(hashes):
+                policy.set_block_hashes(rid, page, [hashes[page]])
+
+    def _revoke_identities(self, tid: int) -> None:
+        entries = self._identity_pending.pop(tid, None)
+        if entries:
+            self._require_policy().revoke_block_hashes(
+                tid, [(rid, serial, page, host) for rid, serial, page, host, _ in entries])
+
+    def _start_loads(self, new_rows: dict[str, int]) -> None:
+        """Requests vLLM admitted this step with a host-prefix hit wait for it in
+        WAITING_FOR_REMOTE_KVS: the policy adopts them now, and the step's command loads
+        their pages (``load_requests`` names each load's request for the worker)."""
+        loads, self._loads_to_start = self._loads_to_start, []
+        for rid in loads:
+            if rid in self._host_hits and rid not in self._row_of:
+                new_rows[rid] = self._add_request(rid)
+                self._adopted_tokens = 0  # not scheduled this step
+
+    def _adopt_host_prefix(self, rid: str) -> int:
+        """A new request with a leased host prefix: the policy adopts vLLM's blocks for
+        its pages and loads those not already on the device (sparse-MLA rows through
+        the policy's RESTORE, indexer pages with it). Returns the tokens adopted."""
+        hits, local_pages = self._host_hits.pop(rid)
+        policy = self._require_policy()
+        n = len(hits)
+        tables = [m.req_to_blocks[rid] for m in self._managers]
+        adopt = self.device_pool.adopt
+        leads = [adopt([table[p] for table in tables]) for p in range(n)]
+        load_id = policy.adopt_host_prefix(rid, leads, hits, local_pages)
+        policy.set_block_hashes(rid, 0, self._requests[rid].block_hashes[:n])
+        if load_id >= 0:
+            self._load_requests[load_id] = rid
+            self._step_indexer_pages[load_id] = IndexerPages(
+                [[m.req_to_blocks[rid][p].block_id for p in range(local_pages, n)]
+                 for m in self._indexer_managers],
+                hits[local_pages:], to_host=False)
+        return n * self.block_size
+
