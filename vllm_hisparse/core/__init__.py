@@ -52,16 +52,14 @@ from vllm_hisparse.core.errors import (
     HostPoolExhausted,
     ProtocolError,
 )
-from vllm_hisparse.core.host_pool import HostBlockPool, host_block_bytes
-from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, PageTable, PageTables
-from vllm_hisparse.core.policy import (
-    AddResult,
-    Outcome,
-    PolicyConfig,
-    PolicyStats,
-    RequestStatus,
-    ResidencyPolicy,
-)
+from vllm_hisparse.core.host_blocks import HostBlockPool, host_block_bytes
+from vllm_hisparse.core.page_table import PageTable, PageTables
+from vllm_hisparse.core.outcome import AddResult, Outcome
+from vllm_hisparse.core.policy import ResidencyPolicy
+from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.request_table import RequestStatus
+from vllm_hisparse.core.stats import PolicyStats
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 __all__ = [
     "ACTIVE_TAIL_PAGES",

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from vllm_hisparse.core.host_pool import host_block_bytes
-from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, cdiv
+from vllm_hisparse.core.host_blocks import host_block_bytes
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 GIB = 1 << 30
 
