@@ -15,21 +15,16 @@ Request status (``RequestStatus``): ACTIVE (schedulable) · ACTIVATING (tail res
 flight) · PARKED (host-backed, no hot region: preempted, or waiting for device blocks after
 an import or host prefix hit) · IMPORTING (host blocks handed to an external writer).
 
-The selection rules are in :mod:`~vllm_hisparse.core.pressure`; requirement R1 (a
+:class:`ResidencyPolicy` is the protocol the engine drives. It checks each event and
+orchestrates the parts that carry it out (docs/core.md, "Module map"): the request table,
+page leases, the transfer planner, residency transitions (selection rules in
+:mod:`~vllm_hisparse.core.pressure`), host prefixes and the step builder. Requirement R1 (a
 prefilling request is never demoted, never releases a page and is promoted at once) is
-described in docs/core.md. :class:`ResidencyPolicy` is the protocol the engine drives; it
-orchestrates its parts (docs/core.md, "Module map"):
+described in docs/core.md.
 
-* :class:`~vllm_hisparse.core.request_table.RequestTable`: the requests and their row vectors;
-* :class:`~vllm_hisparse.core.page_leases.PageLeases`: page and hot-region leases;
-* :class:`~vllm_hisparse.core.transfer_planner.TransferPlanner`: transfers and their acks;
-* :class:`~vllm_hisparse.core.transitions.ResidencyTransitions`: demotions and promotions;
-* :class:`~vllm_hisparse.core.step_builder.StepBuilder`: the worker's command.
-
-All per-step work is proportional to what changed: scheduling, mirroring and their
-acknowledgements are vectorised over the scheduled rows; Python loops only run over pages
-that crossed a boundary (new, sealed, clean, released, reused) and over requests that change
-state. Pressure selection is a numpy pass over rows, done only while under pressure.
+Per-step work is proportional to what changed: scheduling, mirroring and their acks are
+vectorised over the scheduled rows; Python loops only over pages that crossed a boundary and
+requests that change state.
 """
 
 from __future__ import annotations
@@ -42,6 +37,7 @@ from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import HostPoolExhausted, ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
+from vllm_hisparse.core.host_prefix import HostPrefixes
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
@@ -84,6 +80,8 @@ class ResidencyPolicy:
                                         device_pool, host_pool, self.stats)
         self._transitions = ResidencyTransitions(config, self.tables, self._requests, self._steps,
                                                  self._leases, self._planner, device_pool, self.stats)
+        self._prefixes = HostPrefixes(config.max_pages_per_request, self.tables, self._requests, self._steps,
+                                      self._planner, host_pool, self.stats)
 
     # =====================================================================================
     # Queries
@@ -183,7 +181,7 @@ class ResidencyPolicy:
 
     def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Pages of ``block_hashes`` published in the host pool (no lease taken)."""
-        return len(self.host_pool.lookup(block_hashes[: self.config.max_pages_per_request]))
+        return len(self._prefixes.lookup(block_hashes))
 
     def acquire_host_prefix(self, block_hashes: Sequence[Hashable], max_pages: int | None = None) -> list[int]:
         """Lease the longest published host prefix of ``block_hashes`` (at most ``max_pages``).
@@ -192,13 +190,7 @@ class ResidencyPolicy:
         :meth:`adopt_host_prefix` or gives them back with :meth:`release_host_prefix`.
         The lease keeps the blocks from being evicted between the engine's lookup and
         its allocation."""
-        limit = self.config.max_pages_per_request
-        if max_pages is not None:
-            limit = min(limit, max(0, int(max_pages)))
-        hits = self.host_pool.lookup(block_hashes[:limit])
-        if hits:
-            self.host_pool.touch(hits)
-        return hits
+        return self._prefixes.acquire(block_hashes, max_pages)
 
     def release_host_prefix(self, host_block_ids: Sequence[int]) -> None:
         """Give back leases taken by :meth:`acquire_host_prefix` and never adopted."""
@@ -226,40 +218,7 @@ class ResidencyPolicy:
         transfer id (-1 when every page is already on the device).
         """
         req = self._requests.get(request_id)
-        t = self.tables
-        row = req.row
-        n = len(device_block_ids)
-        if req.status != RequestStatus.ACTIVE or req.residency != Residency.FULL or t.num_tokens[row] != 0:
-            raise ProtocolError(f"request {request_id!r}: a host prefix is adopted by a new, empty request")
-        if len(host_block_ids) != n or not 0 <= first_load_page <= n:
-            raise ProtocolError(
-                f"request {request_id!r}: {n} device blocks, {len(host_block_ids)} host blocks and "
-                f"first load page {first_load_page} do not describe one prefix"
-            )
-        if n > self.config.max_pages_per_request:
-            raise ProtocolError(f"request {request_id!r}: prefix of {n} pages exceeds max_pages_per_request")
-        if n == 0:
-            return -1
-        device = [int(b) for b in device_block_ids]
-        host = [int(b) for b in host_block_ids]
-        t.device_block[row, :n] = device
-        t.pinned[row, :n] = True
-        t.num_pinned[row] = n
-        t.host_block[row, :n] = host
-        t.host_mask[row, :n] = t.full_mask
-        t.host_valid[row, :n] = True
-        t.num_clean_pinned[row] = n
-        t.num_pages[row] = n
-        t.num_tokens[row] = n * self.block_size
-        for page in range(n):
-            self._steps.emit_page(row, page, device[page], host[page])
-        pages = list(range(first_load_page, n))
-        if not pages:
-            return -1
-        txn = self._planner.open_restore(req, pages, device[first_load_page:], host[first_load_page:],
-                                 into_pinned=True)
-        self.stats.num_prefix_load_pages += len(pages)
-        return txn.transfer_id
+        return self._prefixes.adopt(req, device_block_ids, host_block_ids, first_load_page)
 
     def set_block_hashes(self, request_id: str, first_page: int, block_hashes: Sequence[Hashable | None]) -> int:
         """Give pages ``first_page ..`` their prefix identity (``None`` = unknown).
@@ -268,24 +227,7 @@ class ResidencyPolicy:
         (whichever comes last), so the engine hands identities over only when the host
         holds everything a later hit must load (e.g. the indexer's page too). Returns
         how many pages this call published."""
-        req = self._requests.get(request_id)
-        end = int(first_page) + len(block_hashes)
-        if first_page < 0 or end > self.config.max_pages_per_request:
-            raise ProtocolError(f"request {request_id!r}: block hashes for pages [{first_page}, {end})")
-        if len(req.block_hashes) < end:
-            req.block_hashes.extend([None] * (end - len(req.block_hashes)))
-        t = self.tables
-        row = req.row
-        published = 0
-        for i, block_hash in enumerate(block_hashes):
-            page = int(first_page) + i
-            req.block_hashes[page] = block_hash
-            if block_hash is None or page >= t.num_pages[row] or not t.host_valid[row, page]:
-                continue
-            if self.host_pool.publish(int(t.host_block[row, page]), block_hash):
-                published += 1
-        self.stats.num_published_pages += published
-        return published
+        return self._prefixes.set_block_hashes(self._requests.get(request_id), first_page, block_hashes)
 
     def revoke_block_hashes(self, transfer_id: int, pages: Sequence[tuple[str, int, int, int]]) -> None:
         """Withdraw identities given with :meth:`set_block_hashes` before their host copy
@@ -295,11 +237,7 @@ class ResidencyPolicy:
         :meth:`serial_of`) ignores a request id reused by a later incarnation. Pages of
         ended requests are no longer published by transfer ``transfer_id``'s completion.
         Revoke before applying the acks that complete the transfer."""
-        for request_id, serial, page, host_block in pages:
-            req = self._requests.find(request_id)
-            if req is not None and req.serial == serial and page < len(req.block_hashes):
-                req.block_hashes[page] = None
-            self._planner.revoke_publication(int(transfer_id), host_block)
+        self._prefixes.revoke(transfer_id, pages)
 
     def serial_of(self, request_id: str) -> int:
         """The incarnation number of a live request (unique over the policy's life)."""
@@ -354,26 +292,12 @@ class ResidencyPolicy:
         req = self._requests.add(request_id, state_row=state_row, hot_blocks=hot_blocks,
                                  block_hashes=block_hashes, prefilling=prefilling)
         row = req.row
-        t = self.tables
-        t.serial[row] = req.serial
-
-        hits = self.host_pool.lookup(req.block_hashes[: self.config.max_pages_per_request])
-        if not hits:
+        self.tables.serial[row] = req.serial
+        num_hit_pages = self._prefixes.take_over_hits(req)
+        if not num_hit_pages:
             return AddResult(row=row, num_host_hit_tokens=0, outcome=Outcome.OK)
-        self.host_pool.touch(hits)
-        k = len(hits)
-        t.host_block[row, :k] = hits
-        t.host_mask[row, :k] = t.full_mask
-        t.host_valid[row, :k] = True
-        t.num_pages[row] = k
-        t.num_tokens[row] = k * self.block_size
-        for page, host_block in enumerate(hits):
-            self._steps.emit_page(row, page, -1, host_block)
-        self.stats.num_host_prefix_hit_pages += k
-        self._requests.set_status(req, RequestStatus.PARKED)
-        self._requests.set_residency(req, Residency.NONE)
         outcome = self.resume(request_id)
-        return AddResult(row=row, num_host_hit_tokens=k * self.block_size, outcome=outcome)
+        return AddResult(row=row, num_host_hit_tokens=num_hit_pages * self.block_size, outcome=outcome)
 
     def schedule(self, request_id: str, num_new_tokens: int, device_block_ids: Sequence[int] | None = None) -> Outcome:
         """Reserve pages for ``num_new_tokens`` positions the next forward writes.
@@ -384,14 +308,14 @@ class ResidencyPolicy:
         """
         req = self._requests.get(request_id)
         if req.status != RequestStatus.ACTIVE:
-            if req.status in (RequestStatus.ACTIVATING,):
+            if req.status == RequestStatus.ACTIVATING:
                 return Outcome.WAIT_TRANSFER
             raise ProtocolError(f"request {request_id!r} scheduled while {req.status.name}")
         if req.prefilling and req.residency != Residency.FULL:
             outcome = self._transitions.prepare_prefill(req)
             if outcome != Outcome.OK:
                 return outcome
-        return self._grow(req, int(num_new_tokens), device_block_ids, record=True)
+        return self._grow(req, int(num_new_tokens), device_block_ids)
 
     def schedule_rows(
         self,
@@ -455,12 +379,11 @@ class ResidencyPolicy:
         req = self._requests.at(row)
         blocks = None
         if device_blocks_for is not None:
-            t = self.tables
-            old = int(t.num_pages[row])
-            new = -(-(int(t.num_tokens[row]) + count) // self.block_size) - old
+            old = int(self.tables.num_pages[row])
+            new = cdiv(int(self.tables.num_tokens[row]) + count, self.block_size) - old
             if new > 0:
                 blocks = device_blocks_for(row, old, new)
-        return self._grow(req, count, blocks, record=True)
+        return self._grow(req, count, blocks)
 
     def finish(self, request_id: str) -> None:
         """The request finished: publish its clean pages, return every lease."""
@@ -482,18 +405,7 @@ class ResidencyPolicy:
         req = self._requests.get(request_id)
         if req.status not in (RequestStatus.ACTIVE, RequestStatus.ACTIVATING):
             raise ProtocolError(f"request {request_id!r} preempted while {req.status.name}")
-        self._leases.drop_hot_lease(req)
-        req.promoting = False
-        req.needs_tail_restore_retry = False
-        self._requests.set_status(req, RequestStatus.PARKED)
-        self._requests.set_residency(req, Residency.NONE)
-        row = req.row
-        t = self.tables
-        for page in np.nonzero(t.pinned[row, : t.num_pages[row]])[0]:
-            page = int(page)
-            if not self._leases.settle_parked_page(req, page):
-                if t.pending[row, page] < 0 and t.mirror_inflight[row, page] == 0:
-                    self._planner.queue_spill(row, req.serial, page)
+        self._transitions.park(req)
 
     def resume(self, request_id: str) -> Outcome:
         """Re-activate a PARKED request (after preemption, import or a host prefix hit).
@@ -506,43 +418,13 @@ class ResidencyPolicy:
         re-pinned and every host-only page restored; the outcome is OK only once it is
         FULL (``WAIT_TRANSFER`` while the restores are in flight).
         """
-        outcome = self._resume(request_id)
-        req = self._requests.get(request_id)
-        if outcome == Outcome.WAIT_DEVICE or not req.prefilling or req.residency == Residency.FULL:
-            return outcome
-        return self._transitions.prepare_prefill(req)
-
-    def _resume(self, request_id: str) -> Outcome:
         req = self._requests.get(request_id)
         if req.status != RequestStatus.PARKED:
             raise ProtocolError(f"request {request_id!r} resumed while {req.status.name}")
-        row = req.row
-        t = self.tables
-        num_pages = int(t.num_pages[row])
-        if t.num_pinned[row] == num_pages:
-            self._requests.set_status(req, RequestStatus.ACTIVE)
-            self._requests.set_residency(req, Residency.FULL)
-            return Outcome.OK
-        tail = range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages)
-        repin = [p for p in tail if not t.pinned[row, p] and t.device_block[row, p] >= 0]
-        # Tail pages with a restore already in flight (resumed while activating) just wait.
-        restore = [p for p in tail if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
-        needed = req.hot_blocks + len(repin) + len(restore)
-        if needed > self.device_pool.get_num_free_blocks():
-            self.stats.num_device_backpressure += 1
-            self._transitions.unmet_device_blocks += needed
-            return Outcome.WAIT_DEVICE
-        for page in repin:
-            self._leases.repin_page(req, page)
-        self._leases.lease_hot(req)
-        self._requests.set_residency(req, Residency.NONE)
-        if restore:
-            self._planner.plan_restore(req, restore)
-        if req.num_restores_inflight:
-            self._requests.set_status(req, RequestStatus.ACTIVATING)
-            return Outcome.WAIT_TRANSFER
-        self._requests.set_status(req, RequestStatus.ACTIVE)
-        return Outcome.OK
+        outcome = self._transitions.activate(req)
+        if outcome == Outcome.WAIT_DEVICE or not req.prefilling or req.residency == Residency.FULL:
+            return outcome
+        return self._transitions.prepare_prefill(req)
 
     def begin_import(self, request_id: str, num_tokens: int) -> list[int]:
         """P/D import: hand out host blocks for ``num_tokens`` positions an external
@@ -665,7 +547,7 @@ class ResidencyPolicy:
     # =====================================================================================
     # Internals
     # =====================================================================================
-    def _grow(self, req: Request, num_new_tokens: int, device_block_ids, record: bool) -> Outcome:
+    def _grow(self, req: Request, num_new_tokens: int, device_block_ids) -> Outcome:
         if num_new_tokens < 0:
             raise ProtocolError("num_new_tokens must be >= 0")
         t = self.tables
@@ -691,27 +573,22 @@ class ResidencyPolicy:
                 for page in range(max(0, old_pages - ACTIVE_TAIL_PAGES), old_pages + new_pages - ACTIVE_TAIL_PAGES):
                     self._leases.try_release(req, page)
         t.num_tokens[row] = end
-        if record and num_new_tokens > 0:
-            # Plain lists: one numpy conversion per step, not one per request.
+        if num_new_tokens > 0:
             self._steps.record_range(row, start, end, req.serial)
         return Outcome.OK
 
     def _end_request(self, req: Request, publish: bool) -> None:
         self._planner.take_over_ended(req, publish)
         self._leases.return_all(req)
-        row = req.row
-        self._steps.clear_row(row)
-        self.tables.reset_row(row)
-        self._transitions.forget_row(row)
-        self._planner.forget_row(row)
+        self._steps.clear_row(req.row)
+        self.tables.reset_row(req.row)
+        self._transitions.forget_row(req.row)
+        self._planner.forget_row(req.row)
         self._requests.remove(req)
 
-    # =====================================================================================
-    # Invariants (tests and debugging; O(everything))
-    # =====================================================================================
     def check_invariants(self, extra_device_leases: Iterable[int] = (), extra_host_leases: Iterable[int] = ()) -> None:
-        """Raise AssertionError if any residency invariant is broken (see
-        :func:`~vllm_hisparse.core.invariants.check_invariants`). ``extra_*_leases`` are
+        """Raise AssertionError if a residency invariant is broken (tests and debugging;
+        O(everything)); see :mod:`~vllm_hisparse.core.invariants`. ``extra_*_leases`` are
         blocks held by someone other than the policy (a test hog)."""
         check_invariants(
             self.tables, self._requests, self._leases.released_owner, self._planner.txns, self._transitions,

@@ -30,6 +30,7 @@ from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTabl
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
 from vllm_hisparse.core.transfer_planner import TransferPlanner
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 
 class ResidencyTransitions:
@@ -82,6 +83,55 @@ class ResidencyTransitions:
     def forget_row(self, row: int) -> None:
         self._window_candidates.discard(row)
         self._window_waiting.discard(row)
+
+    # -- parking and activation -------------------------------------------------------
+    def park(self, req: Request) -> None:
+        """A running request is preempted: NONE, PARKED, no hot region; pages whose written
+        rows are on the host are released, the others spilled (released once spilled)."""
+        self.leases.drop_hot_lease(req)
+        req.promoting = False
+        req.needs_tail_restore_retry = False
+        self.requests.set_status(req, RequestStatus.PARKED)
+        self.requests.set_residency(req, Residency.NONE)
+        row = req.row
+        t = self.tables
+        for page in np.nonzero(t.pinned[row, : t.num_pages[row]])[0]:
+            page = int(page)
+            if not self.leases.settle_parked_page(req, page):
+                if t.pending[row, page] < 0 and t.mirror_inflight[row, page] == 0:
+                    self.planner.queue_spill(row, req.serial, page)
+
+    def activate(self, req: Request) -> Outcome:
+        """A PARKED request becomes NONE with its tail pages resident (re-pinned, or restored:
+        ACTIVATING until done) and a hot region leased; FULL if every page is still pinned.
+        WAIT_DEVICE (unmet demand noted) when the pool cannot take it now."""
+        row = req.row
+        t = self.tables
+        num_pages = int(t.num_pages[row])
+        if t.num_pinned[row] == num_pages:
+            self.requests.set_status(req, RequestStatus.ACTIVE)
+            self.requests.set_residency(req, Residency.FULL)
+            return Outcome.OK
+        tail = range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages)
+        repin = [p for p in tail if not t.pinned[row, p] and t.device_block[row, p] >= 0]
+        # Tail pages with a restore already in flight (resumed while activating) just wait.
+        restore = [p for p in tail if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
+        needed = req.hot_blocks + len(repin) + len(restore)
+        if needed > self.device_pool.get_num_free_blocks():
+            self.stats.num_device_backpressure += 1
+            self.unmet_device_blocks += needed
+            return Outcome.WAIT_DEVICE
+        for page in repin:
+            self.leases.repin_page(req, page)
+        self.leases.lease_hot(req)
+        self.requests.set_residency(req, Residency.NONE)
+        if restore:
+            self.planner.plan_restore(req, restore)
+        if req.num_restores_inflight:
+            self.requests.set_status(req, RequestStatus.ACTIVATING)
+            return Outcome.WAIT_TRANSFER
+        self.requests.set_status(req, RequestStatus.ACTIVE)
+        return Outcome.OK
 
     # -- the step ---------------------------------------------------------------------
     def apply_pressure(self) -> None:

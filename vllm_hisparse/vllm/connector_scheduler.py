@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
-from vllm_hisparse.core.host_pool import HostBlockPool
+from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
