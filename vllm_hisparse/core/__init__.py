@@ -3,7 +3,7 @@
 Public API:
 
 * pools: :class:`HostBlockPool`, :class:`DevicePool` (protocol), :class:`InMemoryDevicePool`
-* page tables: :class:`PageTables`, :class:`PageTable`, :data:`ACTIVE_TAIL_PAGES`
+* page tables: :class:`PageTables`, :class:`PageTable`; :data:`ACTIVE_TAIL_PAGES` (from ``units``)
 * policy: :class:`ResidencyPolicy`, :class:`PolicyConfig`, :class:`Outcome`,
   :class:`RequestStatus`, :class:`AddResult`, :class:`PolicyStats`
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
