@@ -355,7 +355,7 @@ class ResidencyPolicy:
                 outcome[i] = Outcome.WAIT_TRANSFER
         starts = t.num_tokens[rows]
         ends = starts + counts
-        grows = self.tables.num_pages_for(ends) > t.num_pages[rows]
+        grows = t.num_pages_for(ends) > t.num_pages[rows]
         if any_not_active:
             grows &= ~not_active
             fast = ~grows & ~not_active
