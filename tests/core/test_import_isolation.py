@@ -14,7 +14,7 @@ import sys
 sys.modules['torch'] = None   # any 'import torch' now raises ImportError
 sys.modules['vllm'] = None
 import vllm_hisparse.core as core
-from vllm_hisparse.core import capacity, commands, device_pool, errors, host_pool, page_table, policy, transactions
+from vllm_hisparse.core import capacity, commands, device_pool, errors, host_blocks, page_table, policy, transactions
 loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm') and sys.modules[m] is not None)
 assert not loaded, loaded
 print('ok', len(core.__all__))

@@ -230,6 +230,32 @@ def test_acks_out_of_order_and_protocol_errors():
         d.policy.apply_acks(WorkerAcks(enqueued=[12345]))
 
 
+
+def test_a_bad_ack_batch_is_applied_not_at_all():
+    """A batch whose last id is unknown (or whose enqueued ids repeat) raises
+    ProtocolError before any of it is applied: the valid completion ahead of the bad id
+    stays open and can be applied afterwards."""
+    d = Driver(make_policy())
+    d.add("a")
+    mirror = d.step({"a": 4}, ack=False).transfers[0].transfer_id
+    host_before = d.policy.host_pool.ref_counts.copy()
+    with pytest.raises(ProtocolError, match="12345"):
+        d.policy.apply_acks(WorkerAcks(completed=[mirror, 12345]))
+    assert d.policy.num_open_transfers == 1
+    assert d.policy.page_table("a").host_valid.tolist() == [False]
+    with pytest.raises(ProtocolError, match="enqueued twice"):
+        d.policy.apply_acks(WorkerAcks(enqueued=[mirror, mirror]))
+    with pytest.raises(ProtocolError, match="already finished"):
+        d.policy.apply_acks(WorkerAcks(completed=[mirror], failed=[mirror]))
+    assert d.policy.num_open_transfers == 1
+    assert d.policy.page_table("a").host_valid.tolist() == [False]
+    assert np.array_equal(d.policy.host_pool.ref_counts, host_before)
+    d.check()
+    d.policy.apply_acks(d.worker.ack([mirror]))
+    assert d.policy.num_open_transfers == 0
+    assert d.policy.page_table("a").host_valid.tolist() == [True]
+    d.check()
+
 # -- request events ------------------------------------------------------------------------------
 def test_preempt_releases_hot_lease_keeps_host_pages_and_resume_needs_no_recompute():
     """A MIXED request is preempted: hot lease and device pages go back, host pages stay.

@@ -3,7 +3,7 @@
 Public API:
 
 * pools: :class:`HostBlockPool`, :class:`DevicePool` (protocol), :class:`InMemoryDevicePool`
-* page tables: :class:`PageTables`, :class:`PageTable`, :data:`ACTIVE_TAIL_PAGES`
+* page tables: :class:`PageTables`, :class:`PageTable`; :data:`ACTIVE_TAIL_PAGES` (from ``units``)
 * policy: :class:`ResidencyPolicy`, :class:`PolicyConfig`, :class:`Outcome`,
   :class:`RequestStatus`, :class:`AddResult`, :class:`PolicyStats`
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
@@ -52,16 +52,14 @@ from vllm_hisparse.core.errors import (
     HostPoolExhausted,
     ProtocolError,
 )
-from vllm_hisparse.core.host_pool import HostBlockPool, host_block_bytes
-from vllm_hisparse.core.page_table import ACTIVE_TAIL_PAGES, PageTable, PageTables
-from vllm_hisparse.core.policy import (
-    AddResult,
-    Outcome,
-    PolicyConfig,
-    PolicyStats,
-    RequestStatus,
-    ResidencyPolicy,
-)
+from vllm_hisparse.core.host_blocks import HostBlockPool, host_block_bytes
+from vllm_hisparse.core.page_table import PageTable, PageTables
+from vllm_hisparse.core.outcome import AddResult, Outcome
+from vllm_hisparse.core.policy import ResidencyPolicy
+from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.request_table import RequestStatus
+from vllm_hisparse.core.stats import PolicyStats
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 __all__ = [
     "ACTIVE_TAIL_PAGES",

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from vllm_hisparse.core.host_pool import host_block_bytes
+from vllm_hisparse.core.host_blocks import host_block_bytes
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB, cdiv
 
 ROW_BYTES_FP8_DS_MLA = 656

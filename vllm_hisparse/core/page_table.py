@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv  # noqa: F401  (re-exported)
+from vllm_hisparse.core.units import cdiv
 
 _WORD_BITS = 64
 _ALL_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
@@ -74,6 +74,22 @@ class PageTables:
         self.flat_host_valid = self.host_valid.reshape(-1)
         self.flat_mirror_inflight = self.mirror_inflight.reshape(-1)
         self.flat_mirror_failed = self.mirror_failed.reshape(-1)
+        # Page arithmetic on arrays: a shift when the block size is a power of two (integer
+        # division is several times slower in numpy).
+        bs = self.block_size
+        self._page_shift = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
+
+    def page_of(self, positions: np.ndarray) -> np.ndarray:
+        """Page index of each (non-negative) position."""
+        if self._page_shift >= 0:
+            return positions >> self._page_shift
+        return positions // self.block_size
+
+    def num_pages_for(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Pages needed to hold ``num_tokens`` positions (``cdiv``, arrays)."""
+        if self._page_shift >= 0:
+            return (num_tokens + (self.block_size - 1)) >> self._page_shift
+        return cdiv(num_tokens, self.block_size)
 
     def flat_index(self, rows: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """Index of ``[rows, pages]`` in the ``flat_*`` views."""

@@ -50,7 +50,7 @@ import numpy as np
 
 from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand
-from vllm_hisparse.core.host_pool import HostBlockPool
+from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat

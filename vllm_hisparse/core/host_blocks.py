@@ -25,6 +25,7 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from vllm_hisparse.core.errors import HostPoolExhausted, ProtocolError
+from vllm_hisparse.core.units import cdiv
 
 
 class HostBlockPool:
@@ -205,4 +206,4 @@ def host_block_bytes(block_size: int, row_bytes: int, num_layers: int, alignment
     """Bytes of one host block: one page of every layer, rounded up to ``alignment_bytes``."""
     raw = int(block_size) * int(row_bytes) * int(num_layers)
     align = max(1, int(alignment_bytes))
-    return -(-raw // align) * align
+    return cdiv(raw, align) * align

@@ -1,0 +1,145 @@
+"""The residency invariants, checked by the tests after every operation (O(everything)).
+
+* every written page of every request (except one mid-import) has a valid copy: pinned on
+  the device, released but not reused, or on the host (host rows cover the written rows);
+* the running tail pages of an ACTIVE MIXED/NONE request are pinned; an ACTIVE FULL request
+  has every page pinned, and so has an ACTIVE FULL prefilling one (R1.a);
+* each request's record agrees with the request table's row vectors; free rows are clean;
+* device and host reference counts equal the leases the pages, hot regions and open
+  transactions hold (so never negative, and no block is both free and owned); a released
+  block is free in the pool;
+* hot leases belong to live MIXED/NONE requests that are active or activating.
+
+The device side is checked exactly against :class:`InMemoryDevicePool`, the one pool that
+exposes its reference counts; with another pool only the policy's own records are checked.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from vllm_hisparse.core.commands import Residency
+from vllm_hisparse.core.device_pool import DevicePool, InMemoryDevicePool
+from vllm_hisparse.core.host_blocks import HostBlockPool
+from vllm_hisparse.core.page_table import PageTables
+from vllm_hisparse.core.request_table import RequestStatus, RequestTable
+from vllm_hisparse.core.transactions import TransactionTable
+from vllm_hisparse.core.transitions import ResidencyTransitions
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
+
+
+def check_invariants(
+    tables: PageTables,
+    requests: RequestTable,
+    released_owner: dict[int, list[tuple[int, int, int]]],
+    txns: TransactionTable,
+    transitions: ResidencyTransitions,
+    device_pool: DevicePool,
+    host_pool: HostBlockPool,
+    extra_device_leases: Iterable[int] = (),
+    extra_host_leases: Iterable[int] = (),
+) -> None:
+    """Raise AssertionError if any invariant of the module docstring is broken.
+
+    ``released_owner``: :attr:`PageLeases.released_owner`; ``extra_*_leases``: blocks held
+    by someone other than the policy (a test hog).
+    """
+    t = tables
+    in_memory = isinstance(device_pool, InMemoryDevicePool)
+    dev_leases: dict[int, int] = {}
+    host_leases: dict[int, int] = {}
+
+    def add(d, k):
+        d[k] = d.get(k, 0) + 1
+
+    for req in requests.values():
+        row = req.row
+        assert requests.at(row) is req
+        assert t.serial[row] == req.serial
+        assert requests.watch[row] == (
+            req.status == RequestStatus.PARKED or req.residency != Residency.FULL
+        ), (req.request_id, "row watch flag out of date")
+        assert requests.prefilling[row] == req.prefilling, (req.request_id, "prefilling flag out of date")
+        assert requests.gate[row] == (
+            req.status != RequestStatus.ACTIVE or (req.prefilling and req.residency != Residency.FULL)
+        ), (req.request_id, "schedule gate out of date")
+        if req.prefilling and req.status == RequestStatus.ACTIVE and req.residency == Residency.FULL:
+            # R1.a: a prefilling request that may be scheduled has its whole context pinned.
+            assert t.num_pinned[row] == cdiv(int(t.num_tokens[row]), t.block_size), req.request_id
+        n = int(t.num_pages[row])
+        assert n == cdiv(int(t.num_tokens[row]), t.block_size)
+        assert t.num_pinned[row] == int(np.count_nonzero(t.pinned[row, :n])), req.request_id
+        assert t.num_clean_pinned[row] == int(np.count_nonzero(t.pinned[row, :n] & t.host_valid[row, :n]))
+        assert not np.any(t.pinned[row, n:]) and not np.any(t.device_block[row, n:] >= 0)
+        for page in range(n):
+            block = int(t.device_block[row, page])
+            host_block = int(t.host_block[row, page])
+            if req.status != RequestStatus.IMPORTING:
+                assert host_block >= 0, (req.request_id, page, "page without host block")
+            if host_block >= 0:
+                add(host_leases, host_block)
+            if t.pinned[row, page]:
+                assert block >= 0
+                add(dev_leases, block)
+                continue
+            if block >= 0:
+                owners = released_owner.get(block, [])
+                assert (row, req.serial, page) in owners, (req.request_id, page, "released page not tracked")
+                if in_memory:
+                    assert device_pool.is_free(block), (req.request_id, page, "released block re-owned")
+            if t.host_valid[row, page]:
+                assert np.all(t.host_mask[row, page] == t.full_mask)
+            if req.status == RequestStatus.IMPORTING:
+                continue
+            assert t.host_covers_written(row, page), (req.request_id, page, "page has no valid copy")
+        if req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:
+            for page in range(max(0, n - ACTIVE_TAIL_PAGES), n):
+                assert t.pinned[row, page], (req.request_id, page, "tail page not pinned")
+        if req.residency == Residency.FULL and req.status in (RequestStatus.ACTIVE,):
+            assert t.num_pinned[row] == n, (req.request_id, "FULL request with unpinned pages")
+        if req.hot_block_ids:
+            assert req.residency != Residency.FULL and req.status in (
+                RequestStatus.ACTIVE,
+                RequestStatus.ACTIVATING,
+            ), (req.request_id, "hot lease held outside MIXED/NONE running")
+            assert len(req.hot_block_ids) == req.hot_blocks
+            for block in req.hot_block_ids:
+                add(dev_leases, block)
+        elif req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:
+            raise AssertionError((req.request_id, "MIXED/NONE request without hot lease"))
+    for block in extra_device_leases:
+        add(dev_leases, int(block))
+    for block in extra_host_leases:
+        add(host_leases, int(block))
+    for txn in txns.values():
+        for block in txn.held_device_until_enqueued + txn.held_device_until_done:
+            add(dev_leases, block)
+        for block in txn.held_host_until_done:
+            add(host_leases, block)
+    for row in range(t.num_rows):
+        if requests.at(row) is None:
+            assert t.serial[row] == 0 and t.num_pages[row] == 0
+            assert requests.gate[row] and not requests.prefilling[row]
+            assert not transitions.is_window_pending(row)
+    if in_memory:
+        ref = device_pool.ref_counts
+        assert np.all(ref >= 0)
+        expected = np.zeros_like(ref)
+        for block, count in dev_leases.items():
+            expected[block] = count
+        bad = np.nonzero(expected != ref)[0]
+        assert bad.shape[0] == 0, f"device leases differ at blocks {bad[:8].tolist()}: " \
+            f"expected {expected[bad[:8]].tolist()} got {ref[bad[:8]].tolist()}"
+        assert device_pool.get_num_free_blocks() == int(np.count_nonzero(ref == 0))
+    ref = host_pool.ref_counts
+    assert np.all(ref >= 0)
+    expected = np.zeros_like(ref)
+    for block, count in host_leases.items():
+        expected[block] = count
+    bad = np.nonzero(expected != ref)[0]
+    assert bad.shape[0] == 0, f"host leases differ at blocks {bad[:8].tolist()}"
+    for block in host_leases:
+        assert not host_pool.is_free(block)
+    assert host_pool.num_free_blocks + host_pool.num_cached_blocks == int(np.count_nonzero(ref == 0))
