@@ -54,17 +54,17 @@ def test_both_attention_paths_are_exact_and_the_direct_one_is_routed(monkeypatch
     site (routed to the resolver for tracked requests); ``group`` through the index group."""
     import functools
 
-    import vllm_hisparse.vllm.simulation.engine as engine
+    import vllm_hisparse.vllm.simulation.synthetic_attention as synthetic_attention
 
     calls = []
-    original = engine.cpu_direct_conversion
+    original = synthetic_attention.cpu_direct_conversion
 
     @functools.wraps(original)  # the routing binds arguments by vLLM's signature
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "cpu_direct_conversion", counting)
+    monkeypatch.setattr(synthetic_attention, "cpu_direct_conversion", counting)
     argv = TINY[:-3] + ["--quiet"]  # both runs
     assert main(argv + ["--attention", "direct"]) == 0
     assert calls, "no batch took the direct conversion"
@@ -79,12 +79,14 @@ def test_cpu_direct_conversion_has_vllms_signature():
 
     from vllm.v1.attention.backends.mla import sparse_utils
 
-    from vllm_hisparse.vllm.simulation.engine import cpu_direct_conversion
+    from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
 
     assert inspect.signature(cpu_direct_conversion).parameters.keys() == \
         inspect.signature(sparse_utils.triton_convert_req_index_to_global_index).parameters.keys()
-    # The run put vLLM's function back.
-    assert sparse_utils.triton_convert_req_index_to_global_index is not cpu_direct_conversion
+    # The runs put vLLM's function back.
+    from vllm_hisparse.vllm import patches
+
+    assert not patches.CPU_DIRECT_CONVERSION.installed()
 
 
 def _assert_loud_mismatch(capsys, argv):
