@@ -215,7 +215,8 @@ def test_cpu_direct_conversion():
             site = getattr(module, compat.DIRECT_CONVERSION_NAME)
             assert list(inspect.signature(site).parameters) == \
                 list(inspect.signature(originals[0]).parameters)
-            rows = site(torch.zeros(1, dtype=torch.int32), torch.tensor([[3, 5]], dtype=torch.int32),
+            rows = site(torch.zeros(1, dtype=torch.int32),
+                        torch.tensor([[3, 5]], dtype=torch.int32),
                         torch.tensor([[5, -1]], dtype=torch.int32), BLOCK_SIZE=4)
             assert rows.tolist() == [[21, -1]]
         # The routing wraps the twin, so it must come off first.

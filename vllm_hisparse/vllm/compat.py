@@ -298,7 +298,7 @@ def layer_index_group(layer: Any) -> tuple[Any, int] | None:
     group = getattr(impl, "index_group", None)
     if group is None:
         return None
-    return group, int(getattr(impl, "index_group_index"))
+    return group, int(impl.index_group_index)
 
 
 def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: Any, layout: KVCacheLayout,
