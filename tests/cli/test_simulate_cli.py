@@ -54,17 +54,17 @@ def test_both_attention_paths_are_exact_and_the_direct_one_is_routed(monkeypatch
     site (routed to the resolver for tracked requests); ``group`` through the index group."""
     import functools
 
-    import vllm_hisparse.vllm.simulation.engine as engine
+    import vllm_hisparse.vllm.simulation.synthetic_attention as synthetic_attention
 
     calls = []
-    original = engine.cpu_direct_conversion
+    original = synthetic_attention.cpu_direct_conversion
 
     @functools.wraps(original)  # the routing binds arguments by vLLM's signature
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "cpu_direct_conversion", counting)
+    monkeypatch.setattr(synthetic_attention, "cpu_direct_conversion", counting)
     argv = TINY[:-3] + ["--quiet"]  # both runs
     assert main(argv + ["--attention", "direct"]) == 0
     assert calls, "no batch took the direct conversion"
@@ -79,12 +79,14 @@ def test_cpu_direct_conversion_has_vllms_signature():
 
     from vllm.v1.attention.backends.mla import sparse_utils
 
-    from vllm_hisparse.vllm.simulation.engine import cpu_direct_conversion
+    from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
 
     assert inspect.signature(cpu_direct_conversion).parameters.keys() == \
         inspect.signature(sparse_utils.triton_convert_req_index_to_global_index).parameters.keys()
-    # The run put vLLM's function back.
-    assert sparse_utils.triton_convert_req_index_to_global_index is not cpu_direct_conversion
+    # The runs put vLLM's function back.
+    from vllm_hisparse.vllm import patches
+
+    assert not patches.CPU_DIRECT_CONVERSION.installed()
 
 
 def _assert_loud_mismatch(capsys, argv):
@@ -167,3 +169,54 @@ def test_cli_without_the_simulator_never_imports_vllm():
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# Shared prefixes (issue 13, defect 5): vLLM's prefix cache hands a request blocks that
+# another request computes in the same step, and decode positions whose tokens are equal.
+SHARED = ["simulate", "--requests", "2", "--prompt-len", "768", "--output-len", "128",
+          "--device-blocks", "220", "--seed", "3", "--quiet"]
+
+
+@pytest.mark.parametrize("shared,hit_tokens", [(512, 512), (768, 704)])
+def test_shared_prefix_hit_in_the_same_step_is_exact(shared, hit_tokens, tmp_path, capsys):
+    out = tmp_path / "shared.json"
+    status = main(SHARED + ["--shared-prefix-len", str(shared), "--json", str(out)])
+    assert status == 0, capsys.readouterr().err
+    for run in json.loads(out.read_text())["runs"].values():
+        # sim-2 started on sim-1's blocks of the very same step (2 indexer layers checked).
+        assert run["indexer_rows_checked"] == 2 * hit_tokens
+        assert run["generated_tokens"] == 2 * 128
+
+
+def test_decode_blocks_shared_through_equal_sampled_tokens_are_exact(capsys):
+    """Identical prompts and sampled tokens: a preempted request resumes on blocks holding
+    another request's decode positions (same tokens, so the same KV)."""
+    argv = ["simulate", "--requests", "6", "--prompt-len", "256", "--output-len", "256",
+            "--shared-prefix-len", "256", "--arrival", "poisson", "--arrival-rate", "0.1",
+            "--device-blocks", "60", "--runs", "without", "--quiet"]
+    status = main(argv)
+    assert status == 0, capsys.readouterr().err
+
+
+def test_wrong_row_in_a_shared_block_fails(monkeypatch, capsys):
+    """The prefix-aware ground truth still sees one planted wrong row: position 5 of the
+    first shared block holds position 6's KV in every sparse layer."""
+    from vllm_hisparse.vllm.simulation.synthetic_attention import SyntheticModel
+
+    original = SyntheticModel.write_kv
+
+    def planting(self, batch, step):
+        original(self, batch, step)
+        for rid, state, start, n in batch:
+            if rid == "sim-1" and start <= 6 < start + n:
+                for g, _, view, stride in self.layers.values():
+                    block = state.block_ids[self.sparse_groups.index(g)][0]
+                    view[block * stride + 5] = view[block * stride + 6]
+
+    monkeypatch.setattr(SyntheticModel, "write_kv", planting)
+    assert main(SHARED + ["--shared-prefix-len", "512", "--runs", "without"]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED: MISMATCH without connector: request sim-" in err
+    assert ("selected position 5 (page 0) read row" in err
+            and "holding (request 1, position 6, layer" in err
+            and "not (request 1, position 5, layer" in err), err

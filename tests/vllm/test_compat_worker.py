@@ -1,4 +1,5 @@
-"""Every vLLM 0.33 internal the worker role and the attention hook touch exists as used."""
+"""Every vLLM 0.33 internal the worker role and the attention hook touch exists as used
+(the patches themselves: ``test_patches.py``)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,6 @@ def test_sparse_mla_index_group_conversion_signature():
     assert issubclass(compat.in_tree_hisparse_index_group_class(), cls)
     # The in-tree HiSparse group overrides the method: our class-level wrapper never runs for it.
     assert "convert_logical_to_physical_topk" in compat.in_tree_hisparse_index_group_class().__dict__
-
-
-def test_topk_hook_install_is_idempotent_and_removable():
-    body = lambda group, original, *a, **k: original(*a, **k)  # noqa: E731
-    try:
-        assert compat.install_topk_conversion_hook(body)
-        assert not compat.install_topk_conversion_hook(body)
-        assert compat.topk_conversion_hook_installed()
-    finally:
-        assert compat.remove_topk_conversion_hook()
-    assert not compat.topk_conversion_hook_installed()
-    assert not compat.remove_topk_conversion_hook()
 
 
 def test_sparse_impl_carries_its_index_group():
@@ -104,50 +93,6 @@ def test_direct_conversion_sites_call_the_module_global_name():
 
     assert compat.DIRECT_CONVERSION_NAME in inspect.getsource(index_group.SparseMLAIndexGroup._convert_once)
     assert index_group.__name__ not in compat.DIRECT_CONVERSION_SITES
-
-
-def test_direct_conversion_routing_is_idempotent_and_removable():
-    import importlib
-
-    seen = []
-
-    def body(context, original, *args, **kwargs):
-        seen.append(context)
-        return "routed"
-
-    real = compat.direct_conversion_function()
-    try:
-        assert compat.install_direct_conversion_routing(body)
-        assert not compat.install_direct_conversion_routing(body)
-        assert compat.direct_conversion_routing_installed()
-        site = getattr(importlib.import_module(next(iter(compat.DIRECT_CONVERSION_SITES))),
-                       compat.DIRECT_CONVERSION_NAME)
-        assert compat.current_sparse_layer() is None
-        with compat.sparse_layer_context("group", 2, "md"):
-            assert compat.current_sparse_layer() == ("group", 2, "md")
-            assert site() == "routed"
-        assert seen == [("group", 2, "md")] and compat.current_sparse_layer() is None
-    finally:
-        assert compat.remove_direct_conversion_routing()
-    assert not compat.direct_conversion_routing_installed()
-    assert not compat.remove_direct_conversion_routing()
-    for module_name in compat.DIRECT_CONVERSION_SITES:
-        assert getattr(importlib.import_module(module_name), compat.DIRECT_CONVERSION_NAME) is real
-
-
-def test_route_layer_forward_sets_the_layer_context():
-    from types import SimpleNamespace
-
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    # MLAAttention reaches the backend through the instance attribute we wrap.
-    assert "self.impl.forward_mqa(" in inspect.getsource(MLAAttention.forward_impl)
-    impl = SimpleNamespace(index_group="g", index_group_index=1)
-    impl.forward_mqa = lambda q, kv, md, layer: compat.current_sparse_layer()
-    assert compat.route_layer_forward(impl)
-    assert not compat.route_layer_forward(impl)
-    assert impl.forward_mqa(None, None, "md", None) == ("g", 1, "md")
-    assert compat.current_sparse_layer() is None
 
 
 def test_forward_context_attn_metadata_accessor():

@@ -13,7 +13,7 @@ from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core import capacity
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm import config as config_module
-from vllm_hisparse.vllm import patches_config
+from vllm_hisparse.vllm import patches
 from vllm_hisparse.vllm.plugin import register
 from vllm_hisparse.vllm.compat import CUDAGraphMode
 from vllm_hisparse.vllm.config import (
@@ -300,15 +300,15 @@ def test_bad_extra_config_fails_when_vllm_config_is_built(dsa_model_dir, extra, 
 
 def test_config_check_patch_install_remove(dsa_model_dir):
     bad = {"host_pool_gib": 1, "host_pool_gb": 2}
-    assert patches_config.installed()
-    assert not patches_config.install(config_module.check_extra_config)  # idempotent
-    assert patches_config.remove()
+    assert patches.CONFIG_CHECK.installed()
+    assert not patches.CONFIG_CHECK.install(config_module.check_extra_config)  # idempotent
+    assert patches.CONFIG_CHECK.remove()
     try:
-        assert not patches_config.installed() and not patches_config.remove()
+        assert not patches.CONFIG_CHECK.installed() and not patches.CONFIG_CHECK.remove()
         make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))  # vLLM alone: accepted
     finally:
         register()  # reinstalls the plugin's check
-    assert patches_config.installed()
+    assert patches.CONFIG_CHECK.installed()
     with pytest.raises(ValueError, match="host_pool_gb"):
         make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(bad))
     # Configs that do not name the connector are untouched.

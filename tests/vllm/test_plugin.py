@@ -17,7 +17,7 @@ from vllm.platforms.interface import Platform
 
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 import vllm_hisparse
-from vllm_hisparse.vllm import compat, patches_config, plugin
+from vllm_hisparse.vllm import compat, patches, plugin
 from vllm_hisparse.vllm.config import HiSparseConfigError
 from vllm_hisparse.vllm.kv_planning import BUILDER_QUALNAME, select_builder
 from vllm_hisparse.vllm.plugin import register
@@ -40,7 +40,7 @@ def test_register_is_idempotent_and_resolves_the_name():
     assert cls is HiSparseResidencyConnector
     assert supports_hma(cls)
     assert cls.get_required_kvcache_layout(None) == "BLHNC"
-    assert compat.planner_hook_installed()
+    assert patches.PLANNER_HOOK.installed()
 
 
 def test_nothing_is_named_like_the_in_tree_switch():
@@ -75,19 +75,19 @@ def test_planner_hook_is_inert_unless_configured(dsa_model_dir):
 
 def test_planner_hook_refuses_to_replace_a_vendor_builder(dsa_model_dir, monkeypatch):
     ours = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
-    assert compat.remove_planner_hook()
+    assert patches.PLANNER_HOOK.remove()
     try:
         monkeypatch.setattr(
             Platform, "get_kv_cache_config_builder_cls", classmethod(lambda cls, cfg: "vendor.Builder")
         )
-        assert compat.install_planner_hook(select_builder)
-        assert not compat.install_planner_hook(select_builder)  # idempotent
+        assert patches.PLANNER_HOOK.install(select_builder)
+        assert not patches.PLANNER_HOOK.install(select_builder)  # idempotent
         with pytest.raises(ValueError, match="selects the KV cache config builder 'vendor.Builder'"):
             Platform.get_kv_cache_config_builder_cls(ours)
     finally:
-        compat.remove_planner_hook()
+        patches.PLANNER_HOOK.remove()
         monkeypatch.undo()
-        assert compat.install_planner_hook(select_builder)
+        assert patches.PLANNER_HOOK.install(select_builder)
     assert Platform.get_kv_cache_config_builder_cls(ours) == BUILDER_QUALNAME
 
 
@@ -117,7 +117,7 @@ def test_register_logs_name_and_version_once(monkeypatch, caplog, dsa_model_dir)
              and r.levelno == logging.INFO]
     assert lines == [f"vllm_hisparse {vllm_hisparse.__version__}: plugin hisparse_residency "
                      "registered the KV connector HiSparseResidencyConnector"]
-    assert patches_config.installed()
+    assert patches.CONFIG_CHECK.installed()
 
 
 def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):

@@ -3,7 +3,7 @@
 vLLM's sparse backends convert top-k either through the index group (hooked) or directly
 with ``triton_convert_req_index_to_global_index`` from the batch block table
 (``compat.DIRECT_CONVERSION_SITES``). Here the direct sites are driven as the backends call
-them, inside the layer context ``compat.route_layer_forward`` sets, over vLLM's real KV
+them, inside the layer context ``patches.LAYER_FORWARD_CONTEXT`` sets, over vLLM's real KV
 allocation and the core policy's commands. The Triton function is replaced by a pure-torch
 twin with its exact signature (no Triton on CPU).
 
@@ -23,7 +23,7 @@ import torch
 
 from tests.vllm.test_worker_side import BS, TOP_K, Rig, model_dir  # noqa: F401 (fixture)
 from vllm_hisparse.core import Residency
-from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.attention_hook import vllm_reference_conversion
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
 from vllm_hisparse.worker.synthetic import describe_row, kv_rows
@@ -65,12 +65,12 @@ def _cpu_direct_conversion(monkeypatch):
     real = sparse_utils.triton_convert_req_index_to_global_index
     assert list(inspect.signature(torch_direct_conversion).parameters) == \
         list(inspect.signature(real).parameters)
-    compat.remove_direct_conversion_routing()
+    patches.DIRECT_CONVERSION_ROUTING.remove()
     monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index",
                         torch_direct_conversion)
     yield
-    compat.remove_direct_conversion_routing()
-    compat.remove_topk_conversion_hook()
+    patches.DIRECT_CONVERSION_ROUTING.remove()
+    patches.TOPK_CONVERSION_HOOK.remove()
 
 
 def _site(module_key: str):
@@ -107,8 +107,8 @@ class PrefillRig(Rig):
                       for group, lane, b in self.groups]
         for impls in self.impls:
             for impl in impls:
-                assert compat.route_layer_forward(impl)
-                assert not compat.route_layer_forward(impl)
+                assert patches.LAYER_FORWARD_CONTEXT.install(impl)
+                assert not patches.LAYER_FORWARD_CONTEXT.install(impl)
         self.checked = {"decode": 0, "prefill": 0}
         self.divergent_reads = 0
 
@@ -187,14 +187,14 @@ class PrefillRig(Rig):
                 if mode == "bf16":  # flashmla_sparse.py:914, through the routed forward_mqa
                     rows, counts = impl.forward_mqa(topk, stride, md, None)
                 elif mode == "fp8_mixed":  # flashmla_sparse.py:1250 (uncompacted)
-                    with compat.sparse_layer_context(group, layer_index, md):
+                    with patches.sparse_layer_context(group, layer_index, md):
                         rows = _site("flashmla_sparse")(
                             md.req_id_per_token[: topk.shape[0]], md.block_table, topk,
                             BLOCK_SIZE=BS, BLOCK_STRIDE_ROWS=stride,
                             NUM_TOPK_TOKENS=topk.shape[1])
                     rows, counts = _compact(rows)
                 elif mode == "common":  # sparse_mla_attention.py:773 (FlashInfer/FA sparse)
-                    with compat.sparse_layer_context(group, layer_index, md):
+                    with patches.sparse_layer_context(group, layer_index, md):
                         rows, counts = _site("sparse_mla_attention")(
                             md.req_id_per_token[: topk.shape[0]], md.block_table, topk,
                             BLOCK_SIZE=BS, BLOCK_STRIDE_ROWS=stride,
@@ -351,7 +351,7 @@ def test_workspace_tokens_keep_vllms_offsets(model_dir):  # noqa: F811
     starts = torch.tensor([1000], dtype=torch.int32)
     rig.role.step_view.ready = True  # the step is over; reopen its view for a follower call
     try:
-        with compat.sparse_layer_context(group, 1, md):
+        with patches.sparse_layer_context(group, 1, md):
             rows, counts = _site("flashmla_sparse")(
                 md.req_id_per_token[: topk.shape[0]], md.block_table, topk, BLOCK_SIZE=BS,
                 BLOCK_STRIDE_ROWS=lane.layout.block_stride_rows, NUM_TOPK_TOKENS=TOP_K,
@@ -392,7 +392,7 @@ def test_full_only_batches_take_vllms_direct_conversion_unchanged(model_dir):  #
     cnt = torch.empty(topk.shape[0], dtype=torch.int32)
     rig.role.step_view.ready = True
     try:
-        with compat.sparse_layer_context(group, 0, md):
+        with patches.sparse_layer_context(group, 0, md):
             got = _site("flashmla_sparse")(md.req_id_per_token[: topk.shape[0]], md.block_table,
                                            topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K,
                                            return_valid_counts=True, out=out,
@@ -407,7 +407,7 @@ def test_full_only_batches_take_vllms_direct_conversion_unchanged(model_dir):  #
 
 def test_unbound_layers_and_no_context_call_vllm(model_dir):  # noqa: F811
     PrefillRig(model_dir, num_blocks=200)
-    assert compat.direct_conversion_routing_installed()
+    assert patches.DIRECT_CONVERSION_ROUTING.installed()
     req = torch.tensor([0], dtype=torch.int32)
     table = torch.tensor([[4, 9]], dtype=torch.int32)
     topk = torch.full((1, TOP_K), -1, dtype=torch.int32)
@@ -416,7 +416,7 @@ def test_unbound_layers_and_no_context_call_vllm(model_dir):  # noqa: F811
     want = torch_direct_conversion(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K)
     assert torch.equal(convert(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K), want)
     unbound = SimpleNamespace()  # an index group without a binding
-    with compat.sparse_layer_context(unbound, 0, SimpleNamespace(num_actual_tokens=1)):
+    with patches.sparse_layer_context(unbound, 0, SimpleNamespace(num_actual_tokens=1)):
         assert torch.equal(convert(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K), want)
 
 

@@ -28,7 +28,7 @@ from vllm_hisparse.core import (
     Residency,
     ResidencyPolicy,
 )
-from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
     compact_valid_to_front,
@@ -80,7 +80,7 @@ def allocate(vllm_config, kv_cache_config):
 @pytest.fixture(autouse=True)
 def _unhook():
     yield
-    compat.remove_topk_conversion_hook()
+    patches.TOPK_CONVERSION_HOOK.remove()
 
 
 def make_group(num_tokens_max: int = 64):
@@ -287,7 +287,7 @@ def test_binds_vllm_allocated_packed_tensors(model_dir):
             cache.view(torch.uint8)[b, 0, o] = 0
             assert (view == 0).all()
     assert role.host_pool.num_layers == NUM_LAYERS
-    assert compat.topk_conversion_hook_installed()
+    assert patches.TOPK_CONVERSION_HOOK.installed()
     role.shutdown()
     assert role.host_pool.closed
 

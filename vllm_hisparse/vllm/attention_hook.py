@@ -10,9 +10,10 @@ decode-only batches (``flashmla_sparse.py:907,1040,1243``); the generic
 of the token's request (batch row ``req_id_per_token[t]``) through the layer group's
 block table: ``block_table[req, p // bs] * block_stride_rows + p % bs`` (``-1`` for padding).
 
-``compat.install_topk_conversion_hook`` wraps that method (one patch). An index group with
-no :class:`IndexGroupResidency` attached, or a step whose batch has only FULL requests, runs
-vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residency` runs:
+The ``topk_conversion_hook`` patch (``vllm/patches.py``, one of the package's runtime patches
+of vLLM, all listed there) wraps that method with :func:`hooked_conversion`. An index group
+with no :class:`IndexGroupResidency` attached, or a step whose batch has only FULL requests,
+runs vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residency` runs:
 
 * vLLM's conversion still produces the rows of FULL requests' tokens (their pages are all
   resident and vLLM's block table names them);
@@ -33,9 +34,9 @@ whose request is not FULL (``StepView``); ``req_id_per_token`` indexes it.
 
 The backends also convert **without** the group, straight from vLLM's batch block table
 (FlashMLA sparse mixed / prefill batches, FlashInfer sparse SM90 / SM120, FlashAttention
-sparse; ``compat.DIRECT_CONVERSION_SITES``). ``compat.install_direct_conversion_routing``
+sparse; ``compat.DIRECT_CONVERSION_SITES``). The ``direct_conversion_routing`` patch
 routes those calls through :func:`routed_direct_conversion` while a bound layer's
-``forward_mqa`` runs (``compat.route_layer_forward`` sets the layer context), so every
+``forward_mqa`` runs (the ``layer_forward_context`` patch sets the layer context), so every
 conversion of a bound group ends in :func:`convert_with_residency`, whatever the batch mix.
 Tokens that vLLM maps into its prefill upconvert workspace (``HAS_PREFILL_WORKSPACE``) keep
 vLLM's workspace offsets: that workspace is filled from the batch block table, which the

@@ -3,18 +3,16 @@
 vLLM's connector API is public, but planning, scheduling and the factory registry are
 internal and move between releases. Each internal is reached through one small named
 function or constant below, so an upgrade touches one file and
-``tests/vllm/test_compat.py`` (which checks every name and signature relied on here)
-says exactly what moved.
+``tests/vllm/test_compat.py`` / ``tests/vllm/test_compat_worker.py`` (which check every name
+and signature relied on here) say exactly what moved.
 
-The one patch this package applies lives here too: ``install_planner_hook`` wraps
-``Platform.get_kv_cache_config_builder_cls`` so that an engine whose
-``kv_transfer_config`` names ``HiSparseResidencyConnector`` plans its KV cache with
-our builder. It is idempotent and inert for every other configuration.
+Only accessors live here. The runtime patches this package applies to vLLM (six, each
+replacing one vLLM attribute) are in ``vllm_hisparse/vllm/patches.py``, one table with
+install / installed / remove for each.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +96,7 @@ __all__ = [
     "KVConnectorTransferResults",
     "KVConnectorWorkerMetadata",
     "MLAAttentionSpec",
+    "Platform",
     "SlidingWindowMLASpec",
     "SparseCacheRole",
     "SupportsHMA",
@@ -105,10 +104,7 @@ __all__ = [
     "VllmConfig",
     "connector_is_registered",
     "default_kv_cache_groups",
-    "install_planner_hook",
-    "planner_hook_installed",
     "register_connector",
-    "remove_planner_hook",
     "resolve_connector_class",
     "resolve_kv_cache_config_builder",
     "resolved_kv_cache_layout",
@@ -119,10 +115,6 @@ __all__ = [
 #: in-tree platform. Our builder subclasses this one, so we only take over when the
 #: platform would have used it; a vendor builder is never silently replaced.
 DEFAULT_BUILDER_QUALNAME = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
-
-#: Attribute set on our wrapper so a second ``install_planner_hook`` is a no-op.
-_HOOK_MARKER = "__vllm_hisparse_planner_hook__"
-
 
 # --------------------------------------------------------------------------------------
 # Connector factory
@@ -166,67 +158,6 @@ def default_kv_cache_groups(
 def resolved_kv_cache_layout(vllm_config: VllmConfig) -> KVCacheLayout:
     """The engine's resolved physical KV layout (raises if not resolved yet)."""
     return vllm_config.cache_config.get_resolved_kv_cache_layout()
-
-
-def _current_builder_hook() -> Any:
-    # The attribute on the class is a classmethod object; look in __dict__ so we see
-    # the descriptor itself rather than a bound method.
-    return Platform.__dict__["get_kv_cache_config_builder_cls"]
-
-
-def planner_hook_installed() -> bool:
-    """Whether ``install_planner_hook`` has wrapped the platform lookup."""
-    return getattr(_current_builder_hook().__func__, _HOOK_MARKER, False)
-
-
-def install_planner_hook(select_builder: Callable[[VllmConfig], str | None]) -> bool:
-    """Route KV-cache planning to our builder when ``select_builder`` says so.
-
-    vLLM 0.33 resolves the planner as
-    ``current_platform.get_kv_cache_config_builder_cls(vllm_config)`` (a classmethod
-    defined only on ``Platform``; no in-tree platform overrides it). We wrap that
-    classmethod on the base class: the wrapper asks ``select_builder(vllm_config)``
-    for a qualified class name and falls through to vLLM's answer when it returns
-    ``None``. So the patch changes nothing unless the config names our connector.
-
-    Idempotent: returns False (and changes nothing) if already installed.
-    """
-    descriptor = _current_builder_hook()
-    original = descriptor.__func__
-    if getattr(original, _HOOK_MARKER, False):
-        return False
-
-    @functools.wraps(original)
-    def get_kv_cache_config_builder_cls(cls: type, vllm_config: VllmConfig) -> str:
-        platform_choice = original(cls, vllm_config)
-        ours = select_builder(vllm_config)
-        if ours is None:
-            return platform_choice
-        if platform_choice != DEFAULT_BUILDER_QUALNAME:
-            # A vendor platform plans its own KV cache; we refuse to replace it
-            # rather than silently drop its placement rules.
-            raise ValueError(
-                "HiSparseResidencyConnector needs to plan the KV cache itself, but "
-                f"platform {cls.__name__} selects the KV cache config builder "
-                f"{platform_choice!r}; only {DEFAULT_BUILDER_QUALNAME!r} is supported."
-            )
-        return ours
-
-    setattr(get_kv_cache_config_builder_cls, _HOOK_MARKER, True)
-    get_kv_cache_config_builder_cls.__vllm_hisparse_original__ = original  # type: ignore[attr-defined]
-    Platform.get_kv_cache_config_builder_cls = classmethod(get_kv_cache_config_builder_cls)  # type: ignore[assignment]
-    return True
-
-
-def remove_planner_hook() -> bool:
-    """Undo ``install_planner_hook`` (tests only); returns False if not installed."""
-    wrapper = _current_builder_hook().__func__
-    if not getattr(wrapper, _HOOK_MARKER, False):
-        return False
-    Platform.get_kv_cache_config_builder_cls = classmethod(  # type: ignore[assignment]
-        wrapper.__vllm_hisparse_original__
-    )
-    return True
 
 
 def resolve_kv_cache_config_builder(vllm_config: VllmConfig) -> KVCacheConfigBuilder:
@@ -328,22 +259,19 @@ def multi_connector_types() -> tuple[type, type, type]:
 
 
 # ======================================================================================
-# Worker side: KV allocation, forward context and the sparse-MLA top-k conversion hook
-# (section owned by the worker role: worker_side.py, attention_hook.py;
+# Worker side: KV allocation, forward context and the sparse-MLA index group
+# (used by the worker role: worker_side.py, attention_hook.py, patches.py;
 #  existence checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
-
-#: Attribute set on our wrapper of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``
-#: so a second install is a no-op.
-_TOPK_HOOK_MARKER = "__vllm_hisparse_topk_hook__"
 
 
 def sparse_mla_index_group_class() -> type:
     """``vllm.v1.attention.backends.mla.index_group.SparseMLAIndexGroup``: the object every
     sparse-MLA layer of one indexer shares (``index_group.py:36``); its
     ``convert_logical_to_physical_topk`` (``:95``) is where decode batches turn logical
-    top-k into physical KV rows. ``HiSparseMLAIndexGroup`` (vLLM's in-tree HiSparse)
-    overrides the method, so our wrapper never runs for it."""
+    top-k into physical KV rows (patched: ``patches.TOPK_CONVERSION_HOOK``).
+    ``HiSparseMLAIndexGroup`` (vLLM's in-tree HiSparse) overrides the method, so the
+    patch never runs for it."""
     from vllm.v1.attention.backends.mla.index_group import SparseMLAIndexGroup
 
     return SparseMLAIndexGroup
@@ -354,49 +282,6 @@ def in_tree_hisparse_index_group_class() -> type:
     from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 
     return HiSparseMLAIndexGroup
-
-
-def topk_conversion_hook_installed() -> bool:
-    """Whether ``install_topk_conversion_hook`` wrapped the group method."""
-    method = sparse_mla_index_group_class().__dict__["convert_logical_to_physical_topk"]
-    return getattr(method, _TOPK_HOOK_MARKER, False)
-
-
-def install_topk_conversion_hook(body: Callable[..., Any]) -> bool:
-    """Route ``SparseMLAIndexGroup.convert_logical_to_physical_topk`` through ``body``.
-
-    ``body(group, original, layer_index, logical_topk, attn_metadata, *,
-    block_stride_rows, return_valid_counts)`` receives vLLM's method bound to ``group`` as
-    ``original`` and must call it for groups it does not own (the wrapper is on the class,
-    so it sees every sparse-MLA model in the process). Idempotent; returns False if already
-    installed. Applied by the worker role when it binds KV caches, never at import.
-    """
-    cls = sparse_mla_index_group_class()
-    original = cls.__dict__["convert_logical_to_physical_topk"]
-    if getattr(original, _TOPK_HOOK_MARKER, False):
-        return False
-
-    @functools.wraps(original)
-    def convert_logical_to_physical_topk(self, layer_index, logical_topk_indices, attn_metadata,
-                                         *, block_stride_rows, return_valid_counts):
-        return body(self, original.__get__(self), layer_index, logical_topk_indices,
-                    attn_metadata, block_stride_rows=block_stride_rows,
-                    return_valid_counts=return_valid_counts)
-
-    setattr(convert_logical_to_physical_topk, _TOPK_HOOK_MARKER, True)
-    convert_logical_to_physical_topk.__vllm_hisparse_original__ = original  # type: ignore[attr-defined]
-    cls.convert_logical_to_physical_topk = convert_logical_to_physical_topk
-    return True
-
-
-def remove_topk_conversion_hook() -> bool:
-    """Undo ``install_topk_conversion_hook`` (tests only); False if not installed."""
-    cls = sparse_mla_index_group_class()
-    wrapper = cls.__dict__["convert_logical_to_physical_topk"]
-    if not getattr(wrapper, _TOPK_HOOK_MARKER, False):
-        return False
-    cls.convert_logical_to_physical_topk = wrapper.__vllm_hisparse_original__
-    return True
 
 
 def static_forward_context(vllm_config: VllmConfig) -> dict[str, Any]:
@@ -415,7 +300,7 @@ def layer_index_group(layer: Any) -> tuple[Any, int] | None:
     group = getattr(impl, "index_group", None)
     if group is None:
         return None
-    return group, int(getattr(impl, "index_group_index"))
+    return group, int(impl.index_group_index)
 
 
 def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: Any, layout: KVCacheLayout,
@@ -434,15 +319,11 @@ def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
 
 
 # ======================================================================================
-# Worker side (2): sparse-MLA backends' direct logical->physical conversions, the layer
-# context they run in, and the per-step attention metadata.
-# (section owned by the worker role: worker_side.py, attention_hook.py;
+# Worker side (2): sparse-MLA backends' direct logical->physical conversions and the
+# per-step attention metadata.
+# (used by the worker role: worker_side.py, attention_hook.py, patches.py;
 #  existence and signature checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
-
-import contextlib as _contextlib
-import contextvars as _contextvars
-import importlib as _importlib
 
 #: Modules whose forward paths call ``sparse_utils.triton_convert_req_index_to_global_index``
 #: through their own module-global name with vLLM's **batch** block table (bypassing the index
@@ -458,9 +339,9 @@ import importlib as _importlib
 #: * FlashInfer sparse SM120 ``forward_mqa`` (``flashinfer_mla_sparse_sm120.py:194``) and
 #:   SM90 ``forward_mqa`` (``flashinfer_mla_sparse_sm90.py:618``), every batch.
 #:
-#: ``install_direct_conversion_routing`` replaces that module-global name in each of them
+#: ``patches.DIRECT_CONVERSION_ROUTING`` replaces that module-global name in each of them
 #: (``index_group.py``'s own name, used by the group method, is left alone: the group method
-#: has its own hook). ROCm / XPU sparse backends are not covered.
+#: has its own patch). ROCm / XPU sparse backends are not covered.
 DIRECT_CONVERSION_SITES: dict[str, tuple[str, ...]] = {
     "vllm.v1.attention.backends.mla.flashmla_sparse": (
         "FlashMLASparseImpl._forward_bf16_kv",
@@ -485,102 +366,12 @@ DIRECT_CONVERSION_NAME = "triton_convert_req_index_to_global_index"
 #: that has no device block.
 NULL_BLOCK_ID = 0
 
-_ROUTING_MARKER = "__vllm_hisparse_direct_conversion__"
-_LAYER_ROUTE_MARKER = "__vllm_hisparse_layer_context__"
-
-#: ``(index_group, index_in_group, attn_metadata)`` of the sparse-MLA layer whose
-#: ``forward_mqa`` is running, or None outside one.
-_CURRENT_SPARSE_LAYER: _contextvars.ContextVar[tuple[Any, int, Any] | None] = \
-    _contextvars.ContextVar("vllm_hisparse_sparse_layer", default=None)
-
 
 def direct_conversion_function() -> Callable[..., Any]:
     """vLLM's ``triton_convert_req_index_to_global_index`` (``sparse_utils.py:493``)."""
     from vllm.v1.attention.backends.mla import sparse_utils
 
     return getattr(sparse_utils, DIRECT_CONVERSION_NAME)
-
-
-@_contextlib.contextmanager
-def sparse_layer_context(group: Any, layer_index: int, attn_metadata: Any):
-    """Mark the code inside as the attention of member ``layer_index`` of ``group``."""
-    token = _CURRENT_SPARSE_LAYER.set((group, int(layer_index), attn_metadata))
-    try:
-        yield
-    finally:
-        _CURRENT_SPARSE_LAYER.reset(token)
-
-
-def current_sparse_layer() -> tuple[Any, int, Any] | None:
-    """The layer context set by :func:`sparse_layer_context`, or None."""
-    return _CURRENT_SPARSE_LAYER.get()
-
-
-def direct_conversion_routing_installed() -> bool:
-    """Whether every module of ``DIRECT_CONVERSION_SITES`` calls our wrapper."""
-    return all(getattr(getattr(_importlib.import_module(m), DIRECT_CONVERSION_NAME), _ROUTING_MARKER,
-                       False) for m in DIRECT_CONVERSION_SITES)
-
-
-def install_direct_conversion_routing(body: Callable[..., Any]) -> bool:
-    """Route the backends' direct conversions through ``body`` while a layer context is set.
-
-    The wrapper replaces the module-global ``triton_convert_req_index_to_global_index`` of
-    every module of ``DIRECT_CONVERSION_SITES``. Outside a :func:`sparse_layer_context` it
-    calls vLLM's function unchanged; inside one it calls ``body(context, original, *args,
-    **kwargs)``, ``context`` being ``(index_group, index_in_group, attn_metadata)``.
-    Idempotent (returns False when already installed); applied by the worker role when it
-    binds, never at import.
-    """
-    if direct_conversion_routing_installed():
-        return False
-    original = direct_conversion_function()
-
-    @functools.wraps(original)
-    def routed(*args: Any, **kwargs: Any) -> Any:
-        context = _CURRENT_SPARSE_LAYER.get()
-        if context is None:
-            return original(*args, **kwargs)
-        return body(context, original, *args, **kwargs)
-
-    setattr(routed, _ROUTING_MARKER, True)
-    routed.__vllm_hisparse_original__ = original  # type: ignore[attr-defined]
-    for module_name in DIRECT_CONVERSION_SITES:
-        setattr(_importlib.import_module(module_name), DIRECT_CONVERSION_NAME, routed)
-    return True
-
-
-def remove_direct_conversion_routing() -> bool:
-    """Undo :func:`install_direct_conversion_routing` (tests only); False if not installed."""
-    removed = False
-    for module_name in DIRECT_CONVERSION_SITES:
-        module = _importlib.import_module(module_name)
-        current = getattr(module, DIRECT_CONVERSION_NAME)
-        if getattr(current, _ROUTING_MARKER, False):
-            setattr(module, DIRECT_CONVERSION_NAME, current.__vllm_hisparse_original__)
-            removed = True
-    return removed
-
-
-def route_layer_forward(impl: Any) -> bool:
-    """Make ``impl.forward_mqa`` (one bound sparse-MLA layer, instance attribute only) run
-    inside :func:`sparse_layer_context` of its index group, so the direct conversion sites
-    know whose binding to use. ``MLAAttention.forward_impl`` calls
-    ``self.impl.forward_mqa(q, kv_cache, attn_metadata, layer)`` (``mla_attention.py:1134``).
-    Idempotent; returns False when already routed."""
-    current = impl.forward_mqa
-    if getattr(current, _LAYER_ROUTE_MARKER, False):
-        return False
-    bound = current
-
-    @functools.wraps(bound)
-    def forward_mqa(q: Any, kv_c_and_k_pe_cache: Any, attn_metadata: Any, layer: Any) -> Any:
-        with sparse_layer_context(impl.index_group, impl.index_group_index, attn_metadata):
-            return bound(q, kv_c_and_k_pe_cache, attn_metadata, layer)
-
-    setattr(forward_mqa, _LAYER_ROUTE_MARKER, True)
-    impl.forward_mqa = forward_mqa
-    return True
 
 
 def forward_context_attn_metadata() -> Any:

@@ -6,7 +6,7 @@ changes vLLM state. Two entry points:
 
 * ``check_extra_config(vllm_config)`` validates what needs no engine facts (keys, types,
   ranges, the host budget against this machine's memory, the shape of a MultiConnector
-  entry). The plugin runs it when vLLM builds a ``VllmConfig`` (``patches_config``), so
+  entry). The plugin runs it when vLLM builds a ``VllmConfig`` (``patches.CONFIG_CHECK``), so
   ``vllm serve`` fails in the API-server process, before any engine process starts.
 * ``resolve_config(vllm_config)`` is the one parse: the above plus the engine facts
   (``top_k``, ``block_size``, speculative tokens) and engine compatibility. The planner

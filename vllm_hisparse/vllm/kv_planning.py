@@ -366,7 +366,7 @@ def sparse_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
 class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
     """vLLM KV-cache config builder that splits sparse-MLA from indexer layers.
 
-    Selected through the planner hook (``compat.install_planner_hook``) only when the
+    Selected through the planner hook (``patches.PLANNER_HOOK``) only when the
     engine's kv_transfer_config names HiSparseResidencyConnector. Tensor placement is
     vLLM's own: block-outermost, one backing, every group aliasing from byte 0.
     """

@@ -7,9 +7,9 @@ config names ``HiSparseResidencyConnector``:
 
 1. registers the connector class with vLLM's ``KVConnectorFactory`` under that name
    (lazy: the module is imported only when a config asks for it);
-2. installs the planner hook (``compat.install_planner_hook``), whose callback returns
+2. installs the planner hook (``patches.PLANNER_HOOK``), whose callback returns
    our KV-cache config builder only for configs that name the connector;
-3. installs the config check (``patches_config``): every ``VllmConfig`` built from then
+3. installs the config check (``patches.CONFIG_CHECK``): every ``VllmConfig`` built from then
    on validates our ``kv_connector_extra_config`` (top level or MultiConnector child),
    so ``vllm serve`` rejects a bad key in the API-server process;
 4. sends this package's log records to vLLM's log handler (vLLM configures only its own
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 
 import vllm_hisparse
-from vllm_hisparse.vllm import compat, patches_config
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME, check_extra_config
 from vllm_hisparse.vllm.kv_planning import select_builder
 
@@ -90,9 +90,9 @@ def register() -> None:
     """Register the connector, hook KV planning and config validation; idempotent."""
     if compat.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME):
         logger.debug("registered %s from %s", CONNECTOR_NAME, CONNECTOR_MODULE)
-    if compat.install_planner_hook(select_builder):
+    if patches.PLANNER_HOOK.install(select_builder):
         logger.debug("installed the vllm_hisparse KV planner hook")
-    if patches_config.install(_check_config):
+    if patches.CONFIG_CHECK.install(_check_config):
         logger.debug("installed the vllm_hisparse VllmConfig check")
         _route_logs_to_vllm()
     if _vllm_logging_configured():

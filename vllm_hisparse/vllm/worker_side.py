@@ -44,7 +44,7 @@ from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
     IndexGroupResidency,
@@ -211,8 +211,8 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
         self._bind_indexer_pages(kv_caches, self._indexer_segment)
-        compat.install_topk_conversion_hook(hooked_conversion)
-        compat.install_direct_conversion_routing(routed_direct_conversion)
+        patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
+        patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
         self._counter_reader = AsyncCounterReader(
             [state.stats for lane in self.lanes for state in lane.hot_states])
         self.bind_model_index_groups(compat.static_forward_context(self.vllm_config))
@@ -296,7 +296,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
                             "plan groups them so")
                 self.bind_index_group(group, binding)
                 for i in unit:  # direct conversion sites need to know the running layer
-                    compat.route_layer_forward(forward_context[lane.layer_names[i]].impl)
+                    patches.LAYER_FORWARD_CONTEXT.install(forward_context[lane.layer_names[i]].impl)
                 bound += 1
         return bound
 

@@ -1,5 +1,11 @@
-"""``vllm-hisparse simulate``'s engine: vLLM's real ``Scheduler`` + both connector roles +
-a synthetic DSA model (``engine.py``), over a generated tiny model config (``model.py``).
+"""``vllm-hisparse simulate``: vLLM's real ``Scheduler`` and both connector roles around a
+synthetic DSA model, over a generated tiny model config.
 
-Nothing is imported here: ``model`` and ``engine`` import vLLM, and the CLI imports them lazily.
+* ``spec.py``: what a simulation is (geometry, device pool, workload, tokens);
+* ``model.py``: the generated model directory, ``VllmConfig`` and per-layer KV cache specs;
+* ``synthetic_attention.py``: the model stand-in (KV writes, top-k, conversions, CPU twins);
+* ``ground_truth.py``: what every row must hold, and the check of what was read;
+* ``engine.py``: the driving loop (scheduler, model runner tables, connector, counters).
+
+Nothing is imported here: the modules import vLLM, and the CLI imports them lazily.
 """

@@ -1,0 +1,173 @@
+"""What one simulation is: the model geometry, the device pool and the workload.
+
+:class:`SimulationSpec` is what ``vllm-hisparse simulate`` parses its flags into (both runs,
+with and without the connector, share it); :func:`make_workload` turns it into the requests
+(:class:`RequestPlan`: lengths and arrival steps) and :func:`token_ids` into each request's
+tokens. All of it is deterministic per ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_hisparse.core.units import cdiv
+
+ARRIVALS = ("burst", "poisson")
+#: How the synthetic attention layers convert top-k, i.e. which vLLM backend they imitate:
+#: ``group``: every batch through the index group (``SparseMLACommonImpl``, FlashInfer
+#: sparse); ``direct``: decode-only batches through the group, batches with prefill tokens
+#: through the backend's own ``triton_convert_req_index_to_global_index`` call on the batch
+#: block table (FlashAttention sparse; FlashMLA sparse's mixed-batch paths do the same).
+ATTENTION_PATHS = ("direct", "group")
+#: Token every synthetic forward samples (requests end on max_tokens, never on EOS).
+SAMPLED_TOKEN = 7
+
+
+@dataclass(frozen=True)
+class SimulationSpec:
+    """Model geometry, device pool and workload of one simulation (both runs share it)."""
+
+    num_layers: int = 4
+    layers_per_indexer: int = 2  # IndexShare: a leader and (n - 1) layers reusing its top-k
+    block_size: int = 64
+    top_k: int = 128
+    prefill_top_k: int = 16  # selections per prefill token (decode tokens select top_k)
+    device_buffer_size: int | None = None  # hot rows per request (None: the connector default)
+    device_blocks: int = 400
+    host_pool_gib: float | None = None  # None: enough for every request at once
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    num_requests: int = 16
+    prompt_len: int = 1024
+    output_len: int = 256
+    length_jitter: float = 0.0  # prompt / output lengths drawn uniformly within +-jitter
+    shared_prefix_len: int = 0  # leading prompt tokens (and their KV) common to all requests
+    arrival: str = "burst"
+    arrival_rate: float = 0.5  # requests per step (poisson)
+    seed: int = 0
+    device: str = "cpu"
+    ops_backend: str = "auto"
+    attention: str = "direct"  # see ATTENTION_PATHS
+    check: bool = True
+    max_steps: int = 20_000
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the option (CLI spelling) and what it accepts."""
+        def need(ok: bool, option: str, accepted: str, value: Any) -> None:
+            if not ok:
+                raise ValueError(f"--{option}={value} is invalid; accepted: {accepted}")
+
+        for name in ("num_layers", "block_size", "top_k", "device_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "num_requests", "prompt_len", "output_len",
+                     "layers_per_indexer", "max_steps", "prefill_top_k"):
+            value = getattr(self, name)
+            option = {"num_requests": "requests", "num_layers": "layers"}.get(name, name)
+            need(isinstance(value, int) and value > 0, option.replace("_", "-"),
+                 "a positive integer", value)
+        need(self.layers_per_indexer <= self.num_layers, "layers-per-indexer",
+             f"at most --layers={self.num_layers}", self.layers_per_indexer)
+        need(self.block_size in (16, 32, 64), "block-size", "16, 32 or 64", self.block_size)
+        need(self.top_k % self.block_size == 0 or self.top_k < self.block_size, "top-k",
+             "a multiple of --block-size (or smaller than it)", self.top_k)
+        need(self.top_k <= 2048, "top-k", "at most 2048", self.top_k)
+        need(0.0 <= self.length_jitter < 1.0, "length-jitter", "a fraction in [0, 1)",
+             self.length_jitter)
+        need(isinstance(self.shared_prefix_len, int) and 0 <= self.shared_prefix_len,
+             "shared-prefix-len", "an integer >= 0 (at most the prompt length is shared)",
+             self.shared_prefix_len)
+        need(self.arrival in ARRIVALS, "arrival", " | ".join(ARRIVALS), self.arrival)
+        need(self.attention in ATTENTION_PATHS, "attention", " | ".join(ATTENTION_PATHS),
+             self.attention)
+        need(self.arrival_rate > 0 and math.isfinite(self.arrival_rate), "arrival-rate",
+             "a finite number > 0 (requests per step)", self.arrival_rate)
+        need(self.host_pool_gib is None or (self.host_pool_gib > 0
+                                            and math.isfinite(self.host_pool_gib)),
+             "host-pool-gib", "a finite number > 0", self.host_pool_gib)
+        need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
+             "cpu | cuda | cuda:N", self.device)
+        need(self.ops_backend in ("auto", "cuda", "reference"), "ops-backend",
+             "auto | cuda | reference", self.ops_backend)
+        need(self.max_num_seqs <= 1024, "max-num-seqs", "at most 1024", self.max_num_seqs)
+        need(self.num_requests < 65536, "requests", "fewer than 65536", self.num_requests)
+        need(self.max_model_len <= 1 << 20, "prompt-len",
+             "prompt + output lengths up to 1M tokens", self.prompt_len)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device={self.device} is invalid: no CUDA device is visible; "
+                             "accepted: cpu")
+        if self.device == "cpu" and self.ops_backend == "cuda":
+            raise ValueError("--ops-backend=cuda is invalid with --device=cpu; accepted: auto "
+                             "or reference")
+
+    @property
+    def leaders(self) -> set[int]:
+        return set(range(0, self.num_layers, self.layers_per_indexer))
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_len + int(self.prompt_len * self.length_jitter)
+
+    @property
+    def max_output_len(self) -> int:
+        return self.output_len + int(self.output_len * self.length_jitter)
+
+    @property
+    def max_model_len(self) -> int:
+        return cdiv(self.max_prompt_len + self.max_output_len, self.block_size) * self.block_size
+
+
+@dataclass
+class RequestPlan:
+    request_id: str
+    serial: int  # the request number encoded in its KV rows
+    arrival_step: int
+    prompt_len: int
+    output_len: int
+
+
+def make_workload(spec: SimulationSpec) -> list[RequestPlan]:
+    """The requests of a run: lengths and arrival steps (deterministic per seed)."""
+    rng = random.Random(spec.seed)
+    plans, t = [], 0.0
+    for i in range(spec.num_requests):
+        if spec.arrival == "poisson" and i > 0:
+            t += rng.expovariate(spec.arrival_rate)
+
+        def jitter(n: int) -> int:
+            if not spec.length_jitter:
+                return n
+            d = int(n * spec.length_jitter)
+            return max(1, n + rng.randint(-d, d))
+
+        # Request i is "sim-<i+1>" and its rows say request i + 1: an unwritten (zero) row
+        # never passes for a real one.
+        plans.append(RequestPlan(f"sim-{i + 1}", i + 1, int(t), jitter(spec.prompt_len),
+                                 jitter(spec.output_len)))
+    return plans
+
+
+def shared_prefix_len(spec: SimulationSpec, plan: RequestPlan) -> int:
+    """Leading prompt positions whose tokens every request shares."""
+    return min(spec.shared_prefix_len, plan.prompt_len)
+
+
+def prompt_token_ids(spec: SimulationSpec, plan: RequestPlan) -> list[int]:
+    """The request's prompt: seeded random tokens per request, the first
+    :func:`shared_prefix_len` of them common to every request."""
+    rng = random.Random(plan.serial * 7_919 + spec.seed)
+    tokens = [rng.randrange(10, 1000) for _ in range(plan.prompt_len)]
+    shared = shared_prefix_len(spec, plan)
+    if shared:
+        common = random.Random(spec.seed * 31 + 17)
+        tokens[:shared] = [common.randrange(10, 1000) for _ in range(shared)]
+    return tokens
+
+
+def token_ids(spec: SimulationSpec, plan: RequestPlan) -> list[int]:
+    """Every token the request will hold: its prompt, then ``output_len`` sampled tokens
+    (the synthetic forward always samples :data:`SAMPLED_TOKEN`)."""
+    return prompt_token_ids(spec, plan) + [SAMPLED_TOKEN] * plan.output_len

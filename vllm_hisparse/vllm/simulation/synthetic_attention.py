@@ -1,0 +1,362 @@
+"""The simulator's model: a synthetic DSA forward reduced to what decides which KV rows
+attention reads.
+
+:class:`SyntheticModel` stands in for the model inside vLLM's model runner. Per step it
+
+* writes each scheduled token's KV (the ground truth of :mod:`.ground_truth`: one row per
+  request, position and layer) into the slots the model runner's block tables name, in
+  every sparse-MLA layer and every indexer layer (vLLM's slot mapping);
+* draws the top-k of each scheduled token (the indexer's output): ``TopkGenerator`` for
+  decode tokens (recent tokens, a drifting focus window and a few scattered positions), a
+  seeded stride walk over the whole prefix for prefill tokens;
+* runs every sparse-MLA layer's ``forward_mqa`` (:class:`SyntheticSparseMLAImpl`), which
+  converts the top-k through vLLM's ``SparseMLAIndexGroup`` objects or the backend's direct
+  conversion exactly as vLLM's sparse-MLA attention calls them, and checks every row the
+  conversion returns against the ground truth.
+
+The indexer's own scores and the attention arithmetic are not simulated. On CPU, where Triton
+cannot run, vLLM's conversions are replaced by pure-torch twins (:func:`cpu_direct_conversion`,
+:func:`cpu_convert_once`; patches ``cpu_direct_conversion`` and ``cpu_group_conversion`` of
+``vllm.patches``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vllm_hisparse.vllm import compat, patches
+from vllm_hisparse.vllm.attention_hook import (
+    compact_valid_to_front,
+    finish_conversion,
+    vllm_reference_conversion,
+)
+from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.simulation.ground_truth import GroundTruth, SimulationFailure
+from vllm_hisparse.vllm.simulation.spec import RequestPlan, SimulationSpec
+from vllm_hisparse.worker.device_rows import flat_row_view
+from vllm_hisparse.worker.indexer_pages import page_view
+from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row
+
+#: Where the generic sparse-MLA backend calls the direct conversion (a module global).
+DIRECT_SITE_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
+
+
+class SyntheticSparseMLAImpl:
+    """Stands in for vLLM's sparse-MLA attention impl of one layer, reduced to what decides
+    which KV rows attention reads. ``forward_mqa`` takes the indexer's top-k from
+    ``topk_indices_buffer`` and converts it as vLLM's generic ``SparseMLACommonImpl.forward_mqa``
+    does (``sparse_mla_attention.py:749-790``): through the layer's index group
+    (``convert_logical_to_physical_topk``), or, with ``group_conversion_decode_only`` and a
+    batch holding prefill tokens, through the module-global direct conversion on the batch
+    block table. ``block_stride_rows`` comes from the cache's flat row view. It returns
+    ``(physical rows, valid counts)`` instead of attention output: the simulator checks them."""
+
+    def __init__(self, index_group: Any, index_group_index: int, topk_indices_buffer: torch.Tensor,
+                 group_conversion_decode_only: bool):
+        self.index_group = index_group
+        self.index_group_index = index_group_index
+        self.topk_indices_buffer = topk_indices_buffer
+        self.group_conversion_decode_only = group_conversion_decode_only
+
+    def forward_mqa(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
+                    layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = q.shape[0]
+        topk = self.topk_indices_buffer[:num_tokens]
+        block_size = attn_metadata.block_size
+        _, block_stride_rows = flat_row_view(kv_c_and_k_pe_cache, block_size)
+        if self.group_conversion_decode_only and not (
+                self.index_group.num_layers > 1
+                and attn_metadata.num_decode_tokens >= num_tokens):
+            convert = getattr(importlib.import_module(DIRECT_SITE_MODULE),
+                              compat.DIRECT_CONVERSION_NAME)
+            return convert(attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table,
+                           topk, BLOCK_SIZE=block_size, BLOCK_STRIDE_ROWS=block_stride_rows,
+                           NUM_TOPK_TOKENS=topk.shape[1], return_valid_counts=True)
+        return self.index_group.convert_logical_to_physical_topk(
+            self.index_group_index, topk, attn_metadata, block_stride_rows=block_stride_rows,
+            return_valid_counts=True)
+
+
+def cpu_direct_conversion(req_id, block_table, token_indices, BLOCK_SIZE=64,
+                          BLOCK_STRIDE_ROWS=None, NUM_TOPK_TOKENS=2048, BLOCK_N=128,
+                          HAS_PREFILL_WORKSPACE=False, prefill_workspace_request_ids=None,
+                          prefill_workspace_starts=None, prefill_workspace_rank_stride=None,
+                          dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1,
+                          return_valid_counts=False, out=None, valid_counts_out=None,
+                          idx_mapping=None):
+    """Pure-torch twin of vLLM's ``triton_convert_req_index_to_global_index``
+    (``sparse_utils.py:493``, same signature) for CPU runs, where Triton cannot run. The
+    prefill workspace, DCP and ``idx_mapping`` are not needed by the simulator."""
+    if HAS_PREFILL_WORKSPACE or dcp_size != 1 or idx_mapping is not None:
+        raise NotImplementedError("cpu_direct_conversion: prefill workspace, DCP and "
+                                  "idx_mapping are not simulated")
+    rows = vllm_reference_conversion(req_id, block_table, token_indices, BLOCK_SIZE,
+                                     BLOCK_STRIDE_ROWS)
+    return finish_conversion(rows, return_valid_counts, out, valid_counts_out)
+
+
+def cpu_convert_once(layer_index, logical_topk_indices, req_id_per_token, block_table,
+                     block_size, *, block_stride_rows, return_valid_counts, idx_mapping=None):
+    """Pure-torch twin of ``SparseMLAIndexGroup._convert_once`` (same arguments) for CPU
+    runs: vLLM's runs Triton on a side stream."""
+    rows = vllm_reference_conversion(req_id_per_token, block_table, logical_topk_indices,
+                                     block_size, block_stride_rows)
+    return compact_valid_to_front(rows) if return_valid_counts else rows
+
+
+@contextlib.contextmanager
+def cpu_direct_twin() -> Iterator[None]:
+    """:func:`cpu_direct_conversion` in place of vLLM's Triton function for one CPU run, so
+    that the worker role's ``direct_conversion_routing`` (installed when it binds) wraps the
+    twin; vLLM's function is back afterwards."""
+    patches.DIRECT_CONVERSION_ROUTING.remove()  # it must wrap the twin: re-installed at bind
+    patches.CPU_DIRECT_CONVERSION.install(cpu_direct_conversion)
+    try:
+        yield
+    finally:
+        patches.DIRECT_CONVERSION_ROUTING.remove()
+        patches.CPU_DIRECT_CONVERSION.remove()
+
+
+def make_index_group(top_k: int, max_tokens: int, device: torch.device) -> Any:
+    """vLLM's ``SparseMLAIndexGroup`` for one index unit. On CPU its conversion is the
+    pure-torch twin :func:`cpu_convert_once`."""
+    cls = compat.sparse_mla_index_group_class()
+    buf = torch.zeros((max_tokens, top_k), dtype=torch.int32, device=device)
+    on_cuda = device.type == "cuda"
+    group = cls(logical_topk_indices=buf, physical_topk_indices=torch.zeros_like(buf),
+                valid_topk_counts=torch.zeros(max_tokens, dtype=torch.int32, device=device),
+                side_stream=torch.cuda.Stream(device) if on_cuda else None,
+                logical_topk_ready=torch.cuda.Event() if on_cuda else None,
+                physical_topk_ready=torch.cuda.Event() if on_cuda else None,
+                has_indexer=False)
+    if not on_cuda:
+        patches.CPU_GROUP_CONVERSION.install(group, cpu_convert_once)
+    return group
+
+
+@dataclass
+class RequestState:
+    """One request as the model runner holds it."""
+
+    plan: RequestPlan
+    block_ids: list[list[int]] | None = None  # per sparse group (model runner's view)
+    next_pos: int = 0  # the position the model runner expects next
+    topk: TopkGenerator | None = None
+    indexer_block_ids: list[list[int]] | None = None  # per indexer group
+
+
+#: One request of a step's batch: ``(request id, state, first position, tokens)``.
+BatchEntry = tuple[str, RequestState, int, int]
+
+
+class SyntheticModel:
+    """The synthetic DSA model over vLLM's per-layer KV tensors of one plan.
+
+    Args:
+        spec: the simulation.
+        full_config: vLLM's KV cache config of the plan (every layer).
+        kv: layer name -> the KV tensor vLLM's worker allocated for it.
+        forward_context: vLLM's static forward context; the model registers its sparse-MLA
+            attention layers there, as vLLM's model construction does, so that the worker
+            role finds their index groups.
+        sequences: serial -> every token of the request (the ground truth's input).
+    """
+
+    def __init__(self, spec: SimulationSpec, full_config: Any, kv: dict[str, torch.Tensor],
+                 forward_context: dict[str, Any], sequences: Mapping[int, Sequence[int]]):
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        self.block_size = spec.block_size
+        self.kv = kv
+        self.sparse_groups = sparse_group_ids(full_config)
+        # Sparse-MLA layers: name -> (group id, model layer, flat row view, block stride rows).
+        self.layers: dict[str, tuple[int, int, torch.Tensor, int]] = {}
+        units: list[tuple[int, list[str]]] = []  # (group id, layer names), leader first
+        for g in self.sparse_groups:
+            group = full_config.kv_cache_groups[g]
+            per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+            for name in group.layer_names:
+                rows, stride = flat_row_view(kv[name], self.block_size)
+                self.layers[name] = (g, int(name.split(".")[2]), rows, stride)
+                leader = getattr(per_layer.get(name), "is_index_group_leader", True)
+                if leader or not units or units[-1][0] != g:
+                    units.append((g, [name]))
+                else:
+                    units[-1][1].append(name)
+        self.row_bytes = next(iter(self.layers.values()))[2].shape[1]
+        # Indexer layers: name -> (index among the indexer groups, layer, uint8 view
+        # [num_blocks, block_size, row_bytes]). The forward writes them; prefix hits must
+        # bring them back. (Their blocks are packed at a stride that is not a whole number
+        # of rows, so no flat row view.)
+        self.indexer_groups = indexer_group_ids(full_config)
+        self.indexer_layers: dict[str, tuple[int, int, torch.Tensor]] = {}
+        for i, g in enumerate(self.indexer_groups):
+            for name in full_config.kv_cache_groups[g].layer_names:
+                pages = page_view(kv[name])
+                view = pages.view(torch.uint8).as_strided(
+                    (pages.shape[0], self.block_size, pages.shape[1] // self.block_size),
+                    (pages.stride(0), pages.shape[1] // self.block_size, 1))
+                self.indexer_layers[name] = (i, int(name.split(".")[2]), view)
+        # The model's sparse-MLA attention layers, as the connector finds them (static
+        # forward context): one per layer, the layers of an index unit sharing one group and
+        # one top-k buffer (what the unit's indexer writes).
+        max_tokens = spec.max_num_batched_tokens + spec.max_num_seqs
+        #: (group id, layer names, vLLM index group) per index unit.
+        self.units: list[tuple[int, list[str], Any]] = []
+        self.impls: dict[str, SyntheticSparseMLAImpl] = {}
+        for g, names in units:
+            group = make_index_group(spec.top_k, max_tokens, self.device)
+            self.units.append((g, names, group))
+            topk_buffer = torch.full((max_tokens, spec.top_k), -1, dtype=torch.int32,
+                                     device=self.device)
+            for i, name in enumerate(names):
+                group.register_layer()
+                impl = SyntheticSparseMLAImpl(group, i, topk_buffer, spec.attention == "direct")
+                self.impls[name] = impl
+                forward_context[name] = SimpleNamespace(impl=impl)
+        self.truth = GroundTruth(sequences, num_layers=spec.num_layers,
+                                 max_model_len=spec.max_model_len, block_size=self.block_size,
+                                 row_bytes=self.row_bytes, device=self.device)
+
+    # ------------------------------------------------------------------ writing KV
+
+    def write_kv(self, batch: Sequence[BatchEntry], step: int) -> None:
+        """Each scheduled token's KV into the slot the model runner's block table names
+        (vLLM's slot mapping), in every sparse-MLA and indexer layer."""
+        bs = self.block_size
+        group_index = {g: i for i, g in enumerate(self.sparse_groups)}
+        for rid, state, start, n in batch:
+            serial = state.plan.serial
+            slot = self.truth.slot(serial)
+            truth = self.truth.store[slot]  # after slot(): the store may have grown
+            pos = torch.arange(start, start + n, device=self.device)
+            blocks = {g: self._block_of(state, i, pos // bs, step) for g, i in group_index.items()}
+            for name, (g, layer, view, stride) in self.layers.items():
+                rows = blocks[g] * stride + pos % bs
+                view[rows] = truth[layer, start:start + n]
+            for name, (g, layer, view) in self.indexer_layers.items():
+                table = torch.as_tensor(state.indexer_block_ids[g], dtype=torch.int64,
+                                        device=self.device)
+                view[table[pos // bs], pos % bs] = self.truth.indexer_rows(
+                    serial, pos, layer, view.shape[2])
+
+    def _block_of(self, state: RequestState, group_index: int, pages: torch.Tensor,
+                  step: int) -> torch.Tensor:
+        table = state.block_ids[group_index]
+        if int(pages.max()) >= len(table):
+            raise SimulationFailure(f"step {step}: {state.plan.request_id} writes page "
+                                    f"{int(pages.max())} but the model runner's block table of "
+                                    f"KV cache group {self.sparse_groups[group_index]} has "
+                                    f"{len(table)} blocks")
+        return torch.as_tensor(table, dtype=torch.int64, device=self.device)[pages]
+
+    def indexer_prefix_mismatch(self, state: RequestState, num_computed: int
+                                ) -> tuple[int, int, str, str] | None:
+        """A request that starts a step with ``num_computed`` computed tokens (a prefix hit,
+        local or from the host tier, or a resume) must find its indexer KV in place for all
+        of them: ``(layer, position, got, want)`` of the first wrong row, or None."""
+        bs = self.block_size
+        pos = torch.arange(num_computed, device=self.device)
+        for name, (g, layer, view) in self.indexer_layers.items():
+            blocks = torch.as_tensor(state.indexer_block_ids[g], dtype=torch.int64,
+                                     device=self.device)[pos // bs]
+            got = view[blocks, pos % bs]
+            want = self.truth.indexer_rows(state.plan.serial, pos, layer, view.shape[2])
+            bad = (got != want).any(dim=1).nonzero()
+            if bad.numel():
+                p = int(bad[0])
+                return layer, p, describe_row(got[p]), describe_row(want[p])
+        return None
+
+    # ------------------------------------------------------------------ attention
+
+    def attention_metadata(self, batch: Sequence[BatchEntry]) -> dict[str, Any]:
+        """Layer name -> the attention metadata of its KV cache group: the batch block table
+        (one tensor per group, shared by its layers, as vLLM builds it), the batch row of
+        every token, and the decode / prefill split (decodes first, as vLLM orders them)."""
+        bs = self.block_size
+        req_of_token = [torch.full((n,), b, dtype=torch.int32)
+                        for b, (_, _, _, n) in enumerate(batch)]
+        req_id_per_token = torch.cat(req_of_token).to(self.device)
+        num_tokens = int(req_id_per_token.shape[0])
+        num_decode_tokens = 0
+        for _, _, _, n in batch:
+            if n > 1:
+                break
+            num_decode_tokens += n
+        out: dict[str, Any] = {}
+        for g_index, g in enumerate(self.sparse_groups):
+            width = max(len(state.block_ids[g_index]) for _, state, _, _ in batch)
+            table = torch.zeros((len(batch), max(1, width)), dtype=torch.int32)
+            for b, (_, state, _, _) in enumerate(batch):
+                ids = state.block_ids[g_index]
+                table[b, :len(ids)] = torch.as_tensor(ids, dtype=torch.int32)
+            md = SimpleNamespace(req_id_per_token=req_id_per_token,
+                                 block_table=table.to(self.device), block_size=bs,
+                                 num_actual_tokens=num_tokens,
+                                 num_decode_tokens=num_decode_tokens)
+            for name, (layer_group, *_rest) in self.layers.items():
+                if layer_group == g:
+                    out[name] = md
+        return out
+
+    def attend(self, batch: Sequence[BatchEntry], metadata: dict[str, Any], *,
+               fail: Callable[[str, int, int, str], None],
+               request_note: Callable[[str], str]) -> tuple[int, int]:
+        """Every sparse-MLA layer's attention, reduced to its top-k conversion: the unit's
+        indexer fills the top-k buffer, each layer's ``forward_mqa`` converts it, and every
+        row it returns is checked against the ground truth. ``fail(request id, layer, token
+        position, what)`` raises. Returns ``(rows checked, tokens)``."""
+        spans, topks = [], []
+        t = 0
+        for rid, state, start, n in batch:
+            topks.append(self._selections(state, start, n))
+            spans.append((rid, state.plan.serial, t, n, start))
+            t += n
+        topk = torch.cat(topks).to(self.device)
+        q = torch.empty((t, 1), device=self.device)
+        rows_checked = 0
+        for _, names, _ in self.units:
+            self.impls[names[0]].topk_indices_buffer[:t] = topk
+            for name in names:
+                _, layer, view, _ = self.layers[name]
+                rows, counts = self.impls[name].forward_mqa(q, self.kv[name], metadata[name],
+                                                            None)
+                rows_checked += self.truth.check_conversion(
+                    rows, counts, topk, spans, layer, view,
+                    any_order=self.device.type == "cuda",
+                    fail=lambda rid, pos, what, layer=layer: fail(rid, layer, pos, what),
+                    request_note=request_note)
+        return rows_checked, t
+
+    def _selections(self, state: RequestState, start: int, n: int) -> torch.Tensor:
+        """int32 ``[n, K]`` top-k of the tokens at positions ``start .. start + n - 1`` (each
+        attends to ``[0, p]``); -1 padding only at the end of a row."""
+        k = self.spec.top_k
+        if n == 1 and start >= state.plan.prompt_len:
+            if state.topk is None:
+                state.topk = TopkGenerator(k, seed=state.plan.serial * 1_000 + self.spec.seed,
+                                           recent=min(32, k // 2), drift_tokens=4.0)
+            return state.topk.select(start + 1).reshape(1, k)
+        # Prefill: ``prefill_top_k`` distinct positions per token spread over the whole
+        # prefix (a stride walk from a seeded random start), -1 after them. Fewer than K
+        # keeps the check of long prompts cheap; every returned row is still checked.
+        kp = min(k, self.spec.prefill_top_k)
+        pos = torch.arange(start, start + n, dtype=torch.int64)
+        ctx = pos + 1
+        g = torch.Generator().manual_seed(state.plan.serial * 65_537 + start)
+        first = (torch.rand(n, generator=g) * ctx).to(torch.int64)
+        j = torch.arange(k, dtype=torch.int64)
+        stride = torch.clamp(ctx // kp, min=1)  # j * stride < ctx for j < min(kp, ctx)
+        sel = (first[:, None] + j[None, :] * stride[:, None]) % ctx[:, None]
+        valid = (j[None, :] < ctx[:, None]) & (j[None, :] < kp)
+        sel = torch.where(valid, sel, torch.full_like(sel, -1))
+        return sel.to(torch.int32)
