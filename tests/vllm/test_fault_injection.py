@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tests.vllm.fault_worker import FaultWorker
+from tests.vllm.fault_worker import FaultRates, FaultWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.vllm_configs import kv_transfer_config
 from vllm_hisparse.vllm import compat
@@ -49,17 +49,18 @@ from vllm_hisparse.vllm.config import ACCEPTED_KEYS
 
 #: Worker faults that work on this branch.
 WORKING_FAULTS = frozenset({"delay", "shuffle", "fail"})
-CI_STEPS = 700
+CI_STEPS = 500
 BS = 64
 MAX_MODEL_LEN = 1024
 #: Consecutive steps with zero scheduled tokens while work remains that count as a stall.
 IDLE_BOUND_STEPS = 100
 #: Steps the drain after the budget may take (the last requests finish, acks arrive).
 DRAIN_BOUND_STEPS = 3000
-#: Host pool that backs about three requests of MAX_MODEL_LEN (back-pressure), device
-#: pool of about three such requests over all 5 KV groups (preemption, residency).
-HOST_POOL_GIB = 0.022
-NUM_BLOCKS = 170
+#: Pools sized so that both gates bite: 73 host blocks (a few whole requests: host
+#: back-pressure) and 200 device blocks, i.e. 40 pages over the 5 KV groups (residency,
+#: failed allocations, preemption of long outputs).
+HOST_POOL_GIB = 0.012
+NUM_BLOCKS = 200
 
 
 class Violation(AssertionError):
@@ -73,6 +74,7 @@ class Scenario:
     kinds: frozenset[str] = WORKING_FAULTS
     num_blocks: int = NUM_BLOCKS
     extra: tuple = ()
+    rates: FaultRates = FaultRates()
 
     @property
     def name(self) -> str:
@@ -131,10 +133,10 @@ def check_tables(h: SchedulerHarness) -> None:
                                     f"vLLM block {block.block_id} in sparse group {index}")
 
 
-def check_block_pool(h: SchedulerHarness) -> None:
+def check_block_pool(h: SchedulerHarness, hog: list = ()) -> None:
     """Every device block's ``ref_cnt`` equals its owners: vLLM's table entries past the
-    pages the policy adopted and its deferred frees, plus the policy's page, hot-region
-    and transfer leases."""
+    pages the policy adopted and its deferred frees, the policy's page, hot-region and
+    transfer leases, and the driver's ``hog``."""
     residency = h.residency
     policy, pool = residency.policy, residency.device_pool
     kv = h.scheduler.kv_cache_manager
@@ -164,6 +166,7 @@ def check_block_pool(h: SchedulerHarness) -> None:
         lease(req.hot_block_ids)
     for txn in policy._txns.values():
         lease(list(txn.held_device_until_enqueued) + list(txn.held_device_until_done))
+    expected.update(b.block_id for b in hog)
     num_free = 0
     for block in block_pool.blocks:
         if block.is_null:
@@ -187,8 +190,8 @@ class FaultDriver:
         self.budget_steps = budget_steps
         self.figures = Figures(scenario.name, scenario.seed())
         self.rng = random.Random(self.figures.seed)
-        self.worker = FaultWorker(kinds=scenario.kinds,
-                                  num_workers=scenario.num_workers, seed=self.figures.seed + 1)
+        self.worker = FaultWorker(kinds=scenario.kinds, num_workers=scenario.num_workers,
+                                  seed=self.figures.seed + 1, rates=scenario.rates)
         kv_transfer = kv_transfer_config({"host_pool_gib": HOST_POOL_GIB, **dict(scenario.extra)})
         kv_transfer.kv_load_failure_policy = "fail"  # host-prefix hits need it
         self.h = SchedulerHarness.build(
@@ -199,6 +202,9 @@ class FaultDriver:
         self.residency.num_workers = scenario.num_workers  # what a TP engine's world size gives
         assert self.residency.host_prefix_cache
         self.aborted: set[str] = set()
+        self._num_added = 0
+        self._hog: list = []  # device blocks the driver holds (device pool exhaustion)
+        self._hog_steps = 0
         self.families = [[self.rng.randrange(10, 900) for _ in range(MAX_MODEL_LEN)] for _ in range(4)]
         self._instrument()
 
@@ -238,7 +244,8 @@ class FaultDriver:
     def _add_request(self) -> None:
         rng = self.rng
         roll = rng.random()
-        if roll < 0.15:  # near max_model_len
+        self._num_added += 1
+        if roll < 0.15 or self._num_added == 3:  # near max_model_len (at least once)
             prompt_len = MAX_MODEL_LEN - rng.randint(1, BS)
             self.figures.faults["near_max_model_len"] += 1
         else:
@@ -249,7 +256,9 @@ class FaultDriver:
             tokens = family[:shared] + [rng.randrange(10, 900) for _ in range(prompt_len - shared)]
         else:
             tokens = [rng.randrange(10, 900) for _ in range(prompt_len)]
-        self.h.add_request(prompt_len, rng.randint(1, 160), prompt_token_ids=tokens)
+        # Some long outputs: growth, not admission, runs out of device blocks (preemption).
+        max_tokens = rng.randint(300, 600) if rng.random() < 0.3 else rng.randint(1, 160)
+        self.h.add_request(prompt_len, max_tokens, prompt_token_ids=tokens)
 
     def _abort_one(self) -> None:
         live = [r for r in self.h.requests.values() if not r.is_finished() and r.request_id not in self.aborted]
@@ -263,13 +272,33 @@ class FaultDriver:
         self.aborted.add(victim.request_id)
         self.h.scheduler.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED)
 
+    def _hog_device(self) -> None:
+        """Device pool exhaustion: for a few steps someone else takes every block that
+        becomes free (released pages and vLLM's prefix cache included), then returns
+        them; running requests fail to grow meanwhile (vLLM waits or preempts)."""
+        pool = self.h.scheduler.kv_cache_manager.block_pool
+        if self._hog_steps > 0:
+            self._hog_steps -= 1
+            if self._hog_steps == 0:
+                pool.free_blocks(self._hog)
+                self._hog = []
+                return
+        elif self.rng.random() < 0.01:
+            self._hog_steps = self.rng.randint(5, 40)
+            self.figures.faults["device_hog"] += 1
+        else:
+            return
+        free = pool.get_num_free_blocks()
+        if free:
+            self._hog.extend(pool.get_new_blocks(free))
+
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
         h = self.h
         output = h.step()
         self.figures.steps += 1
         self.residency.policy.check_invariants()
-        check_block_pool(h)
+        check_block_pool(h, self._hog)
         early = self.worker.early_closes(self.residency.policy._txns)
         if early:
             raise Violation(f"transfers closed before these workers reported them: {early[:4]}")
@@ -292,11 +321,15 @@ class FaultDriver:
                 live = len(h.scheduler.running) + len(h.scheduler.waiting)
                 if live < 10 and rng.random() < 0.35:
                     self._add_request()
-                if rng.random() < 0.01:
+                if rng.random() < 0.01 or self.figures.steps == 50:
                     self._abort_one()
+                self._hog_device()
                 if rng.random() < 0.003:
                     self.figures.faults["reset_prefix_cache"] += h.scheduler.reset_prefix_cache()
                 self._step()
+            if self._hog:
+                self.h.scheduler.kv_cache_manager.block_pool.free_blocks(self._hog)
+                self._hog, self._hog_steps = [], 0
             drained = self.figures.steps + DRAIN_BOUND_STEPS
             while h.scheduler.has_requests():
                 if self.figures.steps >= drained:
@@ -327,8 +360,7 @@ class FaultDriver:
                 outcomes[request.status.name] += 1
             else:
                 raise Violation(f"{rid} neither finished nor aborted ({request.status.name})")
-        if not self.worker._lost:
-            self.h.assert_no_leaks()
+        self.h.assert_no_leaks()  # drained: no transfer open (has_pending_push_work)
 
 
 def _record(figures: Figures) -> None:
@@ -355,7 +387,7 @@ def test_faults_that_work_today(small_topk_model_dir, scenario):
     figures = run_scenario(small_topk_model_dir, scenario, CI_STEPS)
     faults = figures.faults
     # The run must have exercised what it claims to.
-    for kind in ("delay", "shuffle", "fail", "preemption", "host_pool_exhausted",
+    for kind in ("delay", "shuffle", "fail", "preemption", "device_hog", "host_pool_exhausted",
                  "host_prefix_hit", "near_max_model_len"):
         assert faults[kind] > 0, (kind, dict(faults))
     assert faults["abort"] + faults["abort_mid_transfer"] > 0
@@ -373,7 +405,8 @@ def test_faults_that_work_today_long(small_topk_model_dir, scenario, request):
 @pytest.mark.xfail(strict=True, reason="issue 13 defect 1")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_failed_host_prefix_loads(small_topk_model_dir, async_scheduling):
-    scenario = Scenario(async_scheduling, 1, WORKING_FAULTS | {"fail_prefix_load"})
+    scenario = Scenario(async_scheduling, 1, WORKING_FAULTS | {"fail_prefix_load"},
+                        rates=FaultRates(fail_prefix_load=1.0))
     figures = run_scenario(small_topk_model_dir, scenario, CI_STEPS)
     assert figures.faults["fail_prefix_load"] > 0
 
@@ -420,3 +453,26 @@ def test_lost_acks_end_in_progress_or_a_named_error(small_topk_model_dir, num_wo
         assert "worker" in str(exc), str(exc)
         return
     assert figures.faults["lost"] > 0 and figures.violations == 0
+
+
+def test_the_checks_catch_planted_corruption(small_topk_model_dir):
+    """Each per-step check fails on the fault it exists for (so a green run means something)."""
+    driver = FaultDriver(small_topk_model_dir, Scenario(False, 1), budget_steps=0)
+    h = driver.h
+    h.add_requests(3, prompt_len=300, max_tokens=50)
+    for _ in range(8):
+        driver._step()
+    pool = h.scheduler.kv_cache_manager.block_pool
+    spare = next(b for b in pool.blocks if not b.is_null and b.ref_cnt == 0)
+    pool.touch([spare])  # a lease nobody owns: a leak
+    with pytest.raises(Violation, match=f"device block {spare.block_id}: ref_cnt 1, owners 0"):
+        check_block_pool(h)
+    pool.free_blocks([spare])
+    check_block_pool(h)
+    manager = driver.residency._managers[1]
+    rid, table = next(iter(manager.req_to_blocks.items()))
+    table[0], real = spare, table[0]  # a block table that disagrees with the policy
+    with pytest.raises(Violation, match="page 0: policy bundle"):
+        check_tables(h)
+    table[0] = real
+    check_tables(h)
