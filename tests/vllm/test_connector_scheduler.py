@@ -233,7 +233,7 @@ def test_a_worker_repeating_an_ack_does_not_vote_for_another(small_topk_model_di
     for _ in range(3):
         harness.step()
         issued += [t.transfer_id for t in worker.commands[-1].command.transfers]
-    open_ids = {t.transfer_id for t in residency.policy._txns.values()}
+    open_ids = {t.transfer_id for t in residency.policy.open_transfers()}
     assert set(issued) <= open_ids  # worker 0 reported them twice; worker 1 not yet
     harness.run_to_completion()
     harness.assert_no_leaks()

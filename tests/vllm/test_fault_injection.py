@@ -164,7 +164,7 @@ def check_block_pool(h: SchedulerHarness, hog: list = ()) -> None:
         row, n = req.row, int(t.num_pages[req.row])
         lease(t.device_block[row, :n][t.pinned[row, :n]].tolist())
         lease(req.hot_block_ids)
-    for txn in policy._txns.values():
+    for txn in policy.open_transfers():
         lease(list(txn.held_device_until_enqueued) + list(txn.held_device_until_done))
     expected.update(b.block_id for b in hog)
     num_free = 0
@@ -265,7 +265,7 @@ class FaultDriver:
         if not live:
             return
         policy = self.residency.policy
-        busy_rows = {int(r) for txn in policy._txns.values() for r in np.asarray(txn.rows).tolist()}
+        busy_rows = {int(r) for txn in policy.open_transfers() for r in np.asarray(txn.rows).tolist()}
         busy = [r for r in live if self.residency._row_of.get(r.request_id) in busy_rows]
         victim = self.rng.choice(busy or live)
         self.figures.faults["abort_mid_transfer" if busy else "abort"] += 1
@@ -299,7 +299,7 @@ class FaultDriver:
         self.figures.steps += 1
         self.residency.policy.check_invariants()
         check_block_pool(h, self._hog)
-        early = self.worker.early_closes(self.residency.policy._txns)
+        early = self.worker.early_closes({t.transfer_id for t in self.residency.policy.open_transfers()})
         if early:
             raise Violation(f"transfers closed before these workers reported them: {early[:4]}")
         if output.total_num_scheduled_tokens == 0 and h.scheduler.has_requests():

@@ -119,6 +119,10 @@ class ResidencyPolicy:
         """Transactions planned and not yet completed or failed."""
         return len(self._planner.txns)
 
+    def open_transfers(self):
+        """The open transactions (read only), in id order: for checkers and tests."""
+        return tuple(self._planner.txns.values())
+
     def has_request(self, request_id: str) -> bool:
         """True when the policy knows ``request_id``."""
         return request_id in self._requests
