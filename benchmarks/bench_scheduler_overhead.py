@@ -55,7 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.vllm.dsa_specs import dsa_layer_specs  # noqa: E402
 from tests.vllm.scheduler_harness import SchedulerHarness, planned_kv_cache_config  # noqa: E402
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config, write_model_dir  # noqa: E402
+from vllm_hisparse.core.capacity import HostMemoryLimit  # noqa: E402
 from vllm_hisparse.vllm import compat  # noqa: E402
+from vllm_hisparse.vllm import config as config_module  # noqa: E402
 from vllm_hisparse.vllm.plugin import register  # noqa: E402
 
 MODES = ("none", "noop", "hisparse")
@@ -102,6 +104,9 @@ def build_harness(model_dir: Path, mode: str, *, requests: int, context: int, ma
     max_model_len = context + max_tokens + block_size
     pages = -(-max_model_len // block_size)
     num_groups = 5
+    # The scheduler side pins no host memory (its host pool is bookkeeping), so the 64 GiB
+    # pool of a 256 x 32K run is checked against a 1 TiB host, whatever this machine has.
+    config_module.host_memory_limit = lambda: HostMemoryLimit(1 << 40, None, None)
     vllm_config = make_vllm_config(
         model_dir,
         kv_transfer=kv_transfer_config({"host_pool_gib": 64}),

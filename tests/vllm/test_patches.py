@@ -16,6 +16,16 @@ from vllm_hisparse.vllm import compat, patches
 SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 
 
+@pytest.fixture(autouse=True)
+def _no_global_patch_left_installed():
+    """Other tests' worker roles install the global conversion patches and, as in
+    production, never remove them: each test here starts from vLLM's own objects."""
+    for patch in (patches.DIRECT_CONVERSION_ROUTING, patches.CPU_DIRECT_CONVERSION,
+                  patches.TOPK_CONVERSION_HOOK):
+        patch.remove()
+    yield
+
+
 def _sites() -> list:
     return [importlib.import_module(m) for m in compat.DIRECT_CONVERSION_SITES]
 

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat, patches
@@ -84,6 +85,12 @@ from vllm_hisparse.vllm.simulation.synthetic_attention import (
 
 __all__ = ["Progress", "RunResult", "SimulationEngine", "SimulationFailure",
            "SimulationMismatch", "SimulationSpec"]
+
+
+def _probe_host_gib() -> float:
+    """A host pool the config check accepts on this machine (its RAM / cgroup limit)."""
+    limit = host_memory_limit().limit_bytes
+    return 1024.0 if limit is None else math.floor(limit / GIB * 64) / 64
 
 
 @dataclass
@@ -239,7 +246,8 @@ class SimulationEngine:
         """One run of the workload; raises :class:`SimulationFailure` on any failure."""
         spec = self.spec
         label = "with connector" if with_connector else "without connector"
-        probe = self._config(spec.host_pool_gib or 1024.0)  # planning only: sizes nothing
+        # Planning only (sizes nothing): the largest pool the config check accepts here.
+        probe = self._config(spec.host_pool_gib or _probe_host_gib())
         try:
             full, _ = self._plan(probe)
         except ValueError as exc:
