@@ -132,7 +132,7 @@ def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):
         "configure_logging(LoggingConfig())\n"
         "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
         f"make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"
-        "logging.getLogger('vllm_hisparse.vllm.connector_scheduler').info('capacity table')\n"
+        "logging.getLogger('vllm_hisparse.vllm.scheduler_side').info('capacity table')\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_PLUGINS="hisparse_residency")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -62,7 +62,7 @@ DEFAULT_SIDE_PRIORITY = -1
 #: alone decides). A gather CTA keeps dozens of ~2 µs host loads in flight; spread over
 #: every SM, those loads hold the memory pipeline that the compute kernels beside them need,
 #: and the compute slowed by as much as the gather hid (measured with
-#: ``bench_decode_capacity.py --trace``: 2.3 ms of gather ran hidden, the other kernels took
+#: ``vllm-hisparse bench capacity --trace``: 2.3 ms of gather ran hidden, the other kernels took
 #: 2.0 ms longer). 16 CTAs (8 warps, 4 rows each: ~340 KB in flight) still keep the PCIe
 #: link nearly busy (the side gathers took 3.5 ms instead of 3.3) and leave 116 SMs to the
 #: compute: step 7.6 → 6.0 ms at 32K. Measured on the H200 (132 SMs, PCIe Gen5): 8 CTAs
