@@ -3,9 +3,10 @@
 Like ``FakeWorker`` (the harness's well-behaved fake) it reads each step's
 ``HiSparseConnectorMetadata`` from the ``SchedulerOutput`` and answers with the
 ``KVConnectorOutput`` the real worker role (``vllm_hisparse.vllm.worker_side``) would
-send: per-worker ``WorkerAcks`` aggregated the way vLLM's ``KVOutputAggregator`` does,
-and, for a failed host-prefix load, the loaded blocks as ``invalid_block_ids`` (what
-``get_block_ids_with_load_errors`` reports). Only the copies are fake.
+send: per-worker ``WorkerAcks`` under each worker's ``worker_rank``, aggregated the way
+vLLM's ``KVOutputAggregator`` does, and each host-prefix load (``metadata.load_requests``)
+per request: in ``finished_recving`` once every worker reported its RESTORE, in
+``failed_recving`` too if one failed it (``get_transfer_results``). Only the copies are fake.
 
 Fault kinds (``kinds``, any subset of :data:`WORKER_FAULTS`), drawn per (transfer, worker)
 from one seeded RNG:
@@ -82,28 +83,31 @@ class FaultWorker:
         self._owed: dict[int, set[int]] = {}
         self._failed: set[int] = set()  # ids some worker reported failed
         self._lost: set[int] = set()  # ids some worker will never report
+        self._loads: dict[int, str] = {}  # host-prefix RESTORE id -> request id
+        self._load_votes: dict[int, list] = {}  # RESTORE id -> [workers reported, failed]
 
     # ------------------------------------------------------------------ the step
     def on_forward(self, scheduler_output) -> KVConnectorOutput | None:
         """Accept the step's transfers; return the reports due with this step's output."""
         meta = scheduler_output.kv_connector_metadata
-        invalid: set[int] = set()
         if meta is not None:
             assert isinstance(meta, HiSparseConnectorMetadata), type(meta)
             for lease in meta.command.hot_leases:
                 assert len(set(lease.block_ids)) == len(lease.block_ids), lease
             for spec in meta.command.transfers:
-                self._accept(meta, spec, invalid)
+                self._accept(meta, spec)
         self.step += 1
-        return self._report(invalid)
+        return self._report()
 
-    def _accept(self, meta: HiSparseConnectorMetadata, spec, invalid: set[int]) -> None:
+    def _accept(self, meta: HiSparseConnectorMetadata, spec) -> None:
         tid = spec.transfer_id
         assert tid not in self._seen_ids, f"transfer id {tid} reused"
         self._seen_ids.add(tid)
         rng, rates, kinds = self._rng, self.rates, self.kinds
-        pages = meta.indexer_pages.get(tid)
-        prefix_load = spec.kind == TransferKind.RESTORE and pages is not None and not pages.to_host
+        prefix_load = tid in meta.load_requests
+        if prefix_load:
+            assert spec.kind == TransferKind.RESTORE, spec
+            self._loads[tid] = meta.load_requests[tid]
         owed = self._owed[tid] = set()
         for worker in range(self.num_workers):
             if "lost" in kinds and rng.random() < rates.lost:
@@ -121,10 +125,6 @@ class FaultWorker:
                 failed = "fail" in kinds and rng.random() < rates.fail
                 self.counts["fail"] += failed
             if failed:
-                if prefix_load:
-                    # The forward read the blocks: reported with this step's output.
-                    invalid.update(b for lead in spec.device_blocks for b in meta.bundles.get(lead, [lead]))
-                    invalid.update(b for group in pages.device_blocks for b in group)
                 self._due.append(_Report(at, "failed", tid, worker))
                 continue
             if spec.kind == TransferKind.SPILL and delay > 0 and rng.random() < rates.enqueued_early:
@@ -136,10 +136,10 @@ class FaultWorker:
         if not owed:
             del self._owed[tid]
 
-    def _report(self, invalid: set[int]) -> KVConnectorOutput | None:
+    def _report(self) -> KVConnectorOutput | None:
         now = self.step - 1
         due = [r for r in self._due if r.step <= now]
-        if not due and not invalid:
+        if not due:
             return None
         self._due = [r for r in self._due if r.step > now]
         workers = list(range(self.num_workers))
@@ -148,15 +148,34 @@ class FaultWorker:
             self._rng.shuffle(workers)
             self.counts["shuffle"] += len(due) > 1
         meta = None
+        finished: set[str] = set()
+        failed_loads: set[str] = set()
         for worker in workers:
             lists: dict[str, list[int]] = {"enqueued": [], "completed": [], "failed": []}
             for r in due:
                 if r.worker == worker:
                     lists[r.kind].append(r.transfer_id)
                     self._delivered(r)
-            mine = HiSparseWorkerMetadata(acks=WorkerAcks(**lists))
+                    self._vote_load(r, finished, failed_loads)
+            mine = HiSparseWorkerMetadata(acks=WorkerAcks(**lists), worker_rank=worker)
             meta = mine if meta is None else meta.aggregate(mine)
-        return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=invalid)
+        return KVConnectorOutput(kv_connector_worker_meta=meta, finished_recving=finished or None,
+                                 failed_recving=failed_loads)
+
+    def _vote_load(self, report: _Report, finished: set[str], failed_loads: set[str]) -> None:
+        """A host-prefix load is decided for vLLM once every worker reported it final
+        (a duplicate report counts once)."""
+        rid = self._loads.get(report.transfer_id)
+        if rid is None or report.kind == "enqueued":
+            return
+        vote = self._load_votes.setdefault(report.transfer_id, [set(), False])
+        vote[0].add(report.worker)
+        vote[1] |= report.kind == "failed"
+        if len(vote[0]) == self.num_workers:
+            del self._load_votes[report.transfer_id], self._loads[report.transfer_id]
+            finished.add(rid)
+            if vote[1]:
+                failed_loads.add(rid)
 
     def _delivered(self, report: _Report) -> None:
         if report.kind == "enqueued":
@@ -177,7 +196,7 @@ class FaultWorker:
         """Everything still owed (lost reports stay lost), as one report."""
         for report in self._due:
             report.step = min(report.step, self.step - 1)
-        return self._report(set())
+        return self._report()
 
     def early_closes(self, open_ids) -> list[tuple[int, list[int]]]:
         """Transfers the scheduler closed although a worker that will still report them

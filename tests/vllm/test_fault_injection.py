@@ -22,9 +22,8 @@ Budgets: ``HISPARSE_FAULT_STEPS`` steps per slow scenario (default 25 000, 4 sce
 ``HISPARSE_FAULT_SEED`` overrides the seeds; ``HISPARSE_FAULT_REPORT`` names a JSON file
 that receives the figures of each run. The seed is in every failure message.
 
-Fault kinds that hit issue 13's open defects are switched off in the default scenarios
-and each has a strict xfail test that enables it (an XPASS means the fix landed: remove
-the mark and add the kind to ``WORKING_FAULTS``).
+The default scenarios inject every fault kind but ``lost`` (a lost ack stops the engine
+with ``WorkerSilentError`` after ``ack_deadline_s``); its own test enables it.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import ACCEPTED_KEYS
 
 #: Worker faults that work on this branch.
-WORKING_FAULTS = frozenset({"delay", "shuffle", "fail"})
+WORKING_FAULTS = frozenset({"delay", "shuffle", "fail", "fail_prefix_load", "duplicate"})
 CI_STEPS = 500
 BS = 64
 MAX_MODEL_LEN = 1024
@@ -407,7 +406,6 @@ def test_faults_that_work_today_long(small_topk_model_dir, scenario, request):
     run_scenario(small_topk_model_dir, scenario, int(os.environ.get("HISPARSE_FAULT_STEPS", "25000")))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 1")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_failed_host_prefix_loads(small_topk_model_dir, async_scheduling):
     scenario = Scenario(async_scheduling, 1, WORKING_FAULTS | {"fail_prefix_load"},
@@ -416,14 +414,12 @@ def test_failed_host_prefix_loads(small_topk_model_dir, async_scheduling):
     assert figures.faults["fail_prefix_load"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 2")
 def test_duplicated_acks_one_worker(small_topk_model_dir):
     scenario = Scenario(False, 1, WORKING_FAULTS | {"duplicate"})
     figures = run_scenario(small_topk_model_dir, scenario, CI_STEPS)
     assert figures.faults["duplicate"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 3")
 def test_duplicated_acks_two_workers(small_topk_model_dir):
     scenario = Scenario(True, 2, WORKING_FAULTS | {"duplicate"})
     figures = run_scenario(small_topk_model_dir, scenario, CI_STEPS)
@@ -434,7 +430,6 @@ def test_duplicated_acks_two_workers(small_topk_model_dir):
 _DEADLINE = (("ack_deadline_s", 0.05),) if "ack_deadline_s" in ACCEPTED_KEYS else ()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 defect 4")
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_lost_acks_end_in_progress_or_a_named_error(small_topk_model_dir, num_workers):
     """Either every request finishes (the lost transfers were declared failed) or the
