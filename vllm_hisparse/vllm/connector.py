@@ -29,6 +29,7 @@ from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetri
 
 if TYPE_CHECKING:
     from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
+    from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
 
 #: Physical KV layout the split needs: groups of different page sizes share one
 #: pool only when the block is the outermost dimension.
@@ -115,6 +116,11 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def scheduler_role(self) -> HiSparseSchedulerRole:
         """The scheduler-role implementation (tests and tools)."""
         return self._scheduler
+
+    @property
+    def worker_role(self) -> HiSparseWorkerRole:
+        """The worker-role implementation (tests and tools)."""
+        return self._worker
 
     # ------------------------------------------------------------------ worker role
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
