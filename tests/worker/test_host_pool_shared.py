@@ -229,15 +229,15 @@ def test_non_writer_engine_acknowledges_host_writes_without_copying():
     assert [t for t, _ in failing.poll().failed] == [4]
 
 
-def _two_ranks(device: str, shm_dir: str):
+def _two_ranks(writer_device: str, shm_dir: str, reader_device: str | None = None):
     name = new_name()
     writer_out, reader_out = CTX.Queue(), CTX.Queue()
     done, go = CTX.Event(), CTX.Event()
     reader = CTX.Process(target=procs.reader_rank,
-                         args=(device, spec(shm_dir, name, False, open_timeout_s=120),
-                               reader_out, go))
+                         args=(reader_device or writer_device,
+                               spec(shm_dir, name, False, open_timeout_s=120), reader_out, go))
     writer = CTX.Process(target=procs.writer_rank,
-                         args=(device, spec(shm_dir, name, True), writer_out, done))
+                         args=(writer_device, spec(shm_dir, name, True), writer_out, done))
     reader.start()  # first: it waits for the writer's segment
     writer.start()
     try:
@@ -258,7 +258,7 @@ def _two_ranks(device: str, shm_dir: str):
         reader.join(120)
         writer.join(120)
     assert reader.exitcode == 0 and writer.exitcode == 0
-    if device.startswith("cuda"):
+    if writer_device.startswith("cuda"):
         assert mode in ("hugetlb", "thp", "pinned")
 
 
@@ -274,6 +274,20 @@ def test_two_ranks_writer_spills_reader_restores_and_gathers_cuda():
     path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
     try:
         _two_ranks("cuda:0", path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_ranks_on_two_gpus_writer_spills_reader_restores_and_gathers():
+    """As vLLM runs TP 2: the writer process on cuda:0, the reader process on cuda:1, each
+    registering its own mapping of the one segment; the reader's restore and gather kernels
+    on cuda:1 read exactly what the writer's kernels on cuda:0 copied."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
+    try:
+        _two_ranks("cuda:0", path, reader_device="cuda:1")
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
