@@ -54,7 +54,8 @@ def test_two_ranks_share_one_pool_and_both_read_exact(shm_dir, tmp_path, capsys)
     out = tmp_path / "sim.json"
     argv = ["simulate", "--requests", "6", "--prompt-len", "384", "--output-len", "48",
             "--block-size", "16", "--device-blocks", "300", "--max-num-batched-tokens", "512",
-            "--layers", "2", "--runs", "with", "--quiet", "--tensor-parallel-size", "2", "--json", str(out)]
+            "--layers", "2", "--runs", "with", "--quiet", "--tensor-parallel-size", "2",
+            "--json", str(out)]
     assert main(argv) == 0
     stdout = capsys.readouterr().out
     assert "tensor-parallel ranks (with connector):" in stdout
