@@ -9,7 +9,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker simulate bench capacity sanitize}"
+STEPS="${STEPS:-build test worker simulate bench capacity sanitize tp2}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,6 +18,15 @@ SUMMARY="$OUT/summary.txt"
 t0=$(date +%s)
 note() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*" | tee -a "$SUMMARY"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# The vLLM bundle for simulate (../shared/tools/gpu-vllm/README.md; carry .device/vbundle):
+# unpacked once into /tmp/vbundle; SIM runs `vllm-hisparse simulate` through it.
+BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
+SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+UNPACKED=0
+unpack_bundle() {
+  [[ -f "$BUNDLE" ]] || return 1
+  [[ $UNPACKED == 1 ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp && UNPACKED=1; }
+}
 
 note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1); $($PY -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__,"cuda",torch.version.cuda)' 2>&1); $(nvcc --version | tail -1)"
 
@@ -82,12 +91,9 @@ if has simulate; then
   # vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle). The default
   # simulate on the reference ops (CPU) and on the kernels (CUDA) must give identical counters;
   # then GPU-sized workloads (DeepSeek-V3.2 and GLM-5.2 geometry) too slow for the CPU.
-  BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
-  if [[ ! -f "$BUNDLE" ]]; then
+  if ! unpack_bundle; then
     note "simulate skipped: no vLLM bundle at $BUNDLE"
   else
-    rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp
-    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
     timeout 240 "${SIM[@]}" --device cpu --json "$OUT/sim_cpu.json" > "$OUT/sim_cpu.log" 2>&1
     note "simulate --device cpu rc=$?"
     timeout 240 "${SIM[@]}" --device cuda --ops-backend cuda --json "$OUT/sim_cuda.json" \
@@ -108,6 +114,50 @@ if has simulate; then
       rc=$?
       note "simulate $name (cuda) rc=$rc: $(grep -E '^exact|^MISMATCH|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-240)"
     done
+  fi
+fi
+
+if has tp2; then
+  # Two tensor-parallel ranks, one per GPU, on one shared host pool (docs/worker.md, "Tensor
+  # parallelism"): the two-GPU tests (decode loop and writer/reader exact against the
+  # reference), each rank's gather bandwidth alone and both at once (PCIe links are per GPU:
+  # ~2x aggregate expected), and simulate with two workers (vLLM's scheduler votes both
+  # ranks' acks, every row of both ranks checked), with the shared pool and with private
+  # pools: host memory held once vs twice per host block.
+  NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [[ "$NGPU" -lt 2 ]]; then
+    note "tp2 skipped: $NGPU CUDA device(s) visible, the two-rank run needs 2 (kind nvidia-h200-x2)"
+  else
+    timeout 300 $PY -m pytest -m gpu tests/worker/test_decode_loop_tp.py \
+      tests/worker/test_host_pool_shared.py -k "two_gpus" -q -p no:cacheprovider -rfE \
+      > "$OUT/tp2_pytest.log" 2>&1
+    note "tp2 pytest (two GPUs) rc=$?: $(tail -n 1 "$OUT/tp2_pytest.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/tp2_pytest.log" | head -n 20 | tee -a "$SUMMARY"
+    timeout 300 $PY -m vllm_hisparse.cli.main bench tp-gather --json "$OUT/tp2_gather.json" \
+      ${TP2_GATHER_ARGS:-} > "$OUT/tp2_gather.log" 2>&1
+    note "tp2 bench tp-gather rc=$?"
+    grep -E "^\| [0-9]|^host memory|^exact|^NOT EXACT" "$OUT/tp2_gather.log" | tee -a "$SUMMARY"
+    if ! unpack_bundle; then
+      note "tp2 simulate skipped: no vLLM bundle at $BUNDLE"
+    else
+      for pool in shared private; do
+        shared=1; [[ $pool == private ]] && shared=0
+        VLLM_HISPARSE_SHARED_HOST_POOL=$shared timeout 300 "${SIM[@]}" --device cuda \
+          --ops-backend cuda --tensor-parallel-size 2 --runs with ${TP2_SIM_ARGS:-} \
+          --json "$OUT/sim_tp2_$pool.json" > "$OUT/sim_tp2_$pool.log" 2>&1
+        note "simulate --tensor-parallel-size 2 ($pool pools) rc=$?: $(grep -E '^exact|MISMATCH|FAILED' "$OUT/sim_tp2_$pool.log" | cut -c1-160)"
+        grep -E "^host memory" "$OUT/sim_tp2_$pool.log" | tee -a "$SUMMARY"
+      done
+      $PY - "$OUT/sim_tp2_shared.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+run = json.load(open(sys.argv[1]))["runs"]["with connector"]
+w, r = run["ranks"]
+same = all(w[k] == r[k] for k in ("resident", "hot_hits", "misses", "rows_checked"))
+print(f"tp2 simulate ranks: same decisions and rows checked {same}; rank 1 wrote "
+      f"{r['bytes_d2h']} B and gathered {r['gather_bytes']} B from rows rank 0 wrote "
+      f"({w['bytes_d2h']} B); pages {w['host_pool']['page_mode']}")
+PYEOF
+    fi
   fi
 fi
 

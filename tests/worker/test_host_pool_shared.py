@@ -473,3 +473,33 @@ def test_read_only_opener_maps_read_only(shm_dir):
     assert perms == ["r--s"], perms  # the creator's own mapping in this process is rw-s
     reader.close()
     creator.close()
+
+
+def test_memory_usage_counts_a_shared_pool_once(shm_dir):
+    """``HostPool.memory_usage``: measured pages, not the geometry. A private pool holds
+    what it touched; two mappings of one segment hold it once (their Pss add up to the
+    file's pages) while each maps all of it."""
+    geometry = (2, 64, 16, 656)  # 1.3 MB: more pages than an allocator keeps around
+    private = HostPool(*geometry, huge_pages="never", pin=False)
+    untouched = private.memory_usage()
+    private.buffer.fill_(1)
+    touched = private.memory_usage()
+    assert not touched["shared"] and touched["segment_bytes"] == -1
+    assert untouched["resident_bytes"] < touched["resident_bytes"]
+    assert 0 <= touched["resident_bytes"] - touched["logical_bytes"] < 2 * 4096
+    assert touched["pss_bytes"] == touched["resident_bytes"]
+    private.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        private.memory_usage()
+    name = new_name()
+    creator = HostPool(*geometry, pin=False, shared=SharedSegment(**spec(shm_dir, name, True)))
+    reader = HostPool(*geometry, pin=False,
+                      shared=SharedSegment(**spec(shm_dir, name, False, read_only=True)))
+    reader.buffer.sum()  # fault every page in this mapping too
+    mine, theirs = creator.memory_usage(), reader.memory_usage()
+    for usage in (mine, theirs):
+        assert usage["shared"] and 0 <= usage["resident_bytes"] - usage["logical_bytes"] < 8192
+    assert mine["segment_bytes"] == theirs["segment_bytes"] >= mine["logical_bytes"]
+    assert abs(mine["pss_bytes"] + theirs["pss_bytes"] - mine["segment_bytes"]) <= 8192
+    reader.close()
+    creator.close()

@@ -193,7 +193,9 @@ def _summary(runner: Any) -> dict[str, Any]:
 
 def host_memory_line(ranks: list[dict[str, Any]]) -> str | None:
     """One line on the ranks' host memory: what each addresses, what they hold together
-    (the sum of their proportional shares) and the shared segment's pages."""
+    (the sum of their proportional shares, in copies of one rank's pool: 1 when shared, one
+    per rank when private) and the shared segment's pages (a 2 MiB header and the data
+    rounded up to 2 MiB: visible on tiny pools only)."""
     pools = [r["host_pool"] for r in ranks if r.get("host_pool")]
     if not pools:
         return None
@@ -205,7 +207,7 @@ def host_memory_line(ranks: list[dict[str, Any]]) -> str | None:
             else f"{len(pools)} private pools")
     line = (f"host memory: {len(pools)} ranks address {logical / gib:.3f} GiB "
             f"({per_rank / gib:.3f} GiB each) in {kind}; held: {held / gib:.3f} GiB "
-            f"(sum of the ranks' Pss) = {held / max(1, per_rank):.2f} x one rank's pool")
+            f"(sum of the ranks' Pss) = {held / max(1, per_rank):.2f} copies of a rank's pool")
     if pools[0]["shared"]:
         line += f", segment file pages {pools[0]['segment_bytes'] / gib:.3f} GiB"
     return line
