@@ -8,26 +8,35 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import uuid
 
 import pytest
 import torch
 
+from tests.worker.test_host_pool_shared import shm_dir  # noqa: F401 (fixture)
 from vllm_hisparse.cli.benchmarks import tp_gather
 from vllm_hisparse.cli.main import main
 
 
-@pytest.fixture
-def shm_dir():
-    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def rank_config(shm_dir, **kw):
+    return dict(ranks=2, row_bytes=656, seconds=0.01, devices=["cpu", "cpu"], shm_dir=shm_dir,
+                name=f"test-{uuid.uuid4().hex[:12]}", **kw)
+
+
+def run_ranks(cfg):
+    """``rank_main`` of every rank in a thread; their reports, one per rank."""
+    barrier, out = threading.Barrier(cfg["ranks"]), queue.Queue()
+    ranks = [threading.Thread(target=tp_gather.rank_main, args=(r, cfg, barrier, out))
+             for r in range(cfg["ranks"])]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(120)
+        assert not t.is_alive(), "a rank hangs"
+    return [out.get_nowait() for _ in ranks]
 
 
 @pytest.mark.parametrize("argv,text", [
@@ -70,18 +79,9 @@ def test_pool_is_shrunk_to_the_room_of_the_segment_directory(monkeypatch, shm_di
 
 def test_ranks_gather_exact_rows_from_one_segment_held_once(shm_dir):
     """Two ranks (threads, CPU reference gathers) through the whole protocol."""
-    cfg = dict(ranks=2, rows=[300, 2048], row_bytes=656, layers=2, blocks=64, seconds=0.01,
-               devices=["cpu", "cpu"], shm_dir=shm_dir, name=f"test-{uuid.uuid4().hex[:12]}")
-    barrier, out = threading.Barrier(2), queue.Queue()
-    ranks = [threading.Thread(target=tp_gather.rank_main, args=(r, cfg, barrier, out))
-             for r in range(2)]
-    for t in ranks:
-        t.start()
-    for t in ranks:
-        t.join(120)
+    cfg = rank_config(shm_dir, rows=[300, 2048], layers=2, blocks=64)
     reports = {}
-    while not out.empty():
-        status, rank, body = out.get()
+    for status, rank, body in run_ranks(cfg):
         assert status == "ok", body
         reports[rank] = body
     ordered = [reports[0], reports[1]]
@@ -107,18 +107,8 @@ def test_ranks_gather_exact_rows_from_one_segment_held_once(shm_dir):
 
 def test_a_failing_rank_releases_the_others(shm_dir):
     """A rank that fails aborts the barrier: the other ranks report instead of hanging."""
-    cfg = dict(ranks=2, rows=[256], row_bytes=656, layers=1, blocks=0, seconds=0.01,
-               devices=["cpu", "cpu"], shm_dir=shm_dir, name=f"test-{uuid.uuid4().hex[:12]}")
-    barrier, out = threading.Barrier(2), queue.Queue()
-    ranks = [threading.Thread(target=tp_gather.rank_main, args=(r, cfg, barrier, out))
-             for r in range(2)]
-    for t in ranks:
-        t.start()
-    for t in ranks:
-        t.join(60)
-        assert not t.is_alive()
-    statuses = sorted(out.get()[0] for _ in range(2))
-    assert statuses == ["error", "error"]
+    cfg = rank_config(shm_dir, rows=[256], layers=1, blocks=0)  # rank 0 cannot make the pool
+    assert sorted(status for status, _, _ in run_ranks(cfg)) == ["error", "error"]
 
 
 @pytest.mark.slow

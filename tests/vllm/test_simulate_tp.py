@@ -17,10 +17,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.vllm.test_worker_tp_shared import shm_dir  # noqa: E402, F401 (fixture)
 from tests.worker.late_copies import SEQUENCE, LateCompletions  # noqa: E402
 from vllm_hisparse.cli.main import main  # noqa: E402
 from vllm_hisparse.core.policy import ResidencyPolicy  # noqa: E402
-from vllm_hisparse.vllm import host_sharing  # noqa: E402
 from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata  # noqa: E402
 from vllm_hisparse.vllm.simulation.engine import (  # noqa: E402
     SimulationEngine,
@@ -34,20 +34,6 @@ from vllm_hisparse.worker.transfer import TransferEngine  # noqa: E402
 TINY = dict(num_requests=6, prompt_len=384, output_len=48, block_size=16, device_blocks=300,
             max_num_batched_tokens=512, num_layers=2, tensor_parallel_size=2)
 LATE_POLLS = 10  # the late rank's copies complete 10 polls (steps) after their submission
-
-
-@pytest.fixture
-def shm_dir(tmp_path, monkeypatch):
-    """The ranks' segment goes to a private directory (tmpfs when /dev/shm exists)."""
-    import shutil
-    import tempfile
-
-    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
-    path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
-    monkeypatch.setenv(host_sharing.ENV_SHM_DIR, path)
-    monkeypatch.delenv(host_sharing.ENV_SHARED, raising=False)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_two_ranks_share_one_pool_and_both_read_exact(shm_dir, tmp_path, capsys):

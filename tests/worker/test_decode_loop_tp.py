@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
 import uuid
 
 import pytest
@@ -25,6 +23,7 @@ import torch
 
 from tests.worker.late_copies import LateCompletions
 from tests.worker.test_decode_loop import DecodeLoop
+from tests.worker.test_host_pool_shared import shm_dir  # noqa: F401 (fixture)
 from vllm_hisparse.worker.host_pool import SharedSegment
 
 
@@ -104,14 +103,6 @@ class TwoRankDecodeLoop:
         for loop in reversed(self.loops):  # readers first: the writer unlinks the segment
             with on(loop.device):
                 loop.close()
-
-
-@pytest.fixture
-def shm_dir():
-    root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def run_pair(pair, steps):
