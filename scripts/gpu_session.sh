@@ -128,6 +128,7 @@ if has tp2; then
   if [[ "$NGPU" -lt 2 ]]; then
     note "tp2 skipped: $NGPU CUDA device(s) visible, the two-rank run needs 2 (kind nvidia-h200-x2)"
   else
+    note "tp2: $NGPU GPUs; /dev/shm (size, free): $(df -h --output=size,avail /dev/shm 2>/dev/null | tail -n 1)"
     timeout 300 $PY -m pytest -m gpu tests/worker/test_decode_loop_tp.py \
       tests/worker/test_host_pool_shared.py -k "two_gpus" -q -p no:cacheprovider -rfE \
       > "$OUT/tp2_pytest.log" 2>&1
@@ -136,7 +137,8 @@ if has tp2; then
     timeout 300 $PY -m vllm_hisparse.cli.main bench tp-gather --json "$OUT/tp2_gather.json" \
       ${TP2_GATHER_ARGS:-} > "$OUT/tp2_gather.log" 2>&1
     note "tp2 bench tp-gather rc=$?"
-    grep -E "^\| [0-9]|^host memory|^exact|^NOT EXACT" "$OUT/tp2_gather.log" | tee -a "$SUMMARY"
+    grep -E "^tp-gather|^pages|^\||^GB/s|^host memory|^exact|^NOT EXACT" "$OUT/tp2_gather.log" \
+      | tee -a "$SUMMARY"
     if ! unpack_bundle; then
       note "tp2 simulate skipped: no vLLM bundle at $BUNDLE"
     else
@@ -150,8 +152,11 @@ if has tp2; then
       done
       $PY - "$OUT/sim_tp2_shared.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
-run = json.load(open(sys.argv[1]))["runs"]["with connector"]
-w, r = run["ranks"]
+try:
+    run = json.load(open(sys.argv[1]))["runs"]["with connector"]
+    w, r = run["ranks"]
+except (OSError, ValueError, KeyError) as exc:
+    sys.exit(f"tp2 simulate ranks: no two-rank report in {sys.argv[1]} ({exc!r})")
 same = all(w[k] == r[k] for k in ("resident", "hot_hits", "misses", "rows_checked"))
 print(f"tp2 simulate ranks: same decisions and rows checked {same}; rank 1 wrote "
       f"{r['bytes_d2h']} B and gathered {r['gather_bytes']} B from rows rank 0 wrote "

@@ -51,7 +51,10 @@ BLOCK_SIZE = 64
 ROWS_PER_TOKEN = 2048  # one plan row of the miss plan: a token's K selections
 GRAPH_LAUNCHES = 8  # gathers per CUDA-graph replay (distinct random plans)
 MIN_POOL_BYTES = 64 << 20
-TIMEOUT_S = 600.0
+#: A rank waits at most this long for the others at a barrier (then fails and exits), and
+#: the parent this long for each rank's report: nothing is left running after a hang.
+BARRIER_TIMEOUT_S = 120.0
+REPORT_TIMEOUT_S = 280.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,12 +240,12 @@ def rank_main(rank: int, cfg: dict, barrier, out) -> None:
                 cfg["name"], create=True, num_ranks=cfg["ranks"], dirs=dirs),
                 pin=device.type == "cuda")
             _fill(torch, pool)
-        barrier.wait(TIMEOUT_S)  # the segment is published and filled
+        barrier.wait(BARRIER_TIMEOUT_S)  # the segment is published and filled
         if rank > 0:
             pool = HostPool(*geometry, shared=SharedSegment(
                 cfg["name"], create=False, num_ranks=cfg["ranks"], dirs=dirs, read_only=True,
-                open_timeout_s=TIMEOUT_S), pin=device.type == "cuda")
-        barrier.wait(TIMEOUT_S)
+                open_timeout_s=BARRIER_TIMEOUT_S), pin=device.type == "cuda")
+        barrier.wait(BARRIER_TIMEOUT_S)
         report = {"rank": rank, "device": str(device), "page_mode": pool.page_mode,
                   "segment": pool.segment_path, "rows": [], "exact": True}
         for i, rows in enumerate(cfg["rows"]):
@@ -251,23 +254,23 @@ def rank_main(rank: int, cfg: dict, barrier, out) -> None:
             reps = max(2, math.ceil(cfg["seconds"] / max(1e-6, (end - start) / 2)))
             alone = None
             for turn in range(cfg["ranks"]):  # each rank alone, in rank order
-                barrier.wait(TIMEOUT_S)
+                barrier.wait(BARRIER_TIMEOUT_S)
                 if turn == rank:
                     alone = gatherer.run(reps)
-                barrier.wait(TIMEOUT_S)
-            barrier.wait(TIMEOUT_S)  # then everyone at once
+                barrier.wait(BARRIER_TIMEOUT_S)
+            barrier.wait(BARRIER_TIMEOUT_S)  # then everyone at once
             together = gatherer.run(reps)
-            barrier.wait(TIMEOUT_S)
+            barrier.wait(BARRIER_TIMEOUT_S)
             report["exact"] &= gatherer.exact()
             report["rows"].append({"rows": rows, "alone": alone, "together": together})
             del gatherer
         report["memory"] = dict(pool.memory_usage(), vm_rss_bytes=_status_kib("VmRSS") << 10,
                                 rss_shmem_bytes=_status_kib("RssShmem") << 10)
-        barrier.wait(TIMEOUT_S)  # every rank measured while all map the pool
+        barrier.wait(BARRIER_TIMEOUT_S)  # every rank measured while all map the pool
         out.put(("ok", rank, report))
         if rank > 0:
             pool.close()
-        barrier.wait(TIMEOUT_S)  # readers first: the creator unlinks the name
+        barrier.wait(BARRIER_TIMEOUT_S)  # readers first: the creator unlinks the name
         if rank == 0:
             pool.close()
     except BaseException:  # noqa: BLE001 - reported to the parent, the others released
@@ -353,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     errors = []
     try:
         while len(reports) + len(errors) < args.ranks:
-            status, rank, body = out.get(timeout=TIMEOUT_S)
+            status, rank, body = out.get(timeout=REPORT_TIMEOUT_S)
             if status == "ok":
                 reports[rank] = body
             else:
                 errors.append(f"rank {rank}:\n{body}")
     except Exception as exc:  # noqa: BLE001 - queue timeout: name it, stop the ranks
-        errors.append(f"no report from every rank within {TIMEOUT_S:.0f} s ({exc!r})")
+        errors.append(f"no report from every rank within {REPORT_TIMEOUT_S:.0f} s ({exc!r})")
     for p in procs:
         p.join(60)
         if p.is_alive():
