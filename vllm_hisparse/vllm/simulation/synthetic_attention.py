@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_hisparse.vllm import compat, patches
@@ -38,11 +39,12 @@ from vllm_hisparse.vllm.attention_hook import (
     vllm_reference_conversion,
 )
 from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
-from vllm_hisparse.vllm.simulation.ground_truth import GroundTruth, SimulationFailure
+from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
+                                                        SimulationFailure)
 from vllm_hisparse.vllm.simulation.spec import RequestPlan, SimulationSpec
 from vllm_hisparse.worker.device_rows import flat_row_view
 from vllm_hisparse.worker.indexer_pages import page_view
-from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row
+from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
 
 #: Where the generic sparse-MLA backend calls the direct conversion (a module global).
 DIRECT_SITE_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -222,15 +224,21 @@ class SyntheticModel:
                 impl = SyntheticSparseMLAImpl(group, i, topk_buffer, spec.attention == "direct")
                 self.impls[name] = impl
                 forward_context[name] = SimpleNamespace(impl=impl)
-        self.truth = GroundTruth(sequences, num_layers=spec.num_layers,
-                                 max_model_len=spec.max_model_len, block_size=self.block_size,
-                                 row_bytes=self.row_bytes, device=self.device)
+        #: The ground truth, or None without checks (``spec.check`` False: timing runs), when
+        #: the KV bytes are written without a per-request store and nothing is compared.
+        self.truth = (GroundTruth(sequences, num_layers=spec.num_layers,
+                                  max_model_len=spec.max_model_len, block_size=self.block_size,
+                                  row_bytes=self.row_bytes, device=self.device)
+                      if spec.check else None)
 
     # ------------------------------------------------------------------ writing KV
 
     def write_kv(self, batch: Sequence[BatchEntry], step: int) -> None:
         """Each scheduled token's KV into the slot the model runner's block table names
         (vLLM's slot mapping), in every sparse-MLA and indexer layer."""
+        if self.truth is None:
+            self._write_kv_unchecked(batch, step)
+            return
         bs = self.block_size
         group_index = {g: i for i, g in enumerate(self.sparse_groups)}
         for rid, state, start, n in batch:
@@ -247,6 +255,39 @@ class SyntheticModel:
                                         device=self.device)
                 view[table[pos // bs], pos % bs] = self.truth.indexer_rows(
                     serial, pos, layer, view.shape[2])
+
+    def _write_kv_unchecked(self, batch: Sequence[BatchEntry], step: int) -> None:
+        """:meth:`write_kv` without a ground truth (timing runs): the same slots, one write
+        per layer for the whole batch, bytes from :func:`kv_rows` of each position (request 0:
+        nothing is compared, only the traffic and the slots matter)."""
+        bs = self.block_size
+        positions = np.concatenate([np.arange(start, start + n) for _, _, start, n in batch])
+        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+
+        def slots(tables: Callable[[RequestState], list[int]], what: str) -> torch.Tensor:
+            parts = []
+            for _, state, start, n in batch:
+                table = np.asarray(tables(state), dtype=np.int64)
+                pages = np.arange(start, start + n) // bs
+                if pages[-1] >= table.shape[0]:
+                    raise SimulationFailure(f"step {step}: {state.plan.request_id} writes page "
+                                            f"{int(pages[-1])} but the model runner's {what} "
+                                            f"has {table.shape[0]} blocks")
+                parts.append(table[pages])
+            return torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+
+        offsets = pos % bs
+        blocks = {g: slots(lambda s, i=i: s.block_ids[i], f"block table of group {g}")
+                  for i, g in enumerate(self.sparse_groups)}
+        for name, (g, layer, view, stride) in self.layers.items():
+            view[blocks[g] * stride + offsets] = kv_rows(0, pos, layer, view.shape[1])
+        indexer_blocks = {}
+        for name, (g, layer, view) in self.indexer_layers.items():
+            if g not in indexer_blocks:
+                indexer_blocks[g] = slots(lambda s, g=g: s.indexer_block_ids[g],
+                                          f"indexer block table {g}")
+            view[indexer_blocks[g], offsets] = kv_rows(0, pos, INDEXER_LAYER_BASE + layer,
+                                                       view.shape[2])
 
     def _block_of(self, state: RequestState, group_index: int, pages: torch.Tensor,
                   step: int) -> torch.Tensor:
@@ -308,20 +349,32 @@ class SyntheticModel:
                     out[name] = md
         return out
 
-    def attend(self, batch: Sequence[BatchEntry], metadata: dict[str, Any], *,
-               fail: Callable[[str, int, int, str], None],
-               request_note: Callable[[str], str]) -> tuple[int, int]:
-        """Every sparse-MLA layer's attention, reduced to its top-k conversion: the unit's
-        indexer fills the top-k buffer, each layer's ``forward_mqa`` converts it, and every
-        row it returns is checked against the ground truth. ``fail(request id, layer, token
-        position, what)`` raises. Returns ``(rows checked, tokens)``."""
+    def selections(self, batch: Sequence[BatchEntry]) -> tuple[torch.Tensor, list[tuple]]:
+        """The step's top-k (what the indexers would output), on the model's device: int32
+        ``[T, K]`` in token order, and the spans ``(request id, serial, first token, tokens,
+        first position)`` of the batch's requests."""
         spans, topks = [], []
         t = 0
         for rid, state, start, n in batch:
             topks.append(self._selections(state, start, n))
             spans.append((rid, state.plan.serial, t, n, start))
             t += n
-        topk = torch.cat(topks).to(self.device)
+        if all(s.device.type == "cpu" for s in topks):  # decode-only: one copy
+            return torch.cat(topks).to(self.device), spans
+        return torch.cat([s.to(self.device) for s in topks]), spans
+
+    def attend(self, batch: Sequence[BatchEntry], metadata: dict[str, Any], topk: torch.Tensor,
+               spans: Sequence[tuple], *, fail: Callable[[str, int, int, str], None],
+               request_note: Callable[[str], str],
+               after_layer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[int, int]:
+        """Every sparse-MLA layer's attention, reduced to its top-k conversion: the unit's
+        indexer fills the top-k buffer (``topk``, ``spans`` from :meth:`selections`), each
+        layer's ``forward_mqa`` converts it, and every row it returns is checked against the
+        ground truth (unless the model has none). ``fail(request id, layer, token position,
+        what)`` raises; ``after_layer(layer name, rows, counts)`` sees each conversion.
+        Returns ``(rows checked, tokens)``."""
+        t = topk.shape[0]
         q = torch.empty((t, 1), device=self.device)
         rows_checked = 0
         for _, names, _ in self.units:
@@ -330,6 +383,10 @@ class SyntheticModel:
                 _, layer, view, _ = self.layers[name]
                 rows, counts = self.impls[name].forward_mqa(q, self.kv[name], metadata[name],
                                                             None)
+                if after_layer is not None:
+                    after_layer(name, rows, counts)
+                if self.truth is None:
+                    continue
                 rows_checked += self.truth.check_conversion(
                     rows, counts, topk, spans, layer, view,
                     any_order=self.device.type == "cuda",
@@ -339,7 +396,9 @@ class SyntheticModel:
 
     def _selections(self, state: RequestState, start: int, n: int) -> torch.Tensor:
         """int32 ``[n, K]`` top-k of the tokens at positions ``start .. start + n - 1`` (each
-        attends to ``[0, p]``); -1 padding only at the end of a row."""
+        attends to ``[0, p]``); -1 padding only at the end of a row. Decode tokens' come from
+        the CPU generator; prefill tokens' are computed on the model's device (a long prompt's
+        ``[n, K]`` is large), from a start drawn on the CPU: the same values on any device."""
         k = self.spec.top_k
         if n == 1 and start >= state.plan.prompt_len:
             if state.topk is None:
@@ -350,11 +409,11 @@ class SyntheticModel:
         # prefix (a stride walk from a seeded random start), -1 after them. Fewer than K
         # keeps the check of long prompts cheap; every returned row is still checked.
         kp = min(k, self.spec.prefill_top_k)
-        pos = torch.arange(start, start + n, dtype=torch.int64)
-        ctx = pos + 1
         g = torch.Generator().manual_seed(state.plan.serial * 65_537 + start)
-        first = (torch.rand(n, generator=g) * ctx).to(torch.int64)
-        j = torch.arange(k, dtype=torch.int64)
+        ctx_cpu = torch.arange(start + 1, start + n + 1, dtype=torch.int64)
+        first = (torch.rand(n, generator=g) * ctx_cpu).to(torch.int64).to(self.device)
+        ctx = ctx_cpu.to(self.device)
+        j = torch.arange(k, dtype=torch.int64, device=self.device)
         stride = torch.clamp(ctx // kp, min=1)  # j * stride < ctx for j < min(kp, ctx)
         sel = (first[:, None] + j[None, :] * stride[:, None]) % ctx[:, None]
         valid = (j[None, :] < ctx[:, None]) & (j[None, :] < kp)
