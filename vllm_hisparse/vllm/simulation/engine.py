@@ -484,8 +484,10 @@ class _Run:
                         len(self.scheduler.running))
         probe = self.probe
         attend = bool(batch) and (probe is None or probe.wants_attention(info))
-        # The indexers' output, before the forward (a probe times from here on).
+        # The indexers' output and (without a ground truth) the slot mapping, before the
+        # forward (a probe times from here on).
         topk, spans = model.selections(batch) if attend else (None, [])
+        slots = model.slot_mapping(batch, self.step) if batch and model.truth is None else None
         if probe is not None:
             probe.before_forward(info)
         worker = self.worker
@@ -499,7 +501,7 @@ class _Run:
                               num_tokens=sum(n for *_, n in batch), attn_metadata=metadata)
             worker.start_load_kv(None, **kwargs)
         if batch:
-            model.write_kv(batch, self.step)
+            model.write_kv(batch, self.step, slots)
         # After the writes: vLLM's prefix cache may hand a request blocks that another
         # request of this very step computes.
         if self.spec.check and model.indexer_layers:

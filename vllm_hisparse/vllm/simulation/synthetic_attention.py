@@ -233,11 +233,21 @@ class SyntheticModel:
 
     # ------------------------------------------------------------------ writing KV
 
-    def write_kv(self, batch: Sequence[BatchEntry], step: int) -> None:
+    def write_kv(self, batch: Sequence[BatchEntry], step: int,
+                 slots: dict[str, Any] | None = None) -> None:
         """Each scheduled token's KV into the slot the model runner's block table names
-        (vLLM's slot mapping), in every sparse-MLA and indexer layer."""
+        (vLLM's slot mapping), in every sparse-MLA and indexer layer. Without a ground truth
+        (timing runs) ``slots`` (:meth:`slot_mapping`) is required: one write per layer for
+        the whole batch, bytes from :func:`kv_rows` of each position (request 0: nothing is
+        compared, only the traffic and the slots matter)."""
         if self.truth is None:
-            self._write_kv_unchecked(batch, step)
+            pos, offsets = slots["positions"], slots["positions"] % self.block_size
+            for name, (g, layer, view, stride) in self.layers.items():
+                view[slots["sparse"][g] * stride + offsets] = kv_rows(0, pos, layer,
+                                                                      view.shape[1])
+            for name, (i, layer, view) in self.indexer_layers.items():
+                view[slots["indexer"][i], offsets] = kv_rows(0, pos, INDEXER_LAYER_BASE + layer,
+                                                             view.shape[2])
             return
         bs = self.block_size
         group_index = {g: i for i, g in enumerate(self.sparse_groups)}
@@ -256,38 +266,39 @@ class SyntheticModel:
                 view[table[pos // bs], pos % bs] = self.truth.indexer_rows(
                     serial, pos, layer, view.shape[2])
 
-    def _write_kv_unchecked(self, batch: Sequence[BatchEntry], step: int) -> None:
-        """:meth:`write_kv` without a ground truth (timing runs): the same slots, one write
-        per layer for the whole batch, bytes from :func:`kv_rows` of each position (request 0:
-        nothing is compared, only the traffic and the slots matter)."""
+    def slot_mapping(self, batch: Sequence[BatchEntry], step: int) -> dict[str, Any]:
+        """Where the step's tokens go, as the model runner prepares it before the forward:
+        ``positions`` (int64 ``[T]``), ``sparse`` (sparse group id -> block of each token) and
+        ``indexer`` (indexer group index -> block of each token), all on the model's device."""
         bs = self.block_size
-        positions = np.concatenate([np.arange(start, start + n) for _, _, start, n in batch])
-        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        counts = np.asarray([n for *_, n in batch], dtype=np.int64)
+        starts = np.asarray([start for _, _, start, _ in batch], dtype=np.int64)
+        first = np.cumsum(counts) - counts
+        req = np.repeat(np.arange(len(batch)), counts)
+        positions = np.repeat(starts, counts) + np.arange(int(counts.sum())) - first[req]
+        pages = positions // bs
 
-        def slots(tables: Callable[[RequestState], list[int]], what: str) -> torch.Tensor:
-            parts = []
-            for _, state, start, n in batch:
-                table = np.asarray(tables(state), dtype=np.int64)
-                pages = np.arange(start, start + n) // bs
-                if pages[-1] >= table.shape[0]:
-                    raise SimulationFailure(f"step {step}: {state.plan.request_id} writes page "
-                                            f"{int(pages[-1])} but the model runner's {what} "
-                                            f"has {table.shape[0]} blocks")
-                parts.append(table[pages])
-            return torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        def blocks(tables: list[list[int]], what: str) -> torch.Tensor:
+            lengths = np.asarray([len(t) for t in tables], dtype=np.int64)
+            short = np.nonzero(pages >= lengths[req])[0]
+            if short.size:
+                t = int(short[0])
+                raise SimulationFailure(
+                    f"step {step}: {batch[req[t]][0]} writes page {int(pages[t])} but the model "
+                    f"runner's {what} has {int(lengths[req[t]])} blocks")
+            padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+            for b, ids in enumerate(tables):
+                padded[b, :len(ids)] = ids
+            return torch.from_numpy(padded[req, pages]).to(self.device)
 
-        offsets = pos % bs
-        blocks = {g: slots(lambda s, i=i: s.block_ids[i], f"block table of group {g}")
-                  for i, g in enumerate(self.sparse_groups)}
-        for name, (g, layer, view, stride) in self.layers.items():
-            view[blocks[g] * stride + offsets] = kv_rows(0, pos, layer, view.shape[1])
-        indexer_blocks = {}
-        for name, (g, layer, view) in self.indexer_layers.items():
-            if g not in indexer_blocks:
-                indexer_blocks[g] = slots(lambda s, g=g: s.indexer_block_ids[g],
-                                          f"indexer block table {g}")
-            view[indexer_blocks[g], offsets] = kv_rows(0, pos, INDEXER_LAYER_BASE + layer,
-                                                       view.shape[2])
+        return dict(
+            positions=torch.from_numpy(positions).to(self.device),
+            sparse={g: blocks([state.block_ids[i] for _, state, _, _ in batch],
+                              f"block table of KV cache group {g}")
+                    for i, g in enumerate(self.sparse_groups)},
+            indexer={i: blocks([state.indexer_block_ids[i] for _, state, _, _ in batch],
+                               f"indexer block table {i}")
+                     for i in range(len(self.indexer_groups))})
 
     def _block_of(self, state: RequestState, group_index: int, pages: torch.Tensor,
                   step: int) -> torch.Tensor:
