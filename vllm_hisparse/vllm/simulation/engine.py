@@ -62,13 +62,13 @@ from vllm_hisparse.vllm.compat import (
 )
 from vllm_hisparse.vllm.kv_planning import host_page_bytes
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
-from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
 from vllm_hisparse.vllm.simulation.model import (
     dsa_layer_specs,
     kv_transfer_config,
     make_vllm_config,
     write_model_dir,
 )
+from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
 from vllm_hisparse.vllm.simulation.spec import (
     SAMPLED_TOKEN,
     RequestPlan,
