@@ -2,7 +2,10 @@
 
 ``kernels`` (GPU: resolve, gathers, page copies, host-pool layouts and page sizes against the
 link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
-vs hybrid residency under one HBM budget; a CPU smoke run otherwise) and ``reference`` (the
+vs hybrid residency under one HBM budget; a CPU smoke run otherwise), ``connector`` (the same
+through vLLM's scheduler, the connector's two roles and the attention hook, next to the no-IO
+oracle of the same run; needs vLLM), ``clustering`` (CPU: how a hot region's misses fall into
+4 KiB host pages per host-pool layout) and ``reference`` (the
 pure-torch resolve on the CPU). Without a target: ``kernels`` and ``capacity`` on a GPU,
 ``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
 (``vllm-hisparse bench kernels --quick --json k.json``; ``--help`` lists them).
@@ -14,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-TARGETS = ("kernels", "capacity", "reference")
+TARGETS = ("kernels", "capacity", "connector", "clustering", "reference")
 
 
 def add_parser(sub) -> None:

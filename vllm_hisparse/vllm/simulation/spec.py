@@ -53,7 +53,7 @@ class SimulationSpec:
     device: str = "cpu"
     ops_backend: str = "auto"
     attention: str = "direct"  # see ATTENTION_PATHS
-    check: bool = True
+    check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
     max_steps: int = 20_000
 
     def validate(self) -> None:
