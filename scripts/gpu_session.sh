@@ -4,12 +4,13 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh
+#   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker simulate bench capacity sanitize tp2}"
+STEPS="${STEPS:-build test worker simulate connector bench capacity sanitize tp2}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,17 +19,22 @@ SUMMARY="$OUT/summary.txt"
 t0=$(date +%s)
 note() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*" | tee -a "$SUMMARY"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-# The vLLM bundle for simulate (../shared/tools/gpu-vllm/README.md; carry .device/vbundle):
-# unpacked once into /tmp/vbundle; SIM runs `vllm-hisparse simulate` through it.
+
+# The vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle), unpacked once.
 BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
-SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
-UNPACKED=0
-unpack_bundle() {
+vbundle() {
   [[ -f "$BUNDLE" ]] || return 1
-  [[ $UNPACKED == 1 ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp && UNPACKED=1; }
+  [[ -f /tmp/vbundle/run_sim.py ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp; }
 }
 
 note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1); $($PY -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__,"cuda",torch.version.cuda)' 2>&1); $(nvcc --version | tail -1)"
+
+if [[ -n "${HUGEPAGES_GIB:-}" ]]; then
+  # Reserve 2 MiB hugetlb pages for the host pools of the steps below (HostPool takes them
+  # first when enough are free and logs what it got). Needs root; the page count is logged.
+  echo $(( HUGEPAGES_GIB * 512 )) > /proc/sys/vm/nr_hugepages 2>/dev/null
+  note "hugetlb: asked for $(( HUGEPAGES_GIB * 512 )) pages of 2 MiB: $(grep -E '^HugePages_(Total|Free)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
+fi
 
 if has build; then
   BUILD="${BUILD_DIR:-/tmp/hisparse_build}"
@@ -91,9 +97,10 @@ if has simulate; then
   # vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle). The default
   # simulate on the reference ops (CPU) and on the kernels (CUDA) must give identical counters;
   # then GPU-sized workloads (DeepSeek-V3.2 and GLM-5.2 geometry) too slow for the CPU.
-  if ! unpack_bundle; then
+  if ! vbundle; then
     note "simulate skipped: no vLLM bundle at $BUNDLE"
   else
+    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
     timeout 240 "${SIM[@]}" --device cpu --json "$OUT/sim_cpu.json" > "$OUT/sim_cpu.log" 2>&1
     note "simulate --device cpu rc=$?"
     timeout 240 "${SIM[@]}" --device cuda --ops-backend cuda --json "$OUT/sim_cuda.json" \
@@ -114,6 +121,20 @@ if has simulate; then
       rc=$?
       note "simulate $name (cuda) rc=$rc: $(grep -E '^exact|^MISMATCH|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-240)"
     done
+  fi
+fi
+
+if has connector; then
+  # Decode tokens/s through vLLM's scheduler, both connector roles and the attention hook,
+  # with and without the connector at one HBM budget, next to the no-IO oracle of the same
+  # run, per index geometry (docs/benchmarks.md, "Decode capacity through the connector").
+  if ! vbundle; then
+    note "connector skipped: no vLLM bundle at $BUNDLE"
+  else
+    timeout "${CONNECTOR_TIMEOUT:-420}" env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 \
+      $PY /tmp/vbundle/run_sim.py bench connector --json "$OUT/connector.json" \
+      ${CONNECTOR_ARGS:-} > "$OUT/connector.log" 2>&1
+    note "bench connector rc=$?: $(grep -E 'host pool:' "$OUT/connector.log" | head -n 1 | cut -c1-200)"
   fi
 fi
 
@@ -139,9 +160,10 @@ if has tp2; then
     note "tp2 bench tp-gather rc=$?"
     grep -E "^tp-gather|^pages|^\||^GB/s|^host memory|^exact|^NOT EXACT" "$OUT/tp2_gather.log" \
       | tee -a "$SUMMARY"
-    if ! unpack_bundle; then
+    if ! vbundle; then
       note "tp2 simulate skipped: no vLLM bundle at $BUNDLE"
     else
+      SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
       for pool in shared private; do
         shared=1; [[ $pool == private ]] && shared=0
         VLLM_HISPARSE_SHARED_HOST_POOL=$shared timeout 300 "${SIM[@]}" --device cuda \
@@ -180,6 +202,11 @@ cat "$SUMMARY"
 if has bench; then
   echo "---------------- bench ----------------"
   cat "$OUT/bench.log"
+fi
+if has connector; then
+  echo "---------------- decode through the connector ----------------"
+  sed -n '/ sparse layers x /,$p' "$OUT/connector.log" | grep -q . \
+    && sed -n '/ sparse layers x /,$p' "$OUT/connector.log" || tail -n 30 "$OUT/connector.log"
 fi
 if has capacity; then
   echo "---------------- decode capacity (position-major host pool) ----------------"

@@ -209,8 +209,8 @@ def test_wrong_row_in_a_shared_block_fails(monkeypatch, capsys):
 
     original = SyntheticModel.write_kv
 
-    def planting(self, batch, step):
-        original(self, batch, step)
+    def planting(self, batch, step, slots=None):
+        original(self, batch, step, slots)
         for rid, state, start, n in batch:
             if rid == "sim-1" and start <= 6 < start + n:
                 for g, _, view, stride in self.layers.values():

@@ -29,7 +29,6 @@ from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetri
 
 if TYPE_CHECKING:
     from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
-    from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
 
 #: Physical KV layout the split needs: groups of different page sizes share one
 #: pool only when the block is the outermost dimension.
@@ -118,8 +117,8 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
     @property
-    def worker_role(self) -> HiSparseWorkerRole:
-        """The worker-role implementation (tests and tools)."""
+    def worker_role(self) -> Any:
+        """The worker-role implementation, ``HiSparseWorkerRole`` (tests and tools)."""
         return self._worker
 
     # ------------------------------------------------------------------ worker role

@@ -54,7 +54,7 @@ class SimulationSpec:
     tensor_parallel_size: int = 1  # ranks; each with its worker role and device (ranks.py)
     ops_backend: str = "auto"
     attention: str = "direct"  # see ATTENTION_PATHS
-    check: bool = True
+    check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
     max_steps: int = 20_000
 
     def validate(self) -> None:
