@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
+import os
 import threading
 import warnings
 import weakref
@@ -239,6 +240,34 @@ class HostPool:
     def segment_path(self) -> str | None:
         """The shared segment's file (None for a private pool)."""
         return None if self._segment is None else self._segment.path
+
+    def memory_usage(self) -> dict:
+        """Host memory this pool holds in this process, measured, not derived from the
+        geometry (all in bytes; -1 where the kernel's files cannot be read):
+
+        * ``logical_bytes``: what this rank addresses;
+        * ``resident_bytes``: pages of the pool present in this process
+          (``shm_segment.resident_bytes``): the whole pool on every rank that maps it;
+        * ``pss_bytes``: this rank's proportional share: a private pool's resident bytes, a
+          shared mapping's Pss (``shm_segment.mapping_pss_bytes``: each page divided by its
+          mappers), so the ``pss_bytes`` of all ranks add up to the memory held once;
+        * ``segment_bytes``: pages allocated to the shared segment's file, counted once
+          however many ranks map it (-1 for a private pool);
+        * ``shared``: whether the pool is a shared segment."""
+        address = self.buffer.data_ptr()
+        resident = shm_segment.resident_bytes(address, self.total_bytes)
+        resident = -1 if resident is None else resident
+        if self._segment is None:
+            pss, segment_bytes = resident, -1
+        else:
+            pss = shm_segment.mapping_pss_bytes(address, self.total_bytes)
+            pss = -1 if pss is None else pss
+            try:
+                segment_bytes = os.fstat(self._segment.fd).st_blocks * 512
+            except OSError:
+                segment_bytes = -1
+        return {"logical_bytes": self.total_bytes, "resident_bytes": resident, "pss_bytes": pss,
+                "segment_bytes": segment_bytes, "shared": self._segment is not None}
 
     @classmethod
     def blocks_for_bytes(cls, pool_bytes: int, num_layers: int, block_size: int,

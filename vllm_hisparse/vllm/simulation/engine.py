@@ -62,6 +62,7 @@ from vllm_hisparse.vllm.compat import (
 )
 from vllm_hisparse.vllm.kv_planning import host_page_bytes
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
+from vllm_hisparse.vllm.simulation.ranks import RankThreads
 from vllm_hisparse.vllm.simulation.model import (
     dsa_layer_specs,
     kv_transfer_config,
@@ -124,6 +125,9 @@ class RunResult:
     indexer_rows_checked: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: With --tensor-parallel-size > 1: each rank's figures and host memory (``.ranks``);
+    #: ``rows_checked`` above then counts the rows of every rank.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def hot_hit_rate(self) -> float:
@@ -229,7 +233,8 @@ class SimulationEngine:
             self.model_dir, kv_transfer=kv_transfer_config(extra),
             max_model_len=spec.max_model_len, block_size=spec.block_size,
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-            device=("cuda" if spec.device.startswith("cuda") else "cpu"))
+            device=("cuda" if spec.device.startswith("cuda") else "cpu"),
+            tensor_parallel_size=spec.tensor_parallel_size)
 
     def _plan(self, vllm_config, num_blocks: int | None = None):
         spec = self.spec
@@ -291,7 +296,12 @@ class SimulationEngine:
             stack.enter_context(_worker_patches_restored())
             if not spec.device.startswith("cuda"):
                 stack.enter_context(cpu_direct_twin())
-            runner = _Run(self, label, vllm_config, full, sched_config, with_connector)
+            if spec.tensor_parallel_size == 1:
+                runner = _Run(self, label, vllm_config, full, sched_config, with_connector)
+            else:  # one model runner + worker per rank, each on its device and thread
+                runner = RankThreads(spec, vllm_config, lambda rank, device, config, leader: _Run(
+                    self, label, config, full, sched_config, with_connector, rank=rank,
+                    device=device, leader=leader))
             try:
                 return runner.execute()
             finally:
@@ -303,23 +313,33 @@ class _Run:
     counters."""
 
     def __init__(self, engine: SimulationEngine, label: str, vllm_config, full_config,
-                 sched_config, with_connector: bool):
-        spec = engine.spec
-        self.engine, self.spec, self.label = engine, spec, label
+                 sched_config, with_connector: bool, *, rank: int = 0,
+                 device: torch.device | None = None, leader: _Run | None = None):
+        # A tensor-parallel rank r > 0 (``leader`` given) is a model runner only: it shares
+        # rank 0's scheduler and runs the same steps on its own device (ranks.py).
+        spec = engine.spec if device is None else dataclasses.replace(engine.spec,
+                                                                       device=str(device))
+        self.engine, self.spec, self.label, self.rank = engine, spec, label, rank
         self.vllm_config = vllm_config
         self.with_connector = with_connector
         self.device = torch.device(spec.device)
         self.block_size = spec.block_size
         self.result = RunResult(with_connector=with_connector)
         self.num_groups = len(sched_config.kv_cache_groups)
-        init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(self.block_size, sha256)
-
-        scheduler_cls, _ = compat.scheduler_classes()
-        self.scheduler = scheduler_cls(
-            vllm_config=vllm_config, kv_cache_config=sched_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=self.block_size, log_stats=True)
+        #: Every rank's model runner (``_add``/``_release`` keep their request tables).
+        self.model_runners: list[_Run] = [self]
+        #: Runs one engine step's model execution; RankThreads replaces it on rank 0.
+        self.execute_model = self._forward
+        if leader is None:
+            init_none_hash(sha256)
+            self._hasher = get_request_block_hasher(self.block_size, sha256)
+            scheduler_cls, _ = compat.scheduler_classes()
+            self.scheduler = scheduler_cls(
+                vllm_config=vllm_config, kv_cache_config=sched_config,
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=self.block_size, log_stats=True)
+        else:
+            self.scheduler = leader.scheduler
 
         # The per-layer KV tensors vLLM's worker allocates for this plan, and the model.
         layout = compat.resolved_kv_cache_layout(vllm_config)
@@ -342,7 +362,7 @@ class _Run:
             self.residency = self.scheduler.connector.scheduler_role
         self.requests: dict[str, RequestState] = {}
         self.step = 0
-        self.probe = engine.probe
+        self.probe = engine.probe if rank == 0 else None  # it times rank 0's steps
         if self.probe is not None:
             bindings = tuple(getattr(group, BINDING_ATTR) for *_, group in self.model.units
                              ) if with_connector else ()
@@ -382,7 +402,7 @@ class _Run:
             running_sum += running
             result.preemptions += len(output.preempted_req_ids or ())
             try:
-                runner_output = self._forward(output)
+                runner_output = self.execute_model(output)
             except SimulationFailure:
                 raise
             except Exception as exc:  # noqa: BLE001 - every failure names its step
@@ -419,13 +439,15 @@ class _Run:
                           sampling_params=SamplingParams(max_tokens=plan.output_len,
                                                          ignore_eos=True),
                           pooling_params=None, block_hasher=self._hasher)
-        self.requests[plan.request_id] = RequestState(plan)
+        for runner in self.model_runners:
+            runner.requests[plan.request_id] = RequestState(plan)
         self.scheduler.add_request(request)
 
     def _release(self, rid: str) -> None:
-        state = self.requests.pop(rid, None)
-        if state is not None and self.model.truth is not None:
-            self.model.truth.release(state.plan.serial)
+        for runner in self.model_runners:
+            state = runner.requests.pop(rid, None)
+            if state is not None and runner.model.truth is not None:
+                runner.model.truth.release(state.plan.serial)
 
     # ------------------------------------------------------------------ the model runner
 

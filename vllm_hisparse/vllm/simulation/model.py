@@ -125,6 +125,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
     pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
     hybrid_kv_cache_manager: bool = True,
     kv_cache_layout: str | None = "BLHNC",
     device: str = "cpu",
@@ -150,7 +151,9 @@ def make_vllm_config(
         cache_config=CacheConfig(
             block_size=block_size, enable_prefix_caching=enable_prefix_caching
         ),
-        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        # TP > 1: vLLM's multiprocess executor ("mp") on one node, as it picks by default.
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
+                                       tensor_parallel_size=tensor_parallel_size),
         device_config=DeviceConfig(device),
         kv_transfer_config=kv_transfer,
     )
