@@ -17,10 +17,14 @@ def test_replay_prints_a_table_and_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     assert main(SMALL + ["--json", str(out), "--plot", str(png)]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0] == "| hot rows | hisparse | lru | fifo | random | current | belady |"
-    assert len(table.splitlines()) == 2 + 3
+    lines = table.splitlines()
+    assert lines[0] == ("| hot rows | hisparse | lru | fifo | random | current | belady | score "
+                        "| frequency |")
+    assert lines[6] == "share of the LRU (hisparse) -> Belady gap closed:"
+    assert lines[7] == "| hot rows | lru | fifo | random | current | score | frequency |"
+    assert len(lines) == 2 + 3 + 1 + 1 + 2 + 3
     data = json.loads(out.read_text())
-    assert len(data["results"]) == 6 * 3
+    assert len(data["results"]) == 8 * 3
     for capacity in (256, 512, 1024):
         rates = {r["policy"]: r["miss_rate"] for r in data["results"]
                  if r["capacity_rows"] == capacity}
@@ -37,6 +41,12 @@ def test_replay_reads_a_recorded_trace(tmp_path, capsys):
     assert main(["replay", "--trace", str(path), "--capacities", "3", "--policies", "belady",
                  "lru"]) == 0
     assert "| 3 |" in capsys.readouterr().out
+    # a recorded trace has no score classes: the score policy is skipped, and said so
+    assert main(["replay", "--trace", str(path), "--capacities", "3", "--policies", "score",
+                 "hisparse", "belady"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == "| hot rows | hisparse | belady |"
+    assert "skipped score: the trace has no score classes" in captured.err
 
 
 @pytest.mark.parametrize("argv,text", [
