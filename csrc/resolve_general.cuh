@@ -9,9 +9,10 @@
 //   B1     classify every selection and insert host-backed positions (64-bit entries:
 //          position | first reference); the hash index stays in a register
 //   B2     errors / fully resident exit; hit marking in slot order (ballots -> hit bitmask)
-//   B3     hits get their rows; hits per LRU chunk and first-reference misses: one barrier for
-//          both scans
-//   B4     victims = first M evictables; miss ranks stored in the hash
+//   B3     hits get their rows; hits, unleased slots (hot block -1) and, with eviction
+//          classes, evictables per class per LRU chunk, and first-reference misses: one
+//          barrier for the scans
+//   B4     victims = first M evictables in (class, LRU) order; miss ranks stored in the hash
 //   B5     misses' rows, slot_pos, miss plan; LRU rewrite from registers; counts, stats
 // Every check is done before the first write of hot state. A request that fails a check
 // writes out_rows = -1 and miss_count = 0 for its tokens and leaves slot_pos, lru and stats
@@ -90,12 +91,14 @@ struct GeneralCtl {
   int n_res;
   int n_hit_slots;
   int n_hit_pos;
+  int n_unleased;  // hot blocks of -1
   int cap_flag;
   int corrupt_flag;
-  int victim_flag;
   unsigned long long classify_err;  // position, host block
-  unsigned long long hit_err;       // hit / victim errors (duplicate slot, hot block)
-  int hits[kMaxWarps];                          // LRU hit counts per warp
+  unsigned long long hit_err;       // hit errors (duplicate slot, hot block)
+  int hits[kMaxWarps];                          // per warp: unleased << 16 | hits (LRU order)
+  unsigned evict[2][kMaxWarps];                 // per warp: evictables of classes 0|1, 2|3
+
   int misses[2][kRefsInRegs][kMaxWarps];        // first-reference misses per (u, warp)
 };
 
@@ -140,6 +143,16 @@ __device__ __forceinline__ int tab_find(const unsigned long long* tab, int cap, 
     if (++h == cap) h = 0;
   }
   return -1;
+}
+
+// Inclusive warp scan of two 16-bit counts packed in one word (unsigned: no sign overflow).
+__device__ __forceinline__ unsigned warp_inclusive_sum_u(unsigned v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned n = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += n;
+  }
+  return v;
 }
 
 __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned prio, int key,
@@ -307,9 +320,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     s.n_res = 0;
     s.n_hit_slots = 0;
     s.n_hit_pos = 0;
+    s.n_unleased = 0;
     s.cap_flag = 0;
     s.corrupt_flag = 0;
-    s.victim_flag = 0;
     s.classify_err = kNoError;
     s.hit_err = kNoError;
   }
@@ -477,11 +490,20 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       }
     }
   }
+  // Hot blocks of -1: their slots are never taken (a region of fewer blocks than D / bs).
+  int my_unleased = 0;
+  {
+    const int n_hb = D / bs;
+    for (int b = tid; b < n_hb; b += THREADS)
+      my_unleased += (n_hotb ? hotb[b] : __ldg(&p.hot_blocks[row_hb + b])) < 0;
+  }
   my_host = __reduce_add_sync(0xffffffffu, my_host);
   my_res = __reduce_add_sync(0xffffffffu, my_res);
+  my_unleased = __reduce_add_sync(0xffffffffu, my_unleased);
   if (lane == 0) {
     if (my_host) atomicAdd(&s.n_host, my_host);
     if (my_res) atomicAdd(&s.n_res, my_res);
+    if (my_unleased) atomicAdd(&s.n_unleased, my_unleased);
   }
   probe.mark(2);
   __syncthreads();  // ---- B2: the hash is complete --------------------------------------------
@@ -498,9 +520,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       report_err(p, s.classify_err, row, base);
       return;
     }
-    if (n_host > D) {
+    const int leased = D - s.n_unleased * bs;
+    if (n_host > leased) {
       fail_request(p, base, N, t, ntok);
-      if (tid == 0) record_error(p, kErrHotOverflow, row, n_host, D);
+      if (tid == 0) record_error(p, kErrHotOverflow, row, n_host, leased);
       return;
     }
     if (n_host == 0) {  // fully resident (or empty): the hot state is never touched
@@ -579,23 +602,43 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   if (probe.stops_at(4)) return;
 
   const int H = s.n_hit_slots;
-  const int E = D - H;
-  const int M = s.n_host - s.n_hit_pos;  // <= E: n_host <= D and no slot is duplicated
+  const int U = s.n_unleased * bs;  // unleased slots
+  const int E = D - H - U;          // evictable slots
+  const int M = s.n_host - s.n_hit_pos;  // <= E: n_host <= D - U and no slot is duplicated
   auto is_hit_slot = [&](int slot) { return (hitmask[slot >> 5] >> (slot & 31)) & 1u; };
   auto lru_slot = [&](int k) {
     return static_cast<int>((lru_w[k / 2] >> ((k & 1) * 16)) & 0xFFFFu);
   };
+  const uint8_t* const classes = p.slot_class != nullptr ? p.slot_class + row_d : nullptr;
+  auto class_of = [&](int slot) -> int {
+    if (classes == nullptr) return 0;
+    const int c = classes[slot];
+    return c < 3 ? c : 3;
+  };
 
-  // LRU order: hits per thread (its SPT consecutive LRU entries).
-  int my_hits = 0;
+  // LRU order, per thread (its SPT consecutive LRU entries): hits and unleased slots packed
+  // (unleased << 16 | hits: both <= D, and U < D here, so the sum stays below 2^31); with
+  // eviction classes the evictables per class, two 16-bit counts per word.
+  int my_pack = 0;
+  unsigned my_ev01 = 0, my_ev23 = 0;
   {
     bool corrupt = false;
 #pragma unroll
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
         const int slot = lru_slot(k);
-        if (slot >= D) corrupt = true;
-        else my_hits += is_hit_slot(slot);
+        if (slot >= D) {
+          corrupt = true;
+        } else if (is_hit_slot(slot)) {
+          my_pack += 1;
+        } else if (hot_block(slot) < 0) {
+          my_pack += 1 << 16;
+        } else if (classes != nullptr) {
+          const int c = class_of(slot);
+          const unsigned one = 1u << ((c & 1) * 16);
+          if (c < 2) my_ev01 += one;
+          else my_ev23 += one;
+        }
       }
     }
     if (corrupt) atomicExch(&s.corrupt_flag, 1);
@@ -617,9 +660,19 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     const int i = u * THREADS + tid;
     if (ref[u] >= 0 && hit_or_flag(i, ref[u])) flags |= 1u << u;
   }
-  // One barrier for two scans: hit ranks in LRU order, miss ranks in first-reference order.
-  const int incl_h = warp_inclusive_sum(my_hits, lane);
+  // One barrier for the scans: hit, unleased and per-class ranks in LRU order, miss ranks in
+  // first-reference order.
+  const int incl_h = warp_inclusive_sum(my_pack, lane);
   if (lane == 31) s.hits[warp] = incl_h;
+  unsigned incl_e01 = 0, incl_e23 = 0;
+  if (classes != nullptr) {
+    incl_e01 = warp_inclusive_sum_u(my_ev01, lane);
+    incl_e23 = warp_inclusive_sum_u(my_ev23, lane);
+    if (lane == 31) {
+      s.evict[0][warp] = incl_e01;
+      s.evict[1][warp] = incl_e23;
+    }
+  }
 #pragma unroll
   for (int u = 0; u < kRefsInRegs; ++u) {
     if (u >= nu0) break;
@@ -643,6 +696,11 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     }
     return;
   }
+  if (s.hit_err != kNoError) {  // a hit on a slot whose hot block is -1 (after CORRUPT_LRU)
+    fail_request(p, base, N, t, ntok);
+    report_err(p, s.hit_err, row, base);
+    return;
+  }
   // Warp-level second step of a scan over `nwarps` partials: (exclusive prefix of this
   // thread's warp, total).
   auto warp_prefix = [&](const int* parts, int& total) -> int {
@@ -651,29 +709,77 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     total = __shfl_sync(0xffffffffu, incl, 31);
     return __shfl_sync(0xffffffffu, incl - wt, warp);
   };
-  int total_hits;
-  const int hit_base = warp_prefix(s.hits, total_hits) + incl_h - my_hits;
+  int total_pack;
+  const int pack_base = warp_prefix(s.hits, total_pack) + incl_h - my_pack;
+  const int hit_base = pack_base & 0xFFFF;
+  const int unl_base = pack_base >> 16;
   const int first_j = j0 < D ? j0 : D;
-  const int ev_base = first_j - hit_base;
-  // Victims: the first M evictable slots in LRU order.
-  {
-    int e = ev_base;
-    bool no_block = false;
+  // Per class c: evictables before this thread's chunk (ev_pre), the class's first victim
+  // index (class_base) and how many of it are taken (quota). Victim order: (class, LRU).
+  int ev_pre[4] = {first_j - hit_base - unl_base, 0, 0, 0};
+  int class_base[4] = {0, 0, 0, 0};
+  int quota[4] = {M, 0, 0, 0};
+  if (classes != nullptr) {
+    auto prefix_u = [&](const unsigned* parts, unsigned& total) -> unsigned {
+      const unsigned wt = lane < nwarps ? parts[lane] : 0u;
+      const unsigned incl = warp_inclusive_sum_u(wt, lane);
+      total = __shfl_sync(0xffffffffu, incl, 31);
+      return __shfl_sync(0xffffffffu, incl - wt, warp);
+    };
+    unsigned tot01, tot23;
+    const unsigned pre01 = prefix_u(s.evict[0], tot01) + incl_e01 - my_ev01;
+    const unsigned pre23 = prefix_u(s.evict[1], tot23) + incl_e23 - my_ev23;
+    const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
+                          static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
+    ev_pre[0] = static_cast<int>(pre01 & 0xFFFFu);
+    ev_pre[1] = static_cast<int>(pre01 >> 16);
+    ev_pre[2] = static_cast<int>(pre23 & 0xFFFFu);
+    ev_pre[3] = static_cast<int>(pre23 >> 16);
+    int b = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      class_base[c] = b;
+      const int left = M - b;
+      quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
+      b += count[c];
+    }
+  }
+  // This thread's LRU entries in order: f(slot, new LRU position, victim index or -1). New
+  // order: [unleased] + [evictable not taken] + [taken, victim order] + [hits], each in old
+  // LRU order; victim i takes miss i.
+  auto walk = [&](auto&& f) {
+    int hh = hit_base, uu = unl_base;
+    int r[4] = {ev_pre[0], ev_pre[1], ev_pre[2], ev_pre[3]};
+    int ev_before = r[0] + r[1] + r[2] + r[3];
+    int taken_before = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) taken_before += r[c] < quota[c] ? r[c] : quota[c];
 #pragma unroll
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
         const int slot = lru_slot(k);
-        if (!is_hit_slot(slot)) {
-          if (e < M) {
-            victims[e] = static_cast<uint16_t>(slot);
-            if (hot_block(slot) < 0) no_block = true;
+        if (is_hit_slot(slot)) {
+          f(slot, U + E + hh++, -1);
+        } else if (hot_block(slot) < 0) {
+          f(slot, uu++, -1);
+        } else {
+          const int c = class_of(slot);
+          const int rank = r[c]++;
+          if (rank < quota[c]) {
+            const int v = class_base[c] + rank;
+            f(slot, U + E - M + v, v);
+            ++taken_before;
+          } else {
+            f(slot, U + ev_before - taken_before, -1);
           }
-          ++e;
+          ++ev_before;
         }
       }
     }
-    if (no_block) atomicExch(&s.victim_flag, 1);
-  }
+  };
+  walk([&](int slot, int, int v) {
+    if (v >= 0) victims[v] = static_cast<uint16_t>(slot);
+  });
   // Miss ranks of chunk 0; slot_of of a missed position becomes -2 - rank.
   int carry = 0;
   auto rank_flags = [&](unsigned fl, int nu, int buf, auto&& on_rank) {
@@ -754,21 +860,6 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       }
     }
   };
-  if (s.victim_flag || s.hit_err != kNoError) {
-    // A hit or a victim has no hot block: find the error the reference reports first
-    // (hits were submitted during hit marking), write nothing.
-    for_misses([&](int i, int h, int m) {
-      if (static_cast<int>(static_cast<unsigned>(tab[h])) == i) {
-        const int slot = victims[m];
-        if (hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, i, slot);
-      }
-    });
-    __syncthreads();
-    fail_request(p, base, N, t, ntok);
-    report_err(p, s.hit_err, row, base);
-    return;
-  }
-
   // ---- writes: misses (rows, slot_pos, plan), LRU, counts, stats ----------------------------
   for_misses([&](int i, int h, int m) {
     const int slot = victims[m];
@@ -785,24 +876,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       p.miss_dst[base + m] = r;
     }
   });
-  {  // [evictable not taken] + [taken, miss order] + [hits, old order]
-    int hh = hit_base;
-    int e = ev_base;
+  {  // [unleased] + [evictable not taken] + [taken, miss order] + [hits, old order]
     int16_t* lrow = p.lru + row_d;
-#pragma unroll
-    for (int k = 0; k < SPT; ++k) {
-      if (j0 + k < D) {
-        const int slot = lru_slot(k);
-        int newpos;
-        if (is_hit_slot(slot)) {
-          newpos = E + hh++;
-        } else {
-          newpos = e < M ? E - M + e : e - M;
-          ++e;
-        }
-        lrow[newpos] = static_cast<int16_t>(slot);
-      }
-    }
+    walk([&](int slot, int newpos, int) { lrow[newpos] = static_cast<int16_t>(slot); });
   }
   for (int j = tid; j < ntok; j += THREADS) {
     const long long c = static_cast<long long>(M) - static_cast<long long>(j) * K;
