@@ -711,14 +711,11 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   };
   int total_pack;
   const int pack_base = warp_prefix(s.hits, total_pack) + incl_h - my_pack;
-  const int hit_base = pack_base & 0xFFFF;
-  const int unl_base = pack_base >> 16;
   const int first_j = j0 < D ? j0 : D;
-  // Per class c: evictables before this thread's chunk (ev_pre), the class's first victim
-  // index (class_base) and how many of it are taken (quota). Victim order: (class, LRU).
-  int ev_pre[4] = {first_j - hit_base - unl_base, 0, 0, 0};
-  int class_base[4] = {0, 0, 0, 0};
-  int quota[4] = {M, 0, 0, 0};
+  // With eviction classes: evictables of classes 0|1 and 2|3 before this thread's chunk and
+  // in all (16-bit halves), kept packed across the barrier; the class plan is derived where
+  // it is used, so the LRU path keeps its register budget.
+  unsigned pre01 = 0, pre23 = 0, tot01 = 0, tot23 = 0;
   if (classes != nullptr) {
     auto prefix_u = [&](const unsigned* parts, unsigned& total) -> unsigned {
       const unsigned wt = lane < nwarps ? parts[lane] : 0u;
@@ -726,34 +723,49 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       total = __shfl_sync(0xffffffffu, incl, 31);
       return __shfl_sync(0xffffffffu, incl - wt, warp);
     };
-    unsigned tot01, tot23;
-    const unsigned pre01 = prefix_u(s.evict[0], tot01) + incl_e01 - my_ev01;
-    const unsigned pre23 = prefix_u(s.evict[1], tot23) + incl_e23 - my_ev23;
-    const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
-                          static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
-    ev_pre[0] = static_cast<int>(pre01 & 0xFFFFu);
-    ev_pre[1] = static_cast<int>(pre01 >> 16);
-    ev_pre[2] = static_cast<int>(pre23 & 0xFFFFu);
-    ev_pre[3] = static_cast<int>(pre23 >> 16);
-    int b = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      class_base[c] = b;
-      const int left = M - b;
-      quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
-      b += count[c];
-    }
+    pre01 = prefix_u(s.evict[0], tot01) + incl_e01 - my_ev01;
+    pre23 = prefix_u(s.evict[1], tot23) + incl_e23 - my_ev23;
   }
   // This thread's LRU entries in order: f(slot, new LRU position, victim index or -1). New
   // order: [unleased] + [evictable not taken] + [taken, victim order] + [hits], each in old
-  // LRU order; victim i takes miss i.
+  // LRU order; victim i takes miss i. Victims: the first M evictables in LRU order, with
+  // classes in (class, LRU) order.
   auto walk = [&](auto&& f) {
-    int hh = hit_base, uu = unl_base;
-    int r[4] = {ev_pre[0], ev_pre[1], ev_pre[2], ev_pre[3]};
-    int ev_before = r[0] + r[1] + r[2] + r[3];
-    int taken_before = 0;
+    int hh = pack_base & 0xFFFF, uu = pack_base >> 16;
+    if (classes == nullptr) {
+      int e = first_j - hh - uu;  // evictables before this chunk
 #pragma unroll
-    for (int c = 0; c < 4; ++c) taken_before += r[c] < quota[c] ? r[c] : quota[c];
+      for (int k = 0; k < SPT; ++k) {
+        if (j0 + k < D) {
+          const int slot = lru_slot(k);
+          if (is_hit_slot(slot)) {
+            f(slot, U + E + hh++, -1);
+          } else if (hot_block(slot) < 0) {
+            f(slot, uu++, -1);
+          } else {
+            f(slot, e < M ? U + E - M + e : U + e - M, e < M ? e : -1);
+            ++e;
+          }
+        }
+      }
+      return;
+    }
+    // Per class c: rank of the next evictable (r), first victim index (base), victims taken.
+    const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
+                          static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
+    int r[4] = {static_cast<int>(pre01 & 0xFFFFu), static_cast<int>(pre01 >> 16),
+                static_cast<int>(pre23 & 0xFFFFu), static_cast<int>(pre23 >> 16)};
+    int base[4], quota[4];
+    int ev_before = 0, taken_before = 0;
+#pragma unroll
+    for (int c = 0, b = 0; c < 4; ++c) {
+      base[c] = b;
+      const int left = M - b;
+      quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
+      b += count[c];
+      ev_before += r[c];
+      taken_before += r[c] < quota[c] ? r[c] : quota[c];
+    }
 #pragma unroll
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
@@ -766,7 +778,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
           const int c = class_of(slot);
           const int rank = r[c]++;
           if (rank < quota[c]) {
-            const int v = class_base[c] + rank;
+            const int v = base[c] + rank;
             f(slot, U + E - M + v, v);
             ++taken_before;
           } else {

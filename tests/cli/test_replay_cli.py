@@ -65,3 +65,25 @@ def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
         main(argv)
     assert info.value.code == 2
     assert text in capsys.readouterr().err
+
+
+def test_replay_adaptive_compares_fixed_and_per_request_sizes(tmp_path, capsys):
+    out = tmp_path / "a.json"
+    assert main(["replay", "--adaptive", "512", "--steps", "16", "--top-k", "256", "--context",
+                 "4096", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| hot region | target miss rate | miss rate | worst request |")
+    assert [line.split(" | ")[0] for line in lines[2:]] == [
+        "| fixed 384 rows", "| fixed 512 rows", "| fixed 640 rows", "| fixed 768 rows",
+        "| fixed 896 rows", "| fixed 1024 rows", "| adaptive, target 1 x",
+        "| adaptive, target 1.5 x"]
+    data = json.loads(out.read_text())
+    assert len(data["sizing"]) == 8 and data["sizing"][0]["concurrency"] > 0
+
+
+def test_replay_adaptive_rejects_a_size_off_the_block_grid(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--adaptive", "500", "--steps", "2", "--top-k", "256", "--context",
+              "4096"])
+    assert info.value.code == 2
+    assert "not a multiple of the trace's block size 64" in capsys.readouterr().err

@@ -93,9 +93,11 @@ class AdaptiveResult:
 
 
 def replay_adaptive(sets: Sequence[np.ndarray], config: HotSizingConfig,
-                    initial_blocks: int | None = None) -> AdaptiveResult:
+                    initial_blocks: int | None = None, sizer=None) -> AdaptiveResult:
     """Replay one request's selection sets through the kernel's policy (``hisparse``: LRU with
-    hit promotion) with a region resized by :class:`HotSizer` after every step.
+    hit promotion) with a region resized after every step by ``sizer`` (default: a
+    :class:`HotSizer` of ``config``; anything with ``blocks`` and ``observe(misses,
+    references)``).
 
     Slots are ``max_blocks * block_size``; slots of unleased blocks are empty, never taken, and
     lead the LRU order (DESIGN.md §4.1). Raises ValueError when a step selects more positions
@@ -103,7 +105,7 @@ def replay_adaptive(sets: Sequence[np.ndarray], config: HotSizingConfig,
     """
     bs = config.block_size
     num_slots = config.max_blocks * bs
-    sizer = HotSizer(config, initial_blocks)
+    sizer = HotSizer(config, initial_blocks) if sizer is None else sizer
     slot_pos = np.full(num_slots, -1, dtype=np.int64)
     lru = np.arange(num_slots, dtype=np.int64)
     slot_block = np.arange(num_slots) // bs
@@ -130,3 +132,73 @@ def replay_adaptive(sets: Sequence[np.ndarray], config: HotSizingConfig,
         new_blocks = sizer.observe(missing.shape[0], needed.shape[0])
         slot_pos[slot_block >= new_blocks] = -1  # a shrink empties the released blocks' slots
     return total
+
+
+@dataclasses.dataclass(frozen=True)
+class SizingRow:
+    """One line of :func:`compare_sizing`: a fixed region or the adaptive rule at a target."""
+
+    label: str
+    target_miss_rate: float | None  # None for a fixed region
+    miss_rate: float  # over every request
+    mean_blocks: float  # per request, averaged over requests and steps
+    worst_miss_rate: float  # of the request that misses most
+    fixed_blocks_same_worst: float | None = None  # the fixed size with the same worst rate
+
+
+def compare_sizing(requests: Sequence[Sequence[np.ndarray]], fixed_rows: int, block_size: int,
+                   target_scales: Sequence[float] = (1.0, 1.5),
+                   fixed_scales: Sequence[float] = (0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
+                   ) -> list[SizingRow]:
+    """Fixed regions of ``scale x fixed_rows`` (whole blocks) against the adaptive rule with
+    the target miss rate ``scale x`` the miss rate of the fixed ``fixed_rows`` region.
+
+    Adaptive regions start at ``fixed_rows`` and stay within ``[ceil(largest set / bs),
+    2 x fixed blocks]``. Each adaptive row names the fixed size whose worst request misses as
+    often as the adaptive rule's worst request (interpolated between the fixed sizes): a fixed
+    size must be provisioned for the request that drifts most.
+    """
+    from vllm_hisparse.core.replacement import replay_request
+
+    fixed_blocks = fixed_rows // block_size
+    largest = max((s.shape[0] for sets in requests for s in sets), default=1)
+    min_blocks = min(fixed_blocks, -(-largest // block_size))
+    rows, base_rate = [], None
+    for scale in sorted(set(fixed_scales) | {1.0}):
+        blocks = max(min_blocks, int(round(scale * fixed_blocks)))
+        per = [replay_request("hisparse", sets, blocks * block_size) for sets in requests]
+        refs = sum(r for _, r in per)
+        rate = sum(m for m, _ in per) / refs if refs else 0.0
+        if blocks == fixed_blocks:
+            base_rate = rate
+        rows.append(SizingRow(f"fixed {blocks * block_size} rows", None, rate, float(blocks),
+                              max((m / r for m, r in per if r), default=0.0)))
+    fixed = sorted(rows, key=lambda r: r.mean_blocks)
+    for scale in target_scales:
+        config = HotSizingConfig(block_size=block_size, min_blocks=min_blocks,
+                                 max_blocks=2 * fixed_blocks,
+                                 target_miss_rate=min(0.99, base_rate * scale))
+        results = [replay_adaptive(sets, config, initial_blocks=fixed_blocks)
+                   for sets in requests]
+        misses = sum(r.misses for r in results)
+        references = sum(r.references for r in results)
+        worst = max((r.miss_rate for r in results), default=0.0)
+        rows.append(SizingRow(
+            f"adaptive, target {scale:g} x", config.target_miss_rate,
+            misses / references if references else 0.0,
+            float(np.mean([r.mean_blocks for r in results])) if results else 0.0, worst,
+            _blocks_for_worst(fixed, worst)))
+    return rows
+
+
+def _blocks_for_worst(fixed: list[SizingRow], worst: float) -> float | None:
+    """Blocks a fixed region needs for its worst request to miss at most ``worst``: linear
+    between the fixed sizes measured (ascending), None past the largest."""
+    for a, b in zip(fixed, fixed[1:]):
+        if a.worst_miss_rate >= worst >= b.worst_miss_rate:
+            span = a.worst_miss_rate - b.worst_miss_rate
+            frac = (a.worst_miss_rate - worst) / span if span else 1.0
+            return a.mean_blocks + frac * (b.mean_blocks - a.mean_blocks)
+    if fixed and worst >= fixed[0].worst_miss_rate:
+        return fixed[0].mean_blocks
+    return None

@@ -266,6 +266,30 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
     return rec.trace()
 
 
+#: ``synthetic_trace`` overrides of the requests of the mixed trace: very stable, stable,
+#: default, drifting.
+MIXED_PROFILES = (
+    {"noise_weight": 0.15, "burst_rate": 0.0, "anchor_persistence": 0.998},
+    {"noise_weight": 0.3, "burst_rate": 0.02},
+    {},
+    {"noise_weight": 0.9, "burst_rate": 0.15},
+)
+
+
+def mixed_trace(num_steps: int = 300, top_k: int = 2048, context_tokens: int = 100_000,
+                seed: int = 0) -> SelectionTrace:
+    """Requests whose selections drift differently (``MIXED_PROFILES``: request i follows
+    profile i), for the per-request hot-size model (``core.hot_sizing``). No score classes."""
+    rec = TraceRecorder(top_k=top_k, block_size=64, source="synthetic-mixed", seed=seed,
+                        context_tokens=context_tokens)
+    for r, profile in enumerate(MIXED_PROFILES):
+        one = synthetic_trace(1, num_steps, top_k, context_tokens, seed + 10 + r,
+                              score_class_width=None, **profile)
+        for step, positions in enumerate(next(one.requests())[1]):
+            rec.add(r, step, positions)
+    return rec.trace()
+
+
 def _score_classes(score: np.ndarray, chosen: np.ndarray,
                    width_std: float) -> tuple[np.ndarray, np.ndarray]:
     """(positions, classes 1..NUM_SCORE_CLASSES-1) of the unselected positions close below the
