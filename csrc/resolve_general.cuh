@@ -24,6 +24,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -143,16 +144,6 @@ __device__ __forceinline__ int tab_find(const unsigned long long* tab, int cap, 
     if (++h == cap) h = 0;
   }
   return -1;
-}
-
-// Inclusive warp scan of two 16-bit counts packed in one word (unsigned: no sign overflow).
-__device__ __forceinline__ unsigned warp_inclusive_sum_u(unsigned v, int lane) {
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned n = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += n;
-  }
-  return v;
 }
 
 __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned prio, int key,
@@ -666,8 +657,8 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   if (lane == 31) s.hits[warp] = incl_h;
   unsigned incl_e01 = 0, incl_e23 = 0;
   if (classes != nullptr) {
-    incl_e01 = warp_inclusive_sum_u(my_ev01, lane);
-    incl_e23 = warp_inclusive_sum_u(my_ev23, lane);
+    incl_e01 = warp_inclusive_sum(my_ev01, lane);
+    incl_e23 = warp_inclusive_sum(my_ev23, lane);
     if (lane == 31) {
       s.evict[0][warp] = incl_e01;
       s.evict[1][warp] = incl_e23;
@@ -719,7 +710,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   if (classes != nullptr) {
     auto prefix_u = [&](const unsigned* parts, unsigned& total) -> unsigned {
       const unsigned wt = lane < nwarps ? parts[lane] : 0u;
-      const unsigned incl = warp_inclusive_sum_u(wt, lane);
+      const unsigned incl = warp_inclusive_sum(wt, lane);
       total = __shfl_sync(0xffffffffu, incl, 31);
       return __shfl_sync(0xffffffffu, incl - wt, warp);
     };
@@ -728,41 +719,36 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   }
   // This thread's LRU entries in order: f(slot, new LRU position, victim index or -1). New
   // order: [unleased] + [evictable not taken] + [taken, victim order] + [hits], each in old
-  // LRU order; victim i takes miss i. Victims: the first M evictables in LRU order, with
-  // classes in (class, LRU) order.
-  auto walk = [&](auto&& f) {
+  // LRU order; victim i takes miss i. Victims: the first M evictables in LRU order (one class),
+  // or in (class, LRU) order. Per class c: the rank of the thread's next evictable (r), the
+  // class's first victim index (base) and how many it gives (quota); indexed by constants
+  // only (a runtime index would put the arrays in local memory).
+  auto walk_impl = [&](auto with_classes, auto&& f) {
+    constexpr int C = decltype(with_classes)::value ? 4 : 1;
     int hh = pack_base & 0xFFFF, uu = pack_base >> 16;
-    if (classes == nullptr) {
-      int e = first_j - hh - uu;  // evictables before this chunk
+    int r[C], base[C], quota[C];
+    if constexpr (C == 1) {
+      r[0] = first_j - hh - uu;  // evictables before this chunk
+      base[0] = 0;
+      quota[0] = M;
+    } else {
+      const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
+                            static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
+      r[0] = static_cast<int>(pre01 & 0xFFFFu);
+      r[1] = static_cast<int>(pre01 >> 16);
+      r[2] = static_cast<int>(pre23 & 0xFFFFu);
+      r[3] = static_cast<int>(pre23 >> 16);
 #pragma unroll
-      for (int k = 0; k < SPT; ++k) {
-        if (j0 + k < D) {
-          const int slot = lru_slot(k);
-          if (is_hit_slot(slot)) {
-            f(slot, U + E + hh++, -1);
-          } else if (hot_block(slot) < 0) {
-            f(slot, uu++, -1);
-          } else {
-            f(slot, e < M ? U + E - M + e : U + e - M, e < M ? e : -1);
-            ++e;
-          }
-        }
+      for (int c = 0, b = 0; c < 4; ++c) {
+        base[c] = b;
+        const int left = M - b;
+        quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
+        b += count[c];
       }
-      return;
     }
-    // Per class c: rank of the next evictable (r), first victim index (base), victims taken.
-    const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
-                          static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
-    int r[4] = {static_cast<int>(pre01 & 0xFFFFu), static_cast<int>(pre01 >> 16),
-                static_cast<int>(pre23 & 0xFFFFu), static_cast<int>(pre23 >> 16)};
-    int base[4], quota[4];
     int ev_before = 0, taken_before = 0;
 #pragma unroll
-    for (int c = 0, b = 0; c < 4; ++c) {
-      base[c] = b;
-      const int left = M - b;
-      quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
-      b += count[c];
+    for (int c = 0; c < C; ++c) {
       ev_before += r[c];
       taken_before += r[c] < quota[c] ? r[c] : quota[c];
     }
@@ -775,11 +761,18 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
         } else if (hot_block(slot) < 0) {
           f(slot, uu++, -1);
         } else {
-          const int c = class_of(slot);
-          const int rank = r[c]++;
-          if (rank < quota[c]) {
-            const int v = base[c] + rank;
-            f(slot, U + E - M + v, v);
+          const int c = C == 1 ? 0 : class_of(slot);
+          int rank = 0, first = 0, q = 0;
+#pragma unroll
+          for (int x = 0; x < C; ++x) {
+            if (x == c) {
+              rank = r[x]++;
+              first = base[x];
+              q = quota[x];
+            }
+          }
+          if (rank < q) {
+            f(slot, U + E - M + first + rank, first + rank);
             ++taken_before;
           } else {
             f(slot, U + ev_before - taken_before, -1);
@@ -788,6 +781,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
         }
       }
     }
+  };
+  auto walk = [&](auto&& f) {
+    if (classes == nullptr) walk_impl(std::false_type{}, f);
+    else walk_impl(std::true_type{}, f);
   };
   walk([&](int slot, int, int v) {
     if (v >= 0) victims[v] = static_cast<uint16_t>(slot);
