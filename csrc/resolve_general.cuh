@@ -607,11 +607,27 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     return c < 3 ? c : 3;
   };
 
+  // With eviction classes: this thread's evictables (not hit, leased) per class, two 16-bit
+  // counts per word (classes 0|1, 2|3). Counted again where needed rather than kept live
+  // across barriers, so the LRU path keeps its register budget.
+  auto count_classes = [&](unsigned& ev01, unsigned& ev23) {
+    ev01 = ev23 = 0;
+#pragma unroll
+    for (int k = 0; k < SPT; ++k) {
+      if (j0 + k < D) {
+        const int slot = lru_slot(k);
+        if (slot < D && !is_hit_slot(slot) && hot_block(slot) >= 0) {
+          const int c = class_of(slot);
+          const unsigned one = 1u << ((c & 1) * 16);
+          if (c < 2) ev01 += one;
+          else ev23 += one;
+        }
+      }
+    }
+  };
   // LRU order, per thread (its SPT consecutive LRU entries): hits and unleased slots packed
-  // (unleased << 16 | hits: both <= D, and U < D here, so the sum stays below 2^31); with
-  // eviction classes the evictables per class, two 16-bit counts per word.
+  // (unleased << 16 | hits: both <= D, and U < D here, so the sum stays below 2^31).
   int my_pack = 0;
-  unsigned my_ev01 = 0, my_ev23 = 0;
   {
     bool corrupt = false;
 #pragma unroll
@@ -624,11 +640,6 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
           my_pack += 1;
         } else if (hot_block(slot) < 0) {
           my_pack += 1 << 16;
-        } else if (classes != nullptr) {
-          const int c = class_of(slot);
-          const unsigned one = 1u << ((c & 1) * 16);
-          if (c < 2) my_ev01 += one;
-          else my_ev23 += one;
         }
       }
     }
@@ -655,13 +666,14 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   // first-reference order.
   const int incl_h = warp_inclusive_sum(my_pack, lane);
   if (lane == 31) s.hits[warp] = incl_h;
-  unsigned incl_e01 = 0, incl_e23 = 0;
-  if (classes != nullptr) {
-    incl_e01 = warp_inclusive_sum(my_ev01, lane);
-    incl_e23 = warp_inclusive_sum(my_ev23, lane);
+  if (classes != nullptr) {  // (a corrupt lru value is skipped here and fails after B4)
+    unsigned ev01, ev23;
+    count_classes(ev01, ev23);
+    ev01 = warp_inclusive_sum(ev01, lane);
+    ev23 = warp_inclusive_sum(ev23, lane);
     if (lane == 31) {
-      s.evict[0][warp] = incl_e01;
-      s.evict[1][warp] = incl_e23;
+      s.evict[0][warp] = ev01;
+      s.evict[1][warp] = ev23;
     }
   }
 #pragma unroll
@@ -703,20 +715,20 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   int total_pack;
   const int pack_base = warp_prefix(s.hits, total_pack) + incl_h - my_pack;
   const int first_j = j0 < D ? j0 : D;
-  // With eviction classes: evictables of classes 0|1 and 2|3 before this thread's chunk and
-  // in all (16-bit halves), kept packed across the barrier; the class plan is derived where
-  // it is used, so the LRU path keeps its register budget.
-  unsigned pre01 = 0, pre23 = 0, tot01 = 0, tot23 = 0;
-  if (classes != nullptr) {
-    auto prefix_u = [&](const unsigned* parts, unsigned& total) -> unsigned {
+  // With eviction classes: the evictables of classes 0|1 and 2|3 before this thread's chunk
+  // (pre) and in all (tot), 16-bit halves; all threads call it (warp shuffles).
+  auto class_prefix = [&](unsigned& pre01, unsigned& pre23, unsigned& tot01, unsigned& tot23) {
+    auto prefix_u = [&](const unsigned* parts, unsigned mine, unsigned& total) -> unsigned {
       const unsigned wt = lane < nwarps ? parts[lane] : 0u;
       const unsigned incl = warp_inclusive_sum(wt, lane);
       total = __shfl_sync(0xffffffffu, incl, 31);
-      return __shfl_sync(0xffffffffu, incl - wt, warp);
+      return __shfl_sync(0xffffffffu, incl - wt, warp) + warp_inclusive_sum(mine, lane) - mine;
     };
-    pre01 = prefix_u(s.evict[0], tot01) + incl_e01 - my_ev01;
-    pre23 = prefix_u(s.evict[1], tot23) + incl_e23 - my_ev23;
-  }
+    unsigned ev01, ev23;
+    count_classes(ev01, ev23);
+    pre01 = prefix_u(s.evict[0], ev01, tot01);
+    pre23 = prefix_u(s.evict[1], ev23, tot23);
+  };
   // This thread's LRU entries in order: f(slot, new LRU position, victim index or -1). New
   // order: [unleased] + [evictable not taken] + [taken, victim order] + [hits], each in old
   // LRU order; victim i takes miss i. Victims: the first M evictables in LRU order (one class),
@@ -732,6 +744,8 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       base[0] = 0;
       quota[0] = M;
     } else {
+      unsigned pre01, pre23, tot01, tot23;
+      class_prefix(pre01, pre23, tot01, tot23);
       const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
                             static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
       r[0] = static_cast<int>(pre01 & 0xFFFFu);

@@ -32,7 +32,6 @@ import numpy as np
 POLICIES = ("hisparse", "lru", "fifo", "random", "current", "belady", "score", "frequency")
 #: Policies that need the trace's score classes.
 SCORED_POLICIES = ("score",)
-_HISTORY_STEPS = 32
 _EMPTY = -1
 _NEVER = np.iinfo(np.int64).max
 
@@ -63,11 +62,6 @@ def _next_uses(sets: Sequence[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
-def _victim_order(keys: np.ndarray) -> np.ndarray:
-    """Indices of the evictable entries (in LRU order) sorted by key, stable."""
-    return np.argsort(keys, kind="stable")
-
-
 def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
                    seed: int = 0, scores: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
                    ) -> tuple[int, int]:
@@ -88,7 +82,7 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
     order = np.full(capacity, _EMPTY, dtype=np.int64)  # least recent (or oldest) first
     next_use = np.full(capacity, _NEVER, dtype=np.int64)  # belady only, parallel to order
     future = _next_uses(sets) if policy == "belady" else None
-    if policy == "frequency":  # per position: last step selected, 32-step selection history
+    if policy == "frequency":  # per position: last step selected, 32-step history (bits)
         top = max((int(x[-1]) for x in sets if x.size), default=0) + 1
         last = np.zeros(top, dtype=np.int64)
         history = np.zeros(top, dtype=np.uint32)
@@ -122,7 +116,7 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
                 count = _popcount32(history[p])
                 keys[filled] = 2.0 * np.log2(1.0 + count) - (s - last[p])
             taken = np.zeros(evictable.shape[0], dtype=bool)
-            taken[_victim_order(keys)[:n]] = True
+            taken[np.argsort(keys, kind="stable")[:n]] = True  # lowest key, then LRU order
             order = np.concatenate([evictable[~taken], missing, order[hit]])
             if policy == "frequency":
                 held = order[order != _EMPTY]
