@@ -10,8 +10,8 @@
 // phase separately: 3-4x the instructions, measured with ncu). Only misses (and, with stats,
 // resident positions) go into a second, CAS-built table that detects repeats. Everything it
 // cannot decide alone (a multi-token run, a repeated miss, any error, a hot block of -1 in a
-// request with host-backed positions, an lru value outside [0, D), a launch with eviction
-// classes) is handed to resolve_general before the first global write, so the general path sees untouched state
+// request with host-backed positions, an lru value outside [0, D)) is handed to
+// resolve_general before the first global write, so the general path sees untouched state
 // and reports exactly what the reference twin reports.
 //
 //   entry  round trip 1: this token's selections, token_rows (t - 1, t + 1 and a contiguity
@@ -138,7 +138,6 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
   const long long base = static_cast<long long>(t) * K;
   const int i0 = tid * KPT;  // this thread's selections: i0 .. i0 + KPT - 1
   const int j0 = tid * SPT;  // this thread's slots and LRU entries: j0 .. j0 + SPT - 1
-  if (p.slot_class != nullptr) return true;  // eviction classes: the general path's victims
   if (probe.stops_at(1)) return false;
 
   // ---- round trip 1 -------------------------------------------------------------------------
@@ -466,7 +465,7 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_fast_kernel(const ResolveP
                                                                   const Probe probe) {
   if (resolve_fast<KPT, SPT, THREADS>(p, probe)) {
     probe.count_hand_off();
-    resolve_general<GSPT, THREADS>(p, probe);
+    resolve_general<GSPT, THREADS, false>(p, probe);  // never launched with slot_class
   }
 }
 

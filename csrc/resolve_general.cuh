@@ -156,8 +156,10 @@ __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned pri
 
 // The general path: any run length, any K and D, every error. resolve_general_kernel runs it
 // for a whole launch; resolve_fast_kernel hands it the requests that its fast path does not
-// take.
-template <int SPT, int THREADS, class Probe>
+// take. kClasses: the instantiation that orders victims by p.slot_class (a launch with classes
+// runs only it); without, the class code is not compiled in, so the fast kernel that inlines
+// this path keeps its register budget.
+template <int SPT, int THREADS, bool kClasses, class Probe>
 __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Probe& probe) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ GeneralCtl s;
@@ -600,7 +602,8 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   auto lru_slot = [&](int k) {
     return static_cast<int>((lru_w[k / 2] >> ((k & 1) * 16)) & 0xFFFFu);
   };
-  const uint8_t* const classes = p.slot_class != nullptr ? p.slot_class + row_d : nullptr;
+  const uint8_t* const classes =
+      kClasses && p.slot_class != nullptr ? p.slot_class + row_d : nullptr;
   auto class_of = [&](int slot) -> int {
     if (classes == nullptr) return 0;
     const int c = classes[slot];
@@ -797,8 +800,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     }
   };
   auto walk = [&](auto&& f) {
-    if (classes == nullptr) walk_impl(std::false_type{}, f);
-    else walk_impl(std::true_type{}, f);
+    if constexpr (kClasses) {
+      if (classes != nullptr) return walk_impl(std::true_type{}, f);
+    }
+    walk_impl(std::false_type{}, f);
   };
   walk([&](int slot, int, int v) {
     if (v >= 0) victims[v] = static_cast<uint16_t>(slot);
@@ -916,10 +921,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   probe.mark(6);
 }
 
-template <int SPT, int THREADS, class Probe>
+template <int SPT, int THREADS, bool kClasses, class Probe>
 __global__ void __launch_bounds__(THREADS, 1) resolve_general_kernel(const ResolveParams p,
                                                                      const Probe probe) {
-  resolve_general<SPT, THREADS>(p, probe);
+  resolve_general<SPT, THREADS, kClasses>(p, probe);
 }
 
 }  // namespace hisparse::resolve_detail

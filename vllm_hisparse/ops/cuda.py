@@ -187,7 +187,7 @@ def _launch_resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_p
         error=state.record.data_ptr(), error_host=state.host.data_ptr(), num_tokens=num_tokens,
         k=k, num_rows=num_rows, num_pages=num_pages, num_slots=slot_pos.shape[1],
         block_size=int(block_size))
-    if slot_class is not None:  # a request with a class goes to the general path
+    if slot_class is not None:  # the general kernel's class instantiation runs the launch
         params.slot_class = slot_class.data_ptr()
     with _on_device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
