@@ -2,7 +2,8 @@
 
 ``kernels`` (GPU: resolve, gathers, page copies, host-pool layouts and page sizes against the
 link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
-vs hybrid residency under one HBM budget; a CPU smoke run otherwise) and ``reference`` (the
+vs hybrid residency under one HBM budget; a CPU smoke run otherwise), ``graphs`` (GPU: a decode
+step through the attention hook, eager vs replayed as one CUDA graph) and ``reference`` (the
 pure-torch resolve on the CPU). Without a target: ``kernels`` and ``capacity`` on a GPU,
 ``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
 (``vllm-hisparse bench kernels --quick --json k.json``; ``--help`` lists them).
@@ -14,11 +15,11 @@ import argparse
 import importlib
 import sys
 
-TARGETS = ("kernels", "capacity", "reference")
+TARGETS = ("kernels", "capacity", "graphs", "reference")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="kernel, decode-capacity and reference benchmarks",
+    p = sub.add_parser("bench", help="kernel, decode-capacity, CUDA-graph step and reference benchmarks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", choices=TARGETS,
                    help="which benchmark (default: kernels + capacity on a GPU, else reference)")

@@ -227,6 +227,16 @@ class HotState:
         self._ops.gather_rows(host_layers, device_layers, result.miss_src, result.miss_dst,
                               result.miss_count)
 
+    def poll_errors(self) -> None:
+        """Raise the :class:`~vllm_hisparse.ops.ResolveError` a completed kernel launch
+        recorded, if any; never waits (a read of pinned memory). The op raises it at its next
+        call anyway; this is for launches replayed in a CUDA graph, which never call it."""
+        if self.device.type == "cuda" and self._ops.name != "reference":
+            from vllm_hisparse.ops import cuda as cuda_ops
+
+            if cuda_ops.available():
+                cuda_ops.poll_errors(self.device)
+
     def counters(self) -> tuple[int, int, int]:
         """Distinct (resident, hot hit, miss) selections counted so far (syncs on CUDA)."""
         resident, hit, miss = self.stats.tolist()
