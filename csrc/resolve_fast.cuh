@@ -10,7 +10,7 @@
 // phase separately: 3-4x the instructions, measured with ncu). Only misses go into a second,
 // CAS-built table that detects repeats. With stats, resident positions are counted without
 // atomics in the common case: before B1 every resident selection writes its index into its
-// position's cell of two direct-mapped tables (plain 16-bit stores, the last writer wins);
+// position's cell of two direct-mapped tables (relaxed 16-bit stores, the last one wins);
 // after B1 a position is counted by the selection its cell A names or, when cell A went to
 // another position, by the one its cell B names; only a selection whose position lost both
 // cells goes to the CAS table. Everything it cannot decide alone (a multi-token run, a
@@ -114,6 +114,14 @@ __device__ __forceinline__ void load_vec(int (&v)[N], const int32_t* src) {
       v[4 * q + 3] = a.w;
     }
   }
+}
+
+// A store that races with other threads' stores to the same cell on purpose (the last one
+// wins): relaxed at CTA scope, so no data race under the PTX memory model.
+__device__ __forceinline__ void store_relaxed(uint16_t* cell, int value) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(cell));
+  const unsigned short v = static_cast<unsigned short>(value);
+  asm volatile("st.relaxed.cta.shared.u16 [%0], %1;" ::"r"(s), "h"(v) : "memory");
 }
 
 // The second representative cell of a position: a multiplier independent of hash_index's.
@@ -256,8 +264,8 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
 #pragma unroll
     for (int u = 0; u < KPT; ++u) {
       if (i0 + u < K && q[u] >= 0 && q[u] < npos && rb[u] >= 0) {
-        rep_a[hash_index(q[u], kRepCells)] = static_cast<uint16_t>(i0 + u);
-        rep_b[rep_index_b(q[u], kRepCells)] = static_cast<uint16_t>(i0 + u);
+        store_relaxed(&rep_a[hash_index(q[u], kRepCells)], i0 + u);
+        store_relaxed(&rep_b[rep_index_b(q[u], kRepCells)], i0 + u);
       }
     }
   }

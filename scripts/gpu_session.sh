@@ -3,13 +3,14 @@
 # tests, compute-sanitizer (memcheck + racecheck) on a representative case, the kernel
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
-#   STEPS="build bench" bash scripts/gpu_session.sh
+#   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
+#   simulate bench capacity sanitize
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker simulate bench capacity sanitize}"
+STEPS="${STEPS:-build test worker graphs simulate bench capacity sanitize}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -56,6 +57,20 @@ if has worker; then
   rc=$?
   note "pytest -m gpu tests/worker rc=$rc: $(tail -n 1 "$OUT/pytest_worker.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_worker.log" | head -n 20 | tee -a "$SUMMARY"
+  # decode steps through the attention hook captured in CUDA graphs (imports no vLLM; the
+  # tests/vllm conftest does, hence --noconftest)
+  timeout 120 $PY -m pytest --noconftest -m gpu tests/vllm/test_cuda_graph_steps.py -q \
+    -p no:cacheprovider -rfE > "$OUT/pytest_graphs.log" 2>&1
+  rc=$?
+  note "pytest -m gpu tests/vllm/test_cuda_graph_steps.py rc=$rc: $(tail -n 1 "$OUT/pytest_graphs.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_graphs.log" | head -n 20 | tee -a "$SUMMARY"
+fi
+
+if has graphs; then
+  # a decode step through the attention hook, eager vs replayed as one CUDA graph
+  timeout 240 $PY -m vllm_hisparse.cli.main bench graphs --json "$OUT/graphs.json" \
+    ${GRAPHS_ARGS:-} > "$OUT/graphs.log" 2>&1
+  note "bench graphs rc=$?: $(tail -n 2 "$OUT/graphs.log" | tr '\n' ' ')"
 fi
 
 if has capacity; then

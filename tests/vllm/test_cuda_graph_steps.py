@@ -20,6 +20,7 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.graphs import GraphStepSpec, HookedDecodeStep
 from vllm_hisparse.ops import ResolveError, ResolveErrorCode
+from vllm_hisparse.worker.hot_state import HotState
 
 CPU_SPEC = GraphStepSpec(batch=6, requests=4, topk=32, hot_rows=64, block_size=16, context=512,
                          layers=4, index_group_layers=2, row_bytes=32, resident_every=4,
@@ -36,9 +37,8 @@ def step_buffers(rig: HookedDecodeStep) -> dict[str, int]:
     for g, state in enumerate(rig.states):
         for name in ("residency", "host_blocks", "hot_blocks", "slot_pos", "lru", "stats"):
             named[f"{name}{g}"] = getattr(state, name)
-        for key, result in state._buffers.items():
-            for field in dataclasses.fields(result):
-                named[f"{field.name}{g}{key}"] = getattr(result, field.name)
+        for field in dataclasses.fields(state._result):
+            named[f"{field.name}{g}"] = getattr(state._result, field.name)
     return {name: t.data_ptr() for name, t in named.items()}
 
 
@@ -60,11 +60,28 @@ def test_steps_keep_every_buffer_in_place_and_read_ground_truth():
             rig.step_view.end()
             assert rig.check_reads(step) > 0
         assert step_buffers(rig) == before
-        assert all(len(s._buffers) == 1 for s in rig.states)
+        assert all(not s._retired for s in rig.states)
         resident, hits, misses = rig.states[0].counters()
         assert resident > 0 and hits > 0 and misses > 0
     finally:
         rig.close()
+
+
+def test_one_output_storage_serves_every_batch_size():
+    """vLLM warms up and captures its graphs largest batch first: resolve's outputs for a
+    smaller batch are the first rows of the same storage. A larger batch later gets a new
+    storage; the old one is kept (graphs captured on it still write it)."""
+    state = HotState(2, 4, 16, 4)
+    topk = torch.full((8, 4), -1, dtype=torch.int32)
+    rows = torch.full((8,), -1, dtype=torch.int32)
+    big = state.resolve(topk, rows)
+    small = state.resolve(topk[:3], rows[:3])
+    assert small.out_rows.data_ptr() == big.out_rows.data_ptr() and small.out_rows.shape[0] == 3
+    assert small.miss_count.data_ptr() == big.miss_count.data_ptr() and not state._retired
+    grown = state.resolve(torch.full((9, 4), -1, dtype=torch.int32),
+                          torch.full((9,), -1, dtype=torch.int32))
+    assert grown.out_rows.data_ptr() != big.out_rows.data_ptr()
+    assert state._retired[0].out_rows.data_ptr() == big.out_rows.data_ptr()
 
 
 def test_forward_outside_a_step_is_inert():

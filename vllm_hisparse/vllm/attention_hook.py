@@ -51,7 +51,7 @@ CUDA graphs (``cudagraph_mode`` ``FULL_AND_PIECEWISE``, vLLM's default, or ``FUL
 captured forward replays the residency path whatever the step holds, so everything it reads
 per step lives in fixed device buffers of the :class:`StepView` (the step's real token count
 and the state row of every batch row), written before the replay by ``start_load_kv``, and
-every per-shape buffer is allocated by the eager warm-up vLLM runs before each capture. The
+resolve's output storage is allocated by the eager warm-up vLLM runs before each capture. The
 view is inert outside a step (every token padding: the resolver skips them all and the rows
 are vLLM's), so a capture, its warm-up and vLLM's dummy batches change no hot state. Padding
 tokens past the step's real count (vLLM maps them to batch row 0) and padding batch rows are
@@ -351,7 +351,7 @@ def uses_residency_path(binding: IndexGroupResidency) -> bool:
     * Outside a step: vLLM is capturing a CUDA graph, running the eager warm-up before a
       capture, or running a dummy batch (profiling, a data-parallel padding step). The view is
       inert, so the residency path resolves nothing and changes no state; it runs so that the
-      captured graph holds it and the warm-up allocates its per-shape buffers outside the
+      captured graph holds it and the warm-up allocates its output storage outside the
       capture.
     """
     step = binding.step
