@@ -20,6 +20,7 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.graphs import GraphStepSpec, HookedDecodeStep
 from vllm_hisparse.ops import ResolveError, ResolveErrorCode
+from vllm_hisparse.vllm.attention_hook import BINDING_ATTR
 from vllm_hisparse.worker.hot_state import HotState
 
 CPU_SPEC = GraphStepSpec(batch=6, requests=4, topk=32, hot_rows=64, block_size=16, context=512,
@@ -98,8 +99,8 @@ def test_forward_outside_a_step_is_inert():
         rig.forward()
         assert all(torch.equal(a, b) for a, b in zip(before, hot_state(rig)))
         assert all(torch.equal(a, b) for a, b in zip(kv, rig.kv))
-        for rows in rig.leader_rows():
-            assert (rows == -1).all()  # nothing resolved: every token took vLLM's row
+        for group, _ in rig.groups:  # nothing resolved: every token took vLLM's row
+            assert (getattr(group, BINDING_ATTR).leader_rows(CPU_SPEC.batch)[0] == -1).all()
         assert not rig.step_view.ready and (rig.step_view._table == -1).all()
     finally:
         rig.close()

@@ -141,6 +141,7 @@ class HookedDecodeStep:
                                         num_actual_tokens=spec.batch)
         self.reads = [torch.empty((spec.batch * K, spec.row_bytes), dtype=torch.uint8,
                                   device=dev) for _ in range(spec.layers)]
+        self.converted: list[torch.Tensor | None] = [None] * spec.layers
         self.plan = self._make_plan(vary_batch)
 
     def _make_plan(self, vary_batch: bool) -> list[StepInputs]:
@@ -203,13 +204,15 @@ class HookedDecodeStep:
             for index, layer in enumerate(layers):
                 rows, _ = hooked_conversion(group, original, index, self.topk, self.metadata,
                                             block_stride_rows=bs, return_valid_counts=True)
+                # In a capture these are the graph's output tensors: replays rewrite them.
+                self.converted[layer] = rows
                 flat = rows.reshape(-1).clamp_min(0).to(torch.int64)
                 torch.index_select(self.kv[layer], 0, flat, out=self.reads[layer])
 
-    def leader_rows(self) -> list[torch.Tensor]:
-        """This step's resolved rows of every index group (int32 [batch, K], copies)."""
-        return [getattr(group, BINDING_ATTR).leader_rows(self.spec.batch)[0].clone()
-                for group, _ in self.groups]
+    def step_rows(self) -> list[torch.Tensor]:
+        """The rows the step's leader layers converted to (int32 [batch, K], compacted;
+        copies), one tensor per index group."""
+        return [self.converted[layers[0]].clone() for _, layers in self.groups]
 
     def check_reads(self, step: int) -> int:
         """Every row the step's real tokens read equals its ground truth (compared on the
@@ -255,7 +258,7 @@ class HookedDecodeStep:
             if timed:
                 torch.cuda.synchronize(self.device)
                 times.append((time.perf_counter() - start) * 1e3)
-            rows.append(self.leader_rows())
+            rows.append(self.step_rows())
             if check:
                 self.check_reads(step)
         return rows, (statistics.median(times[1:] or times) if timed else None)
