@@ -18,7 +18,8 @@ The same steps run eagerly (every op launched from Python) and as one graph capt
 any step (where the view is inert) and replayed, from the same start state; the rows each step
 resolves must be identical. Printed: ms per step of both, for steps with host-backed requests
 and for all-FULL steps (eager takes vLLM's conversion alone there; the graph replays the
-residency path, which resolves nothing).
+residency path, which resolves nothing), and for the latter the same graph captured without
+the connector (what the inert path costs a replay).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_hisparse.cli.args import CliParser, output_path, positive_int
+from vllm_hisparse.cli.args import CliParser, nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.vllm.attention_hook import (BINDING_ATTR, IndexGroupResidency, StepView,
                                               compact_valid_to_front, hooked_conversion,
@@ -109,7 +110,7 @@ class HookedDecodeStep:
                 self.kv[l][r * P * bs:(r + 1) * P * bs] = truth
         self.step_view = StepView(spec.batch, dev, max_num_tokens=spec.batch)
         group_sizes = [spec.index_group_layers] * (spec.layers // spec.index_group_layers)
-        self.states, self.groups, first = [], [], 0
+        self.states, self.bindings, self.groups, first = [], [], [], 0
         for size in group_sizes:
             state = HotState(R, P, D, bs, dev)
             if self.states:  # one residency / host-block table per lane, as the worker role
@@ -120,6 +121,7 @@ class HookedDecodeStep:
                                           [self.kv[l] for l in layers],
                                           DeviceRowLayout(bs, bs), self.step_view)
             self.states.append(state)
+            self.bindings.append(binding)
             self.groups.append((SimpleNamespace(**{BINDING_ATTR: binding}), layers))
             first += size
         table = self.states[0]
@@ -233,11 +235,14 @@ class HookedDecodeStep:
                 checked += pos.numel()
         return checked
 
-    def run(self, mode: str, *, check: bool = False, timed: bool = False):
+    def run(self, mode: str, *, check: bool = False, timed: bool = False, stock: bool = False):
         """Every step of the plan, ``mode`` ``"eager"`` or ``"graph"`` (captured outside a
         step, after one eager warm-up forward there, then replayed); returns (resolved rows
-        of every step, ms per step when ``timed``)."""
+        of every step, ms per step when ``timed``). ``stock``: the index groups unbound
+        (vLLM without the connector; right only when every request is FULL)."""
         self.reset_hot_state()
+        for (group, _), binding in zip(self.groups, self.bindings):
+            setattr(group, BINDING_ATTR, None if stock else binding)
         graph = None
         if mode == "graph":
             self.forward()  # the warm-up vLLM runs before a capture: inert, allocates
@@ -282,8 +287,14 @@ def compare(spec: GraphStepSpec, *, all_full: bool) -> dict:
         graph_stats = [s.stats.tolist() for s in rig.states]
         same = all(torch.equal(a, b) for ea, ga in zip(eager_rows, graph_rows)
                    for a, b in zip(ea, ga)) and eager_stats == graph_stats
-        return dict(all_full=all_full, eager_ms=eager_ms, graph_ms=graph_ms,
-                    speedup=eager_ms / graph_ms, identical=same, stats=graph_stats)
+        result = dict(all_full=all_full, eager_ms=eager_ms, graph_ms=graph_ms,
+                      speedup=eager_ms / graph_ms, identical=same, stats=graph_stats)
+        if all_full:  # the same graph without the connector: what the inert path costs
+            stock_rows, result["stock_graph_ms"] = rig.run("graph", timed=True, stock=True)
+            result["identical"] = same and all(torch.equal(a, b) for sa, ga in
+                                               zip(stock_rows, graph_rows)
+                                               for a, b in zip(sa, ga))
+        return result
     finally:
         rig.close()
 
@@ -292,7 +303,8 @@ def main(argv=None) -> int:
     p = CliParser(prog="vllm-hisparse bench graphs", description=__doc__.splitlines()[0])
     defaults = GraphStepSpec()
     for field in dataclasses.fields(GraphStepSpec):
-        p.add_argument("--" + field.name.replace("_", "-"), type=positive_int,
+        p.add_argument("--" + field.name.replace("_", "-"),
+                       type=nonneg_int if field.name in ("full_every", "seed") else positive_int,
                        default=getattr(defaults, field.name))
     p.add_argument("--json", type=output_path)
     a = p.parse_args(argv)
@@ -309,8 +321,12 @@ def main(argv=None) -> int:
         r = compare(spec, all_full=all_full)
         results.append(r)
         what = "all FULL" if all_full else "host-backed requests"
+        stock = (f"  (graph without the connector {r['stock_graph_ms']:.3f})"
+                 if "stock_graph_ms" in r else "")
         print(f"{what:22s} eager {r['eager_ms']:7.3f}  graph {r['graph_ms']:7.3f}  "
-              f"x{r['speedup']:.2f}  rows identical: {r['identical']}", flush=True)
-    if a.json:
-        write_json(a.json, dict(spec=dataclasses.asdict(spec), results=results))
+              f"x{r['speedup']:.2f}  rows identical: {r['identical']}{stock}", flush=True)
+    if a.json and not write_json("--json", a.json, dict(spec=dataclasses.asdict(spec),
+                                                         results=results),
+                                 command="bench graphs"):
+        return 2
     return 0 if all(r["identical"] for r in results) else 1
