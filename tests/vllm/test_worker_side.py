@@ -493,7 +493,7 @@ def test_forward_outside_a_step_changes_nothing(model_dir):
     with pytest.raises(RuntimeError, match="has_sync_kv_loads"):
         group.convert_logical_to_physical_topk(0, topk, md, block_stride_rows=None,
                                                return_valid_counts=False)
-    rig.role.clear_step_metadata()
+    rig.role.bind_step_metadata(False)
     rig.role.shutdown()
 
 

@@ -128,7 +128,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         if self._worker is not None:
-            self._worker.clear_step_metadata()
+            self._worker.bind_step_metadata(False)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM MRV2 passes request_ids, scheduler_output, attn_metadata, ...: the worker

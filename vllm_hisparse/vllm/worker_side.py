@@ -364,17 +364,12 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._stats.add(steps=1)
         self._in_step = True
 
-    def bind_step_metadata(self) -> None:
-        """vLLM bound this step's connector metadata: a forward that runs before
-        ``start_load_kv`` is an error (see ``attention_hook.uses_residency_path``)."""
+    def bind_step_metadata(self, bound: bool = True) -> None:
+        """vLLM bound (``bound``) or cleared this step's connector metadata. While bound, a
+        forward before ``start_load_kv`` is an error; forwards outside (graph capture, its
+        warm-up, dummy batches) see an inert step view (``attention_hook.uses_residency_path``)."""
         if self.step_view is not None:
-            self.step_view.bound = True
-
-    def clear_step_metadata(self) -> None:
-        """vLLM cleared the step's metadata: forwards until the next bind are vLLM's own
-        (graph capture and its warm-up, dummy batches) and see an inert step view."""
-        if self.step_view is not None:
-            self.step_view.bound = False
+            self.step_view.bound = bound
 
     def wait_for_save(self) -> None:
         """After the forward: launch sealed-page spills and the mirror of written rows."""
@@ -527,9 +522,8 @@ class HiSparseWorkerRole(WorkerHostPrefix):
 
     @staticmethod
     def _num_real_tokens(num_tokens: Any, scheduler_output: Any) -> int | None:
-        """The step's tokens before CUDA-graph padding: MRV2's ``num_tokens`` argument, else
-        the scheduler output's total, else unknown."""
-        if num_tokens is None and scheduler_output is not None:
+        """Tokens before CUDA-graph padding: MRV2's ``num_tokens``, else the scheduler total."""
+        if num_tokens is None:
             num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         return None if num_tokens is None else int(num_tokens)
 
