@@ -14,7 +14,8 @@ profiles the general kernel alone.
 replays): the default launch (fast path) cold / warm L2, the general kernel alone cold, and the
 launch with eviction classes (``slot_class``, random classes 0..3: the general path) cold, at
 ``--batches``, plus the cumulative time to each stop point at batch 64 (a quick check inside
-a short device lease). ``benchmarks/ncu_phases.py`` reads an ncu source export of the
+a short device lease). ``--resident`` times the same batches with every page resident (FULL
+requests: the resolve only maps rows and counts them), with and without the stats counters. ``benchmarks/ncu_phases.py`` reads an ncu source export of the
 profile (instructions and stall reasons per barrier-delimited phase).
 """
 
@@ -27,7 +28,8 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.kernels import (GENERAL_ONLY, check_resolve, flush_l2,
                                                   graph_time_resolve, make_resolve_sets,
-                                                  reset_hot_state, resolve_args)
+                                                  reset_hot_state, resolve_args,
+                                                  time_all_resident)
 from vllm_hisparse.ops import probe
 
 
@@ -40,6 +42,8 @@ def main() -> int:
     ap.add_argument("--general-only", action="store_true",
                     help="launch the general kernel for every request (probe.resolve)")
     ap.add_argument("--time", action="store_true", help="print a timing table instead")
+    ap.add_argument("--resident", action="store_true",
+                    help="with --time: every page resident, with and without stats")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     a = ap.parse_args()
     if a.time:
@@ -59,6 +63,14 @@ def main() -> int:
 
 
 def time_table(a) -> int:
+    if a.resident:
+        print("resolve, every page resident, D 4096, µs per launch: with stats cold / warm, "
+              "without stats cold / warm", flush=True)
+        for r in time_all_resident(a.batches, iters=24):
+            print(f"batch {r['batch']:4d}: {r['us_stats']:5.1f} / {r['us_stats_warm_l2']:5.1f}   "
+                  f"without {r['us_no_stats']:5.1f} / {r['us_no_stats_warm_l2']:5.1f}",
+                  flush=True)
+        return 0
     print(f"resolve, D {a.slots}, miss {a.miss:.0%}, µs per launch: default (fast path) cold / "
           "warm, general kernel alone cold, with eviction classes cold", flush=True)
     for B in a.batches:

@@ -7,17 +7,22 @@
 // slots in buckets of 4 entries: a slot claims an entry with one atomic add on its bucket's
 // fill count, and a selection reads its bucket with one 16-byte load, so neither side runs a
 // probe loop (per-lane probe loops split warps into groups that then ran the rest of the
-// phase separately: 3-4x the instructions, measured with ncu). Only misses (and, with stats,
-// resident positions) go into a second, CAS-built table that detects repeats. Everything it
-// cannot decide alone (a multi-token run, a repeated miss, any error, a hot block of -1 in a
-// request with host-backed positions, an lru value outside [0, D)) is handed to
-// resolve_general before the first global write, so the general path sees untouched state
-// and reports exactly what the reference twin reports.
+// phase separately: 3-4x the instructions, measured with ncu). Only misses go into a second,
+// CAS-built table that detects repeats. With stats, resident positions are counted without
+// atomics in the common case: before B1 every resident selection writes its index into its
+// position's cell of two direct-mapped tables (relaxed 16-bit stores, the last one wins);
+// after B1 a position is counted by the selection its cell A names or, when cell A went to
+// another position, by the one its cell B names; only a selection whose position lost both
+// cells goes to the CAS table. Everything it cannot decide alone (a multi-token run, a
+// repeated miss, any error, a hot block of -1 in a request with host-backed positions, an lru
+// value outside [0, D)) is handed to resolve_general before the first global write, so the
+// general path sees untouched state and reports exactly what the reference twin reports.
 //
 //   entry  round trip 1: this token's selections, token_rows (t - 1, t + 1 and a contiguity
 //          scan); round trip 2: slot_pos and lru of the request into registers, the page rows
 //          of each selection, the hot_blocks row; the tables cleared meanwhile
-//   B0     slot positions inserted (position -> slot)
+//   B0     slot positions inserted (position -> slot); with stats, representative cells of
+//          resident selections stored
 //   B1     selections classified: resident row, hit (bucket read; hit bit set), or miss
 //          (repeat check in the miss table)
 //   B2     (barrier-or: any host-backed?) hand-off check; fully resident exit; rows of
@@ -78,7 +83,11 @@ struct FastPlan {
   static constexpr size_t kHitmask = kMiss + 4ull * kMissCap;
   static_assert(4 * kMissCap >= 2 * kMaxD, "the miss table's space holds the new LRU order");
   static constexpr size_t kVictims = kHitmask + 4ull * (kMaxD / 32);
-  static constexpr size_t kHotb = kVictims + ((2ull * kMaxK + 15) & ~15ull);
+  // two tables of representative cells (uint16 selection index; stats only), load <= 1/2
+  static constexpr int kRepCells = 2 * kMaxK;
+  static constexpr size_t kRepA = kVictims + ((2ull * kMaxK + 15) & ~15ull);
+  static constexpr size_t kRepB = kRepA + 2ull * kRepCells;
+  static constexpr size_t kHotb = kRepB + 2ull * kRepCells;
   // then the staged residency and host_blocks rows (16-byte aligned), when staged
   __host__ __device__ static constexpr size_t stage_offset(int hot_blocks) {
     return kHotb + ((4ull * hot_blocks + 15) & ~15ull);
@@ -107,6 +116,20 @@ __device__ __forceinline__ void load_vec(int (&v)[N], const int32_t* src) {
   }
 }
 
+// A store that races with other threads' stores to the same cell on purpose (the last one
+// wins): relaxed at CTA scope, so no data race under the PTX memory model.
+__device__ __forceinline__ void store_relaxed(uint16_t* cell, int value) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(cell));
+  const unsigned short v = static_cast<unsigned short>(value);
+  asm volatile("st.relaxed.cta.shared.u16 [%0], %1;" ::"r"(s), "h"(v) : "memory");
+}
+
+// The second representative cell of a position: a multiplier independent of hash_index's.
+__device__ __forceinline__ int rep_index_b(int key, int cap) {
+  return static_cast<int>(__umulhi(static_cast<unsigned>(key) * 0x85EBCA77u,
+                                   static_cast<unsigned>(cap)));
+}
+
 // Returns true when the request must go to resolve_general (nothing written yet; the answer
 // is the same on every thread of the CTA).
 template <int KPT, int SPT, int THREADS, class Probe>
@@ -124,6 +147,9 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
   uint32_t* hitmask = reinterpret_cast<uint32_t*>(smem_raw + Plan::kHitmask);
   uint16_t* victims = reinterpret_cast<uint16_t*>(smem_raw + Plan::kVictims);
   int* hotb = reinterpret_cast<int*>(smem_raw + Plan::kHotb);
+  uint16_t* rep_a = reinterpret_cast<uint16_t*>(smem_raw + Plan::kRepA);
+  uint16_t* rep_b = reinterpret_cast<uint16_t*>(smem_raw + Plan::kRepB);
+  constexpr int kRepCells = Plan::kRepCells;
 
   const int t = blockIdx.x;
   const int tid = threadIdx.x;
@@ -225,6 +251,24 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
   __syncthreads();  // ---- B0: tables clear, control block, hot blocks ---------------------
   if (probe.stops_at(2)) return false;
 
+  if (n_stage) {
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      const bool in = q[u] >= 0 && q[u] < npos;
+      rb[u] = in ? sres[q[u] >> bs_shift] : -1;
+      hk[u] = in ? shb[q[u] >> bs_shift] : -1;
+    }
+  }
+  const bool with_stats = p.stats != nullptr;
+  if (with_stats) {  // representative cells of resident selections (read after B1)
+#pragma unroll
+    for (int u = 0; u < KPT; ++u) {
+      if (i0 + u < K && q[u] >= 0 && q[u] < npos && rb[u] >= 0) {
+        store_relaxed(&rep_a[hash_index(q[u], kRepCells)], i0 + u);
+        store_relaxed(&rep_b[rep_index_b(q[u], kRepCells)], i0 + u);
+      }
+    }
+  }
   {
     int fl = other ? kHandRun : 0;
     if (tid < n_hotb && hbv < 0) fl |= kHandHotBlock;
@@ -254,20 +298,11 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
   if (probe.stops_at(3)) return false;
 
   // ---- classify -------------------------------------------------------------------------------
-  if (n_stage) {
-#pragma unroll
-    for (int u = 0; u < KPT; ++u) {
-      const bool in = q[u] >= 0 && q[u] < npos;
-      rb[u] = in ? sres[q[u] >> bs_shift] : -1;
-      hk[u] = in ? shb[q[u] >> bs_shift] : -1;
-    }
-  }
-  const bool with_stats = p.stats != nullptr;
   int res[KPT];  // out row (resident, hit, -1 for padding); a miss's page host row
   unsigned miss_bits = 0;
   bool any_host = false;
   {
-    int fl = 0;
+    int fl = 0, my_res = 0;
     bool look[KPT], to_miss[KPT];
     int mkey[KPT];
 #pragma unroll
@@ -282,10 +317,27 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
         fl |= kHandCheck;
         continue;
       }
-      if (rb[u] >= 0) {  // resident: its row; with stats, counted once (the miss table)
+      if (rb[u] >= 0) {  // resident: its row; with stats, counted once
         res[u] = static_cast<int>(static_cast<unsigned>(rb[u]) * bs + (qq & (bs - 1)));
-        to_miss[u] = with_stats;
-        mkey[u] = static_cast<int>(static_cast<unsigned>(qq) | 0x80000000u);
+        if (with_stats) {
+          // Cell A names this selection: it counts the position. Cell A names another
+          // selection of the same position: that one counts. Otherwise cell A went to another
+          // position, and cell B decides the same way; a selection that lost both cells to
+          // other positions is counted through the CAS table (tagged, so never a miss key).
+          const int me = i0 + u;
+          const int a = rep_a[hash_index(qq, kRepCells)];
+          if (a == me) {
+            ++my_res;
+          } else if (__ldg(&p.topk[base + a]) != qq) {
+            const int b = rep_b[rep_index_b(qq, kRepCells)];
+            if (b == me) {
+              ++my_res;
+            } else if (__ldg(&p.topk[base + b]) != qq) {
+              to_miss[u] = true;
+              mkey[u] = static_cast<int>(static_cast<unsigned>(qq) | 0x80000000u);
+            }
+          }
+        }
         continue;
       }
       if (hk[u] < 0) {
@@ -323,8 +375,7 @@ __device__ __forceinline__ bool resolve_fast(const ResolveParams& p, const Probe
       }
     }
     // Repeats: a repeated miss is handed over (its first reference decides its rank); a
-    // repeated resident position is counted once.
-    int my_res = 0;
+    // resident position that lost its representative cells is counted once.
 #pragma unroll
     for (int u = 0; u < KPT; ++u) {
       if (!to_miss[u]) continue;

@@ -19,8 +19,9 @@ def test_reference_target_runs_and_writes_json(tmp_path, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
-def test_kernels_target_says_it_needs_a_gpu(capsys):
-    assert main(["bench", "kernels"]) == 2
+@pytest.mark.parametrize("target", ["kernels", "graphs"])
+def test_gpu_targets_say_they_need_a_gpu(capsys, target):
+    assert main(["bench", target]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
 
 

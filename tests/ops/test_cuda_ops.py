@@ -510,6 +510,71 @@ def test_resolve_fast_path_takes_single_token_requests(num_slots):
         case = distinct_rows(case)
 
 
+def rep_cell(position: int, multiplier: int, cells: int = 4096) -> int:
+    """A resident position's representative cell in the fast path (resolve_fast.cuh:
+    hash_index with 0x9E3779B1 for table A, rep_index_b with 0x85EBCA77 for table B; both
+    tables have 2 * 2048 cells in every instantiation)."""
+    return (((position * multiplier) & 0xFFFFFFFF) * cells) >> 32
+
+
+def colliding_resident_case(rng: random.Random, with_host: bool) -> tuple[ResolveCase, int]:
+    """One K = 2048 token whose resident positions fight over representative cells: whole
+    A cells (16 positions each) with, for each, 8 positions sharing its B cell (most of them
+    lose both cells and are counted through the CAS table), every pair of positions sharing
+    both cells, and repeats of resident positions up to K. ``with_host``: odd pages are
+    host-backed instead (distinct host selections, half of them hot hits). Returns the case
+    and its number of distinct resident positions."""
+    bs, P, K, D = 64, 1024, 2048, 4096
+    by_a, by_b, by_ab = {}, {}, {}
+    for p in range(P * bs):
+        a, b = rep_cell(p, 0x9E3779B1), rep_cell(p, 0x85EBCA77)
+        by_a.setdefault(a, []).append(p)
+        by_b.setdefault(b, []).append(p)
+        by_ab.setdefault((a, b), []).append(p)
+    chosen = []
+    for cell in rng.sample(sorted(by_a), 6):
+        for p in by_a[cell]:
+            chosen += [p] + by_b[rep_cell(p, 0x85EBCA77)][:8]
+    chosen += [p for group in by_ab.values() if len(group) > 1 for p in group]
+    chosen = list(dict.fromkeys(chosen))[:1400]
+    host_page = (lambda p: (p // bs) % 2 == 1) if with_host else (lambda p: False)
+    resident = [p for p in chosen if not host_page(p)]
+    host = [p for p in chosen if host_page(p)][:D // 2]
+    row = resident + host + [rng.choice(resident) for _ in range(K - len(resident) - len(host))]
+    rng.shuffle(row)
+    R = 3
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    pages = torch.arange(P)
+    residency = torch.randperm(R * P, generator=g).reshape(R, P).to(torch.int32)
+    residency[1][(pages % 2 == 1) if with_host else torch.zeros(P, dtype=torch.bool)] = -1
+    host_blocks = torch.randperm(R * P, generator=g).reshape(R, P).to(torch.int32)
+    hot_blocks = (torch.arange(R * (D // bs), dtype=torch.int32).reshape(R, -1) + R * P)
+    slot_pos = torch.full((R, D), -1, dtype=torch.int32)
+    held = torch.tensor(host[::2], dtype=torch.int32)
+    slot_pos[1, torch.randperm(D, generator=g)[:held.numel()]] = held
+    lru = torch.stack([torch.randperm(D, generator=g) for _ in range(R)]).to(torch.int16)
+    case = ResolveCase(torch.tensor([row], dtype=torch.int32), i32([1]), residency,
+                       host_blocks, hot_blocks, slot_pos, lru, bs)
+    return case, len(resident)
+
+
+@pytest.mark.parametrize("with_host", [False, True])
+def test_resolve_counts_resident_positions_once_whatever_their_cells(with_host):
+    """The fast path counts resident positions through representative cells, the CAS table
+    only for positions that lost both cells: positions crowding one cell, pairs sharing both
+    cells, every resident position repeated. Stats (and everything else) equal the
+    reference, and nothing is handed to the general path."""
+    if not fast_path_launched(2048, 4096, 64, 1024):
+        pytest.skip("no fast path in this thread configuration")
+    rng = random.Random(61 + with_host)
+    for trial in range(3):
+        case, num_resident = colliding_resident_case(rng, with_host)
+        ref, gpu, handed = run_counted(case)
+        assert_same(ref, gpu, f"trial {trial}")
+        assert handed == 0
+        assert int(gpu["stats"][0]) == num_resident
+
+
 def fast_path_launched(k: int, num_slots: int, block_size: int, num_pages: int) -> bool:
     return bool(cuda_ops.resolve_launch_info(1, k, num_slots, block_size, num_pages,
                                              tuning=TUNING)["fast_path"])

@@ -348,20 +348,29 @@ def test_decode_context_parallel_rejected(dsa_model_dir):
         resolve_config(vllm_config)
 
 
-@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
-def test_full_cudagraphs_rejected(dsa_model_dir, mode):
-    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
-    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
-    with pytest.raises(HiSparseConfigError,
-                       match=f"cudagraph_mode={mode}; accepted: PIECEWISE or NONE"):
-        resolve_config(vllm_config)
-
-
-@pytest.mark.parametrize("mode", ["PIECEWISE", "NONE"])
-def test_piecewise_or_no_cudagraphs_accepted(dsa_model_dir, mode):
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY",
+                                  "PIECEWISE", "NONE"])
+def test_every_cudagraph_mode_accepted(dsa_model_dir, mode):
+    """vLLM's default FULL_AND_PIECEWISE included: captured forwards read each step's values
+    from fixed buffers (attention_hook.py; tests/vllm/test_cuda_graph_steps.py)."""
     vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
     vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
     resolve_config(vllm_config)
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL", "FULL_DECODE_ONLY"])
+def test_trace_recording_with_full_cudagraphs_rejected(dsa_model_dir, mode, tmp_path):
+    path = str(tmp_path / "trace.npz")
+    vllm_config = make_vllm_config(dsa_model_dir,
+                                   kv_transfer=kv_transfer_config({"host_pool_gib": 4,
+                                                                "record_trace": path}))
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    with pytest.raises(HiSparseConfigError,
+                       match=rf"record_trace cannot record steps replayed in full CUDA graphs "
+                             rf"\(cudagraph_mode={mode}\); accepted: cudagraph_mode PIECEWISE"):
+        resolve_config(vllm_config)
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert resolve_config(vllm_config).record_trace == path
 
 
 def test_v1_model_runner_rejected(dsa_model_dir, monkeypatch):

@@ -27,6 +27,9 @@ class _RecordingWorkerRole:
     def register_kv_caches(self, kv_caches):
         self.calls.append(("register_kv_caches", sorted(kv_caches)))
 
+    def bind_step_metadata(self, bound=True):
+        self.calls.append(("bind_step_metadata", bound))
+
     def start_load_kv(self, metadata):
         self.calls.append(("start_load_kv", metadata.command.step_id))
 
@@ -61,12 +64,15 @@ def test_worker_role_delegates_to_hisparse_worker_role(dsa_model_dir, monkeypatc
     connector.save_kv_layer("a", None, None)
     connector.wait_for_save()
     assert isinstance(connector.build_connector_worker_meta(), HiSparseWorkerMetadata)
+    connector.clear_connector_metadata()
     assert connector.get_kv_connector_stats().data == {"num_hot_hits": 3}
     connector.shutdown()
     assert [c[0] for c in role.calls] == [
-        "init", "register_kv_caches", "start_load_kv", "wait_for_save", "build_worker_meta", "shutdown"]
+        "init", "register_kv_caches", "bind_step_metadata", "start_load_kv", "wait_for_save",
+        "build_worker_meta", "bind_step_metadata", "shutdown"]
     assert role.calls[0] == ("init", 1, 5)
-    assert role.calls[2] == ("start_load_kv", 7)
+    assert role.calls[2] == ("bind_step_metadata", True) and role.calls[6][1] is False
+    assert role.calls[3] == ("start_load_kv", 7)
 
 
 def test_stats_sum_counters_keep_latest_gauges_and_extend():

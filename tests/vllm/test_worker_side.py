@@ -107,7 +107,10 @@ class Rig:
     """Policy + worker role + fake forward over vLLM-allocated CPU KV tensors."""
 
     def __init__(self, model_dir, *, num_blocks=200, policy_blocks=None, fail=None, seed=0,
-                 extra=None):
+                 extra=None, pad_to=None):
+        # pad_to: decode batches padded to this many tokens as a FULL CUDA graph pads them
+        # (padding tokens map to batch row 0, the metadata counts them as actual tokens).
+        self.pad_to = pad_to
         self.vllm_config, self.kv_cache_config = planned(model_dir, num_blocks, extra=extra)
         self.hs_config = resolve_config(self.vllm_config)
         self.kv = allocate(self.vllm_config, self.kv_cache_config)
@@ -166,7 +169,9 @@ class Rig:
         meta = HiSparseConnectorMetadata(command=cmd, bundles=self.bundles)
         batch = [r[0] for r in ranges]
         out = SimpleNamespace(num_scheduled_tokens={r[0]: r[3] - r[2] for r in ranges})
-        self.role.start_load_kv(meta, request_ids=batch, scheduler_output=out)
+        # MRV2 passes the batch's token count before padding (num_tokens).
+        self.role.start_load_kv(meta, request_ids=batch, scheduler_output=out,
+                                num_tokens=sum(r[3] - r[2] for r in ranges))
         for rid, row, start, end in ranges:
             self.write_kv(rid, row, start, end)
         if attend:
@@ -193,6 +198,10 @@ class Rig:
         """Decode tokens only (one per request), batch rows = positions in ``ranges``."""
         req_id = torch.tensor([i for i, _ in decode], dtype=torch.int32)
         topk = torch.stack([self.gen[r[0]].select(r[3]) for _, r in decode]).to(torch.int32)
+        if self.pad_to:  # padding tokens: batch row 0, positions no request has
+            pad = self.pad_to - len(decode)
+            req_id = torch.cat([req_id, torch.zeros(pad, dtype=torch.int32)])
+            topk = torch.cat([topk, torch.full((pad, TOP_K), 1 << 20, dtype=torch.int32)])
         for group, lane, binding in self.groups:
             # vLLM's block table for this group: batch row -> this group's block per page
             # (valid for FULL requests; host-only pages hold whatever vLLM keeps there).
@@ -201,7 +210,7 @@ class Rig:
                 res = lane.executor.residency[row] // lane.layout.block_scale
                 table[b] = torch.as_tensor(np.where(res >= 0, res, 0))
             md = SimpleNamespace(req_id_per_token=req_id, block_table=table, block_size=BS,
-                                 num_actual_tokens=len(decode))
+                                 num_actual_tokens=topk.shape[0])
             stride = lane.layout.block_stride_rows if block_stride_mode == "flat" else None
             for layer_index, i in enumerate(lane.units[lane.bindings.index(binding)]):
                 rows, counts = group.convert_logical_to_physical_topk(
@@ -437,16 +446,55 @@ def test_prefill_of_host_only_context_is_refused(model_dir):
                                request_ids=["x", "y"], scheduler_output=out)
 
 
-def test_attention_before_start_load_kv_is_an_error(model_dir):
-    rig = Rig(model_dir, num_blocks=200)
-    group = rig.groups[0][0]
-    md = SimpleNamespace(req_id_per_token=torch.zeros(1, dtype=torch.int32),
-                         block_table=torch.zeros((1, 4), dtype=torch.int32), block_size=BS,
-                         num_actual_tokens=1)
+def test_padded_batches_resolve_like_unpadded_ones(model_dir):
+    """A FULL CUDA graph pads the batch: padding tokens map to batch row 0 (a real, maybe
+    host-backed request) with whatever top-k, and the metadata counts them as actual tokens.
+    The step's real token count (MRV2's ``num_tokens``, in the step view's buffer) keeps them
+    out of the resolver (the reference would raise on their positions): reads exact, and every
+    counter equals that of the same run unpadded."""
+    counters = []
+    for pad_to in (None, 8):
+        rig = Rig(model_dir, num_blocks=200, policy_blocks=44, pad_to=pad_to)
+        run_decode_loop(rig, steps=40)
+        assert int(Residency.MIXED) in rig.residency_seen and rig.reads_checked > 0
+        counters.append([s.counters() for lane in rig.role.lanes for s in lane.hot_states])
+        rig.role.shutdown()
+    assert counters[0] == counters[1] and counters[0][0][2] > 0
+
+
+def test_forward_outside_a_step_changes_nothing(model_dir):
+    """vLLM's graph capture, the warm-up before it and its dummy batches run the model with no
+    step open. The conversion then takes the residency path (so that a capture records it)
+    with an inert step view: vLLM's rows for every token, no hot-state or counter change. With
+    the step's metadata bound but start_load_kv not run, attention is an error."""
+    rig = Rig(model_dir, num_blocks=200, policy_blocks=44)
+    ids = [f"r{i}" for i in range(6)]
+    for rid in ids:
+        rig.add(rid)
+    for rid in ids:
+        rig.step({rid: 384}, attend=False)
+    while int(Residency.MIXED) not in rig.residency_seen:
+        rig.step({rid: 1 for rid in ids})
+    group, lane, binding = rig.groups[0]
+    state = binding.hot_state
+    before = [t.clone() for t in (state.slot_pos, state.lru, state.stats, state.residency)]
+    launches = binding.gather.launches
+    table = torch.arange(len(ids) * 4, dtype=torch.int32).reshape(len(ids), 4)
+    md = SimpleNamespace(req_id_per_token=torch.arange(len(ids), dtype=torch.int32),
+                         block_table=table, block_size=BS, num_actual_tokens=len(ids))
+    topk = torch.stack([rig.gen[r].select(256) for r in ids]).to(torch.int32)
+    rows = group.convert_logical_to_physical_topk(0, topk, md, block_stride_rows=None,
+                                                  return_valid_counts=False)
+    assert torch.equal(rows, vllm_reference_conversion(md.req_id_per_token, table, topk, BS))
+    assert all(torch.equal(a, b) for a, b in zip(before, (state.slot_pos, state.lru,
+                                                          state.stats, state.residency)))
+    assert binding.gather.launches > launches  # the residency path ran (a capture records it)
+    rig.role.bind_step_metadata()  # vLLM bound the step's metadata: its forward is next
     with pytest.raises(RuntimeError, match="has_sync_kv_loads"):
-        group.convert_logical_to_physical_topk(0, torch.zeros((1, TOP_K), dtype=torch.int32),
-                                               md, block_stride_rows=None,
+        group.convert_logical_to_physical_topk(0, topk, md, block_stride_rows=None,
                                                return_valid_counts=False)
+    rig.role.bind_step_metadata(False)
+    rig.role.shutdown()
 
 
 def test_unbound_groups_are_untouched(model_dir):

@@ -4,7 +4,8 @@
 link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
 vs hybrid residency under one HBM budget; a CPU smoke run otherwise), ``connector`` (the same
 through vLLM's scheduler, the connector's two roles and the attention hook, next to the no-IO
-oracle of the same run; needs vLLM), ``clustering`` (CPU: how a hot region's misses fall into
+oracle of the same run; needs vLLM), ``graphs`` (GPU: a decode step through the attention hook,
+eager vs replayed as one CUDA graph), ``clustering`` (CPU: how a hot region's misses fall into
 4 KiB host pages per host-pool layout), ``reference`` (the pure-torch resolve on the CPU) and
 ``tp-gather`` (tensor-parallel ranks, one process and GPU each, gathering from one shared
 pinned host pool alone and all at once; CPU reference otherwise). Without a target:
@@ -18,12 +19,12 @@ import argparse
 import importlib
 import sys
 
-TARGETS = ("kernels", "capacity", "connector", "clustering", "reference", "tp-gather")
+TARGETS = ("kernels", "capacity", "connector", "graphs", "clustering", "reference", "tp-gather")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="kernel, decode-capacity, connector, clustering, "
-                       "reference and tensor-parallel gather benchmarks",
+    p = sub.add_parser("bench", help="kernel, decode-capacity, connector, CUDA-graph step, "
+                       "clustering, reference and tensor-parallel gather benchmarks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", choices=TARGETS,
                    help="which benchmark (default: kernels + capacity on a GPU, else reference)")

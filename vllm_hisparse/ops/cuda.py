@@ -14,7 +14,8 @@ buffer owned by this module (one per device; the first error wins), and the winn
 also writes the record into a pinned host mirror over UVA. Every later call reads that mirror
 (a plain memory read: no copy, no event, no sync) and raises
 :class:`~vllm_hisparse.ops.errors.ResolveError` once an error has landed there.
-:func:`check_errors` synchronizes the device and raises at once.
+:func:`check_errors` synchronizes the device and raises at once; :func:`poll_errors` raises
+without waiting (for launches replayed in a CUDA graph, which no later call sees).
 The request that failed gets ``out_rows = -1`` and ``miss_count = 0`` and keeps its ``slot_pos``,
 ``lru`` and ``stats`` untouched; the other requests of the launch are resolved normally.
 """
@@ -38,6 +39,7 @@ __all__ = [
     "gather_rows",
     "gather_rows_tuned",
     "mirror_rows",
+    "poll_errors",
     "resolve",
     "resolve_launch_info",
 ]
@@ -109,6 +111,16 @@ def _error_state(device: torch.device) -> _ErrorState:
                 state = _ErrorState(torch.device("cuda", index))
                 _states[index] = state
     return state
+
+
+def poll_errors(device: torch.device | int | str) -> None:
+    """Raise the :class:`ResolveError` a completed launch on ``device`` recorded, if any,
+    without waiting (a plain read of the pinned mirror). Every launch polls it first; this is
+    for launches that no later call sees, such as those replayed in a CUDA graph."""
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    state = _error_state(device)
+    with state.lock:
+        state.poll()
 
 
 def check_errors(device: torch.device | int | str | None = None) -> None:

@@ -45,8 +45,17 @@ worker role rewrites for tracked requests (``worker_side``), and it holds their 
 Prefill tokens of tracked requests resolve like decode tokens. The worker role only lets a
 tracked request prefill when none of its pages is host-only (requirement R1 in
 ``docs/worker.md``), so its prefill selections are all resident rows and never touch the hot
-region. Full CUDA-graph capture of a bound group is refused (the per-step fast-path choice
-would be frozen into the graph).
+region.
+
+CUDA graphs (``cudagraph_mode`` ``FULL_AND_PIECEWISE``, vLLM's default, or ``FULL``): a
+captured forward replays the residency path whatever the step holds, so everything it reads
+per step lives in fixed device buffers of the :class:`StepView` (the step's real token count
+and the state row of every batch row), written before the replay by ``start_load_kv``, and
+resolve's output storage is allocated by the eager warm-up vLLM runs before each capture. The
+view is inert outside a step (every token padding: the resolver skips them all and the rows
+are vLLM's), so a capture, its warm-up and vLLM's dummy batches change no hot state. Padding
+tokens past the step's real count (vLLM maps them to batch row 0) and padding batch rows are
+skipped. See :func:`uses_residency_path`.
 """
 
 from __future__ import annotations
@@ -69,51 +78,100 @@ BINDING_ATTR = "_vllm_hisparse_residency"
 class StepView:
     """What the attention hook needs to know about the current step (one per worker).
 
+    The per-step values the resolver reads live in one fixed int32 device buffer, so a
+    CUDA graph captured once reads each step's values: ``[0]`` is the number of real tokens of
+    the step (tokens at or past it are padding), ``[1 + b]`` the state row of batch row ``b``
+    when its request is tracked (not FULL), else -1. Outside a step the buffer is all -1
+    (**inert**: every token is padding).
+
     Args:
         max_batch_rows: size of the batch-row table (vLLM ``max_num_seqs``).
         device: where the table lives (the KV device).
+        max_num_tokens: tokens of the largest batch (vLLM ``max_num_batched_tokens``); sizes
+            the token-index buffer (it grows outside a capture if a batch is larger).
     """
 
-    def __init__(self, max_batch_rows: int, device: torch.device | str):
+    def __init__(self, max_batch_rows: int, device: torch.device | str,
+                 max_num_tokens: int = 1):
         self.max_batch_rows = max_batch_rows
         self.device = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._table = torch.full((1 + max_batch_rows,), -1, **i32)
+        #: int32 [1]: the step's real token count; -1 while inert.
+        self.num_real_tokens = self._table[:1]
         #: int32 [max_batch_rows]: state row of each batch row whose request is not FULL,
-        #: -1 for FULL requests and unused rows.
-        self.batch_state_rows = torch.full((max_batch_rows,), -1, dtype=torch.int32,
-                                           device=self.device)
+        #: -1 for FULL requests, padding and unused rows.
+        self.batch_state_rows = self._table[1:]
+        self._token_index = torch.arange(max(1, max_num_tokens), **i32)
+        self._inert = True
         self.step_id = -1
+        #: start_load_kv ran and wait_for_save did not yet.
         self.ready = False
+        #: vLLM bound a step's connector metadata (its forward is next) and did not clear it.
+        self.bound = False
         self.uses_residency = False
 
-    def begin(self, step_id: int, batch_state_rows: Sequence[int] | None) -> None:
+    def begin(self, step_id: int, batch_state_rows: Sequence[int] | None,
+              num_real_tokens: int | None = None) -> None:
         """Start a step. ``batch_state_rows[i]`` is the state row of batch row ``i`` when its
-        request is not FULL, else -1; ``None`` = every request of the batch is FULL."""
+        request is not FULL, else -1; ``None`` = every request of the batch is FULL.
+        ``num_real_tokens``: the batch's tokens before padding (None: not known, only
+        ``num_actual_tokens`` of the attention metadata bounds them)."""
         self.step_id = step_id
         self.ready = True
         self.uses_residency = batch_state_rows is not None
         if batch_state_rows is None:
+            self._make_inert()
             return
         n = len(batch_state_rows)
         if n > self.max_batch_rows:
             raise ValueError(f"StepView: batch of {n} requests exceeds max_num_seqs = "
                              f"{self.max_batch_rows}")
-        host = torch.full((self.max_batch_rows,), -1, dtype=torch.int32)
-        host[:n] = torch.as_tensor(list(batch_state_rows), dtype=torch.int32)
-        self.batch_state_rows.copy_(host.to(self.device, non_blocking=True))
+        host = torch.full((1 + self.max_batch_rows,), -1, dtype=torch.int32)
+        host[0] = torch.iinfo(torch.int32).max if num_real_tokens is None else num_real_tokens
+        host[1:n + 1] = torch.as_tensor(list(batch_state_rows), dtype=torch.int32)
+        self._table.copy_(host, non_blocking=True)  # one copy, before the forward (or replay)
+        self._inert = False
 
     def end(self) -> None:
+        """Close the step: the buffer goes back to inert, in stream order after the forward."""
         self.ready = False
+        self._make_inert()
 
-    def token_state_rows(self, req_id_per_token: torch.Tensor, num_actual_tokens: int) -> torch.Tensor:
+    def _make_inert(self) -> None:
+        if not self._inert:
+            self._table.fill_(-1)
+            self._inert = True
+
+    def token_index(self, num_tokens: int) -> torch.Tensor:
+        """int32 ``[num_tokens]`` = 0, 1, ... (a fixed buffer; grown outside a capture)."""
+        if num_tokens > self._token_index.shape[0]:
+            if _capturing():
+                raise RuntimeError(f"residency hook: a CUDA graph captures {num_tokens} tokens, "
+                                   f"more than max_num_batched_tokens = "
+                                   f"{self._token_index.shape[0]}")
+            self._token_index = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
+        return self._token_index[:num_tokens]
+
+    def token_state_rows(self, req_id_per_token: torch.Tensor,
+                         num_actual_tokens: int | None) -> torch.Tensor:
         """int32 ``[T]``: state row of each token of a non-FULL request; -1 for tokens of FULL
-        requests and padding tokens (index ``>= num_actual_tokens``)."""
+        requests and padding tokens (index at or past the step's real token count, or past
+        ``num_actual_tokens`` when given, outside a capture). Device ops only: capturable, and
+        a replay reads the values :meth:`begin` wrote for its step."""
+        num_tokens = req_id_per_token.shape[0]
         batch_rows = req_id_per_token.to(torch.int64)
-        valid = (batch_rows >= 0) & (batch_rows < self.max_batch_rows)
+        valid = ((batch_rows >= 0) & (batch_rows < self.max_batch_rows)
+                 & (self.token_index(num_tokens) < self.num_real_tokens))
         rows = self.batch_state_rows[batch_rows.clamp(0, self.max_batch_rows - 1)]
-        rows = torch.where(valid, rows, torch.full_like(rows, -1))
-        if num_actual_tokens < rows.shape[0]:
-            rows[num_actual_tokens:] = -1
+        rows = torch.where(valid, rows, -1)
+        if num_actual_tokens is not None and num_actual_tokens < num_tokens and not _capturing():
+            rows[num_actual_tokens:] = -1  # (a capture would freeze the count; the buffer does not)
         return rows.contiguous()
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclasses.dataclass
@@ -281,20 +339,30 @@ def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch
     return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
 
 
-def _checked_step(binding: IndexGroupResidency) -> StepView:
-    """The binding's step view, after the checks every conversion of a bound group needs."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise NotImplementedError(
-            "HiSparseResidencyConnector: full CUDA-graph capture of sparse-MLA attention is not "
-            "supported with residency yet (the per-step choice between vLLM's conversion and "
-            "the resolver would be frozen into the graph); use cudagraph_mode=PIECEWISE or NONE")
+def uses_residency_path(binding: IndexGroupResidency) -> bool:
+    """True when a conversion of a bound group goes through the residency path, False when
+    vLLM's conversion answers alone (no added work).
+
+    * In a step (``start_load_kv`` ran): the residency path when the step has tracked
+      requests, or when the forward is being captured into a CUDA graph (a replay serves
+      every later step, tracked or not).
+    * vLLM bound the step's metadata but ``start_load_kv`` has not run: an error (the scheduler
+      side must set ``has_sync_kv_loads``; the rows of host-backed requests are not known yet).
+    * Outside a step: vLLM is capturing a CUDA graph, running the eager warm-up before a
+      capture, or running a dummy batch (profiling, a data-parallel padding step). The view is
+      inert, so the residency path resolves nothing and changes no state; it runs so that the
+      captured graph holds it and the warm-up allocates its output storage outside the
+      capture.
+    """
     step = binding.step
-    if not step.ready:
+    if step.ready:
+        return step.uses_residency or _capturing()
+    if step.bound:
         raise RuntimeError(
             "HiSparseResidencyConnector: attention ran before the step's residency command was "
             "applied; the scheduler side must set scheduler_output.has_sync_kv_loads so that "
             "start_load_kv runs before the forward")
-    return step
+    return True
 
 
 def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int,
@@ -302,15 +370,11 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
                       block_stride_rows: int | None, return_valid_counts: bool) -> Any:
     """Replacement body of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``.
 
-    ``original`` is vLLM's method (bound). Unbound groups and all-FULL steps take it as is.
+    ``original`` is vLLM's method (bound). Unbound groups and all-FULL steps take it as is
+    (:func:`uses_residency_path`).
     """
     binding: IndexGroupResidency | None = getattr(group, BINDING_ATTR, None)
-    if binding is None:
-        return original(layer_index, logical_topk, attn_metadata,
-                        block_stride_rows=block_stride_rows,
-                        return_valid_counts=return_valid_counts)
-    step = _checked_step(binding)
-    if not step.uses_residency:
+    if binding is None or not uses_residency_path(binding):
         return original(layer_index, logical_topk, attn_metadata,
                         block_stride_rows=block_stride_rows,
                         return_valid_counts=return_valid_counts)
@@ -349,10 +413,7 @@ def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[.
     """
     group, layer_index, attn_metadata = context
     binding: IndexGroupResidency | None = getattr(group, BINDING_ATTR, None)
-    if binding is None:
-        return original(*args, **kwargs)
-    step = _checked_step(binding)
-    if not step.uses_residency:
+    if binding is None or not uses_residency_path(binding):
         return original(*args, **kwargs)
     a = _direct_arguments(original, args, kwargs)
     if int(a.get("dcp_size", 1)) != 1:

@@ -509,12 +509,6 @@ def check_engine_compatible(vllm_config: VllmConfig) -> None:
         raise _unsupported(
             "decode_context_parallel_size", parallel.decode_context_parallel_size, "1"
         )
-    # A captured graph would freeze the per-step choice between vLLM's top-k conversion and
-    # the residency resolver (attention_hook.py refuses to be captured), so only piecewise
-    # graphs (attention runs eagerly between them) or none.
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        raise _unsupported("cudagraph_mode", mode.name, "PIECEWISE or NONE")
     # The worker role maps batch rows to request-state rows with the request ids that only
     # Model Runner V2 passes to start_load_kv.
     if not vllm_config.use_v2_model_runner:
@@ -542,12 +536,23 @@ def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
             f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
         )
     check_engine_compatible(vllm_config)
-    return parse_extra_config(
+    config = parse_extra_config(
         extra,
         top_k=model_top_k(vllm_config),
         block_size=vllm_config.cache_config.block_size,
         max_decode_query_len=max_decode_query_len(vllm_config),
     )
+    # Every cudagraph_mode runs (attention_hook.py: a captured forward reads each step's
+    # values from fixed buffers), but the trace recorder reads each step's selections back to
+    # the host, which a graph replay cannot do.
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if config.record_trace and mode is not None and mode.has_full_cudagraphs():
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: record_trace cannot record steps replayed in full CUDA graphs "
+            f"(cudagraph_mode={mode.name}); accepted: cudagraph_mode PIECEWISE or NONE while "
+            "recording a trace, or no record_trace."
+        )
+    return config
 
 
 def check_host_pool_holds_one_request(

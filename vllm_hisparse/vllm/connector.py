@@ -125,6 +125,16 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind_step_metadata()
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.bind_step_metadata(False)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         # vLLM MRV2 passes request_ids, scheduler_output, attn_metadata, ...: the worker
         # role needs them to map batch rows to state rows.

@@ -203,7 +203,9 @@ class HiSparseWorkerRole(WorkerHostPrefix):
                                   huge_pages=self._huge_pages,
                                   pin=device.type == "cuda", shared=sharing.segment(tp_rank))
         self._indexer_segment = sharing.segment(tp_rank, suffix="-indexer")
-        self.step_view = StepView(self.max_num_seqs, device)
+        self.step_view = StepView(
+            self.max_num_seqs, device,
+            max_num_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
         first_host_layer = 0
         for sparse_index, (group_id, names, units, layout, views) in enumerate(per_group):
             host_layers = self.host_pool.layers[first_host_layer:first_host_layer + len(names)]
@@ -331,6 +333,9 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         if self._in_step:
             raise RuntimeError(f"{CONNECTOR_NAME}: start_load_kv called twice without "
                                "wait_for_save in between")
+        # A resolve replayed in a CUDA graph never returns to its op wrapper, which raises
+        # recorded errors at its next call: poll the record here (pinned memory, no sync).
+        self.lanes[0].hot_states[0].poll_errors()
         cmd: StepCommand = metadata.command
         self._step_id = cmd.step_id
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
@@ -353,9 +358,18 @@ class HiSparseWorkerRole(WorkerHostPrefix):
                 if metadata_by_layer is None:
                     metadata_by_layer = compat.forward_context_attn_metadata()
                 self._rewrite_block_tables(metadata_by_layer, prefill)
-        self.step_view.begin(cmd.step_id, batch_rows)
+        self.step_view.begin(cmd.step_id, batch_rows,
+                             self._num_real_tokens(step_inputs.get("num_tokens"),
+                                                   step_inputs.get("scheduler_output")))
         self._stats.add(steps=1)
         self._in_step = True
+
+    def bind_step_metadata(self, bound: bool = True) -> None:
+        """vLLM bound (``bound``) or cleared this step's connector metadata. While bound, a
+        forward before ``start_load_kv`` is an error; forwards outside (graph capture, its
+        warm-up, dummy batches) see an inert step view (``attention_hook.uses_residency_path``)."""
+        if self.step_view is not None:
+            self.step_view.bound = bound
 
     def wait_for_save(self) -> None:
         """After the forward: launch sealed-page spills and the mirror of written rows."""
@@ -505,6 +519,13 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self._row_request[change.row] = change.request_id
             if change.residency != Residency.FULL:
                 self._tracked[change.request_id] = change.row
+
+    @staticmethod
+    def _num_real_tokens(num_tokens: Any, scheduler_output: Any) -> int | None:
+        """Tokens before CUDA-graph padding: MRV2's ``num_tokens``, else the scheduler total."""
+        if num_tokens is None:
+            num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        return None if num_tokens is None else int(num_tokens)
 
     def _batch_state_rows(self, request_ids: Sequence[str] | None) -> list[int] | None:
         """State row per batch row for tracked requests (-1 otherwise); None if none is."""

@@ -97,7 +97,8 @@ def fit_chunks(spec: Sequence[int], num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class ResolveResult:
-    """Outputs of one :meth:`HotState.resolve` (views into buffers the state reuses)."""
+    """Outputs of one :meth:`HotState.resolve` (views of the first rows of buffers the state
+    reuses, whose addresses a CUDA graph may hold)."""
 
     out_rows: torch.Tensor  # int32 [T, K] device row per selection, -1 padding
     miss_src: torch.Tensor  # int32 [T, K] host rows to copy
@@ -140,7 +141,12 @@ class HotState:
         self.lru = torch.arange(hot_slots, dtype=torch.int16,
                                 device=self.device).repeat(num_state_rows, 1)
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self._buffers: dict[tuple[int, int], ResolveResult] = {}
+        # resolve's outputs: views of the rows of one storage, sized by the largest batch so
+        # far (vLLM warms up and captures its CUDA graphs largest batch first, so one storage
+        # serves them all). A storage outgrown later is kept: graphs captured while it was
+        # current still write it.
+        self._result: ResolveResult | None = None
+        self._retired: list[ResolveResult] = []
         # The GroupGather whose side-stream gathers may still read this state's miss plan and
         # write its hot rows (None once joined); see fence_side_work.
         self._side_work: GroupGather | None = None
@@ -187,16 +193,23 @@ class HotState:
     # ---------------------------------------------------------------- per step
 
     def _result_buffers(self, num_tokens: int, k: int) -> ResolveResult:
-        key = (num_tokens, k)
-        buf = self._buffers.get(key)
-        if buf is None:  # allocated once per shape, then reused (graph-friendly)
+        """Output views for a batch of ``num_tokens`` tokens of ``k`` selections."""
+        storage = self._result
+        if storage is None or storage.out_rows.shape[0] < num_tokens \
+                or storage.out_rows.shape[1] != k:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"HotState: a CUDA graph captures a resolve of {num_tokens} tokens that no "
+                    "eager call allocated outputs for; run the forward once before the capture")
+            if storage is not None:
+                self._retired.append(storage)
+            rows = max(num_tokens, storage.out_rows.shape[0] if storage is not None else 0)
             i32 = dict(dtype=torch.int32, device=self.device)
-            buf = ResolveResult(torch.empty((num_tokens, k), **i32),
-                                torch.empty((num_tokens, k), **i32),
-                                torch.empty((num_tokens, k), **i32),
-                                torch.empty((num_tokens,), **i32))
-            self._buffers[key] = buf
-        return buf
+            storage = ResolveResult(torch.empty((rows, k), **i32), torch.empty((rows, k), **i32),
+                                    torch.empty((rows, k), **i32), torch.empty((rows,), **i32))
+            self._result = storage
+        return ResolveResult(*(t[:num_tokens] for t in (storage.out_rows, storage.miss_src,
+                                                          storage.miss_dst, storage.miss_count)))
 
     def fence_side_work(self) -> None:
         """Order the current stream after this group's gathers still running on a side stream.
@@ -226,6 +239,16 @@ class HotState:
         self.fence_side_work()
         self._ops.gather_rows(host_layers, device_layers, result.miss_src, result.miss_dst,
                               result.miss_count)
+
+    def poll_errors(self) -> None:
+        """Raise the :class:`~vllm_hisparse.ops.ResolveError` a completed kernel launch
+        recorded, if any; never waits (a read of pinned memory). The op raises it at its next
+        call anyway; this is for launches replayed in a CUDA graph, which never call it."""
+        if self.device.type == "cuda" and self._ops.name != "reference":
+            from vllm_hisparse.ops import cuda as cuda_ops
+
+            if cuda_ops.available():
+                cuda_ops.poll_errors(self.device)
 
     def counters(self) -> tuple[int, int, int]:
         """Distinct (resident, hot hit, miss) selections counted so far (syncs on CUDA)."""

@@ -88,9 +88,11 @@ def time_events(fn, reps: int, before=None, flush=True) -> float:
 # --------------------------------------------------------------------------------------
 
 
-def make_resolve_sets(B, K, D, miss, sets, bs=64, num_pages=2048):
+def make_resolve_sets(B, K, D, miss, sets, bs=64, num_pages=2048, all_resident=False):
     """`sets` independent input sets: each request's hot region holds D host-backed positions,
-    its K selections are (1 - miss) * K hits and miss * K misses, all distinct."""
+    its K selections are (1 - miss) * K hits and miss * K misses, all distinct.
+    `all_resident`: the same selections, but every page of every request is resident and no
+    request has a hot region (FULL requests: the resolve touches no hot state)."""
     R = B
     P = num_pages
     npos = P * bs
@@ -114,6 +116,11 @@ def make_resolve_sets(B, K, D, miss, sets, bs=64, num_pages=2048):
         topk = torch.cat([hits, misses], dim=1)
         topk = torch.gather(topk, 1, torch.rand(R, K, device=DEV, generator=g).argsort(dim=1))
         lru = torch.rand(R, D, device=DEV, generator=g).argsort(dim=1).to(torch.int16)
+        if all_resident:
+            residency = torch.randperm(R * P, device=DEV, generator=g).reshape(R, P).to(
+                torch.int32)
+            hot_blocks.fill_(-1)
+            slot_pos.fill_(-1)
         token_rows = torch.arange(R, dtype=torch.int32, device=DEV)
         st = dict(topk=topk.contiguous(), token_rows=token_rows, residency=residency,
                   host_blocks=host_blocks, hot_blocks=hot_blocks, slot_pos=slot_pos,
@@ -189,6 +196,29 @@ def graph_time_resolve(sets, flush: bool, iters: int, steady: bool = True,
     del g1, g0
     probe.check_errors()
     return max(0.0, (t1 - t0) / iters)
+
+
+def without_stats(*args):
+    """The production resolve without the distinct counters (``stats=None``)."""
+    probe.resolve(*args[:-1], None)
+
+
+def time_all_resident(batches, iters: int) -> list[dict]:
+    """µs per launch with every page resident (5 % of the selections would miss otherwise),
+    with and without the stats counters, cold / warm L2, at each batch (D 4096)."""
+    rows = []
+    for B in batches:
+        sets = make_resolve_sets(B, 2048, 4096, 0.05, sets=4, all_resident=True)
+        row = dict(batch=B)
+        for name, launch in (("stats", None), ("no_stats", without_stats)):
+            row[f"us_{name}"] = graph_time_resolve(sets, flush=True, iters=iters, launch=launch)
+            row[f"us_{name}_warm_l2"] = graph_time_resolve(sets, flush=False, iters=iters,
+                                                           launch=launch)
+        check_resolve(sets, B, 0.0)
+        assert int(sets[0]["stats"][0]) > 0  # the distinct resident positions were counted
+        rows.append(row)
+        del sets
+    return rows
 
 
 def reset_hot_state(s):
@@ -284,6 +314,13 @@ def bench_resolve(quick: bool):
             log(f"{D:>6} {B:>6} | " + " | ".join(cells) +
                 f" | {r5['us_general']:6.1f} / {r5['us_general_warm_l2']:5.1f}, "
                 f"{r5['us_1tok']:5.1f}")
+
+    resident = time_all_resident(batches, iters)
+    RESULTS["resolve_all_resident"] = resident
+    for r in resident:
+        log(f"every page resident, batch {r['batch']}, D 4096: with stats "
+            f"{r['us_stats']:.1f} / {r['us_stats_warm_l2']:.1f} µs, without "
+            f"{r['us_no_stats']:.1f} / {r['us_no_stats_warm_l2']:.1f} (cold / warm)")
 
     # Cumulative time to each stop point (every CTA returns there), same harness, cold L2.
     stops = ["entry (launch floor)", "row loads + B0", "slot table + B1", "classify + B2",
