@@ -442,6 +442,7 @@ from vllm.config import (  # noqa: E402
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -456,7 +457,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 from vllm.v1.kv_cache_interface import get_kv_quant_mode  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402  (metrics.py)
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -465,5 +466,5 @@ SIMULATOR_INTERNALS = (
     SamplingParams, sha256, get_global_kv_cache_groups, get_kv_cache_configs,
     generate_scheduler_kv_cache_config, get_request_block_hasher, init_none_hash,
     get_kv_quant_mode, ModelRunnerOutput, Request, StructuredOutputManager,
-    create_metric_per_engine,
+    create_metric_per_engine, SpeculativeConfig, DraftTokenIds,
 )

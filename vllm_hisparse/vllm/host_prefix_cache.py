@@ -45,6 +45,10 @@ class HostPrefixCache:
             why = "eager_host_mirror is false (indexer pages are saved with the mirror)"
         elif not self.indexer_group_ids:
             why = "the plan has no indexer group"
+        elif len(self.sparse_group_ids) + len(self.indexer_group_ids) < self._num_kv_groups:
+            # A restore would leave those groups' pages (MTP draft layers) unwritten.
+            why = (f"{self._num_kv_groups - len(self.sparse_group_ids) - len(self.indexer_group_ids)}"
+                   " KV cache group(s) hold layers the host tier does not store (MTP draft layers)")
         elif self._load_failure_policy != "fail":
             why = (f"kv_load_failure_policy={self._load_failure_policy!r} (a failed host load "
                    "would rewind tokens the policy already holds; accepted: 'fail')")

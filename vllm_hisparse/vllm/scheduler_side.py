@@ -68,6 +68,7 @@ from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
 from vllm_hisparse.vllm.scheduler_acks import AckIntake
+from vllm_hisparse.vllm.spec_decode import DraftRollback
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ _POLICY_COUNTERS = {
     "num_demotions": "num_demotions",
     "num_promotions": "num_promotions",
     "num_failed_transfers": "num_failed_transfers",
+    "num_rolled_back_tokens": "num_rolled_back_tokens",
 }
 
 
@@ -87,7 +89,7 @@ _POLICY_COUNTERS = {
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
+class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
@@ -265,6 +267,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         """
         policy = self._require_policy()
         self.check_ack_deadline()
+        self._roll_back_rejected()  # the previous step's drafts, if no ack came to do it
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         # The admission pass of this step is over (offer).
         if self._let_through:
@@ -296,6 +299,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
                 self._cached_keys, self._cached_rows = keys, rows
             # One vectorised call; requests crossing into new pages adopt vLLM's blocks.
             outcome = policy.schedule_rows(rows, counts, self._adopt_pages)
+            self._remember_spec_step(keys, rows)
             if np.count_nonzero(outcome):
                 # Admission reserved host blocks for every request and R1 keeps prefilling
                 # requests FULL, so this is an accounting error, not back-pressure; refuse
