@@ -71,6 +71,8 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheSpecRegistry",
     "KVConnectorOutput",
+    "MAX_CONCURRENCY_MODULE",
+    "MAX_CONCURRENCY_NAME",
     "OFFLOADED_GROUP_ROLE",
     "RESIDENCY_GROUP_ROLE",
     "assign_group_role",
@@ -263,6 +265,14 @@ def per_group_prefix_hits(kv_cache_manager: Any, block_hashes: Any, max_tokens: 
     vLLM's ``OffloadingConnector`` bounds its loads with)."""
     _, hits = kv_cache_manager.coordinator.find_longest_cache_hit_per_group(block_hashes, max_tokens)
     return tuple(int(h) for h in hits)
+
+
+#: Module and function behind vLLM's "Maximum concurrency for N tokens per request" line:
+#: ``update_kv_cache_capacity`` (engine core, ``v1/engine/core.py``) calls
+#: ``get_kv_cache_capacity``, which calls this function by its module-global name with the
+#: scheduler's KV cache config, before the scheduler (and our connector) exists.
+MAX_CONCURRENCY_MODULE = "vllm.v1.core.kv_cache_utils"
+MAX_CONCURRENCY_NAME = "get_max_concurrency_for_kv_cache_config"
 
 
 def block_is_cached(block: KVCacheBlock) -> bool:
