@@ -64,3 +64,20 @@ def test_other_configs_keep_vllms_figure(dsa_model_dir):
     _, kv_cache_config = _planned(dsa_model_dir, kv_transfer_config({"host_pool_gib": 384}))
     update_kv_cache_capacity(unconfigured, kv_cache_config)
     assert int(unconfigured.cache_config.kv_cache_max_concurrency) == 38
+
+
+def test_scheduler_and_workers_size_the_same_host_pool(dsa_model_dir):
+    """The scheduler's plan keeps one layer's spec per group (``generate_scheduler_kv_cache_config``);
+    the host page still counts every layer, so the scheduler's host pool is the workers'."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    from vllm_hisparse.vllm.kv_planning import host_page_bytes
+
+    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 384}),
+                                   max_model_len=32768)
+    specs = deepseek_v32_specs()
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    (worker,) = get_kv_cache_configs(vllm_config, [specs], [60 * GIB], groups)
+    scheduler = generate_scheduler_kv_cache_config([worker])
+    assert host_page_bytes(scheduler) == host_page_bytes(worker) == (61 * 41_984, 61 * 8_448)
