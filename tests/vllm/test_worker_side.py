@@ -182,15 +182,17 @@ class Rig:
         self.deliver_acks()
         self.policy.check_invariants()
 
-    def write_kv(self, rid, row, start, end):
+    def write_kv(self, rid, row, start, end, serial=None):
+        """The forward's KV of positions ``[start, end)``: request ``rid``'s (or, with
+        ``serial``, that of another token sequence)."""
         pos = torch.arange(start, end)
         for lane in self.role.lanes:
             res = lane.executor.residency[row, (pos // BS).numpy()]
             assert (res >= 0).all(), "the forward writes into resident tail pages only"
             dev_rows = torch.as_tensor(res) * BS + pos % BS
             for i, view in enumerate(lane.device_layers):
-                view[dev_rows] = kv_rows(self.serial[rid], pos, self.layer_ids[(lane.group_id, i)],
-                                         view.shape[1])
+                view[dev_rows] = kv_rows(self.serial[rid] if serial is None else serial, pos,
+                                         self.layer_ids[(lane.group_id, i)], view.shape[1])
 
     def attend(self, ranges, decode, block_stride_mode):
         """Decode tokens only (one per request), batch rows = positions in ``ranges``."""

@@ -57,8 +57,8 @@ class SpecRig(Rig):
         self.role.start_load_kv(meta, request_ids=batch, scheduler_output=out)
         for (rid, row, start, end), keep in zip(ranges, kept):
             self.write_kv(rid, row, start, keep)
-            if keep < end:
-                self.write_rejected(rid, row, keep, end)
+            if keep < end:  # rejected drafts: KV of a sequence the request never had
+                self.write_kv(rid, row, keep, end, serial=REJECTED + self.serial[rid])
         if ranges:
             self.attend_verify_rows(ranges)
         self.role.wait_for_save()
@@ -88,16 +88,6 @@ class SpecRig(Rig):
             bad = (got != self._truth[(rid, layer)][want_pos]).any(dim=1).nonzero().flatten()
             assert bad.numel() == 0, f"{rid} layer {layer}: position {int(want_pos[bad[0]])} wrong"
             self.reads_checked += int(want_pos.numel())
-
-    def write_rejected(self, rid, row, start, end):
-        pos = torch.arange(start, end)
-        for lane in self.role.lanes:
-            res = lane.executor.residency[row, (pos // BS).numpy()]
-            assert (res >= 0).all(), "the forward writes into resident pages only"
-            dev_rows = torch.as_tensor(res) * BS + pos % BS
-            for i, view in enumerate(lane.device_layers):
-                view[dev_rows] = kv_rows(REJECTED + self.serial[rid], pos,
-                                         self.layer_ids[(lane.group_id, i)], view.shape[1])
 
     def attend_verify_rows(self, ranges):
         """Every scheduled token of every request: batch row ``b`` repeated for its tokens,
