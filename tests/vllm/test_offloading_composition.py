@@ -253,9 +253,13 @@ def test_our_host_prefix_longer_than_the_device(small_topk_model_dir, async_sche
     harness.assert_no_leaks()
 
 
-def test_a_plan_not_made_by_our_planner_is_refused(small_topk_model_dir):
+def test_a_scope_vllm_reads_otherwise_is_refused(small_topk_model_dir):
+    """The construction check (both roles): vLLM must read the fields as we set them."""
     harness = build(small_topk_model_dir)
     config = harness.kv_cache_config
-    config.hisparse_host_num_blocks = None  # as vLLM's own planner would leave it
-    with pytest.raises(HiSparseConfigError, match="OffloadingConnector would offload KV cache groups"):
-        check_offloading_scope(harness.vllm_config, config)
+    check_offloading_scope(config)
+    for group in config.kv_cache_groups:  # as if vLLM keyed on another role
+        if group.role == compat.OFFLOADED_GROUP_ROLE:
+            group.role = compat.RESIDENCY_GROUP_ROLE
+    with pytest.raises(HiSparseConfigError, match=r"OffloadingConnector would offload KV cache groups \[\]"):
+        check_offloading_scope(config)

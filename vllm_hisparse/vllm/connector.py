@@ -65,7 +65,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
                 "connectors that accept kv_cache_config); got None"
             )
         sparse_group_ids(kv_cache_config)  # the planner split must have run
-        check_offloading_scope(vllm_config, kv_cache_config)
+        check_offloading_scope(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: HiSparseSchedulerRole | None = None
         self._worker: Any = None

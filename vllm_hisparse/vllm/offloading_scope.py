@@ -6,7 +6,8 @@ offloads only the groups whose role is ``HISPARSE_INDEXER`` (``offloading/config
 Left alone it would keep a second host copy of every sparse-MLA page, which our host pool
 already holds. So when the kv_transfer_config composes the two, the planner sets those
 public fields (``compat.scope_offloading``) on every plan it makes, in the engine core,
-before any connector is built; the workers and the scheduler get the same plan:
+before any connector is built; the workers and the scheduler get the same plan, and the
+connector reads the scope from it (:func:`is_scoped`):
 
 * **our host pool**: every sparse-MLA page plus its indexer page, one host block each,
   restored together by one RESTORE for our host-prefix hits (vLLM lets exactly one
@@ -87,19 +88,29 @@ def scope_planned_config(vllm_config: compat.VllmConfig, kv_cache_config: compat
     compat.scope_offloading(kv_cache_config, offloaded_group_ids(kv_cache_config), host_blocks)
 
 
-def check_offloading_scope(vllm_config: compat.VllmConfig, kv_cache_config: compat.KVCacheConfig) -> None:
-    """At connector construction: OffloadingConnector, if composed, offloads exactly the
-    non-sparse groups (else a sparse-MLA page would be copied twice, or an unbounded load
-    would leave sparse blocks unwritten). Logged once by the scheduler role."""
-    if not offloading_composed(vllm_config):
+def is_scoped(kv_cache_config: compat.KVCacheConfig) -> bool:
+    """Whether the plan scopes OffloadingConnector (our planner set it: composed).
+
+    Read from the plan, not the kv_transfer_config: vLLM hands each MultiConnector child a
+    copy of the config whose kv_transfer_config is that child's own entry."""
+    return kv_cache_config.hisparse_host_num_blocks is not None
+
+
+def check_offloading_scope(kv_cache_config: compat.KVCacheConfig) -> None:
+    """At connector construction, in both roles: a scoped plan makes vLLM's
+    OffloadingConnector offload exactly the non-sparse groups (vLLM reads the fields the way
+    this package sets them; else a sparse-MLA page would be copied twice, or a load the
+    sparse groups do not bound would leave sparse blocks unwritten)."""
+    if not is_scoped(kv_cache_config):
         return
     want = offloaded_group_ids(kv_cache_config)
     got = compat.offloading_group_ids(kv_cache_config)
     if got != want:
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: OffloadingConnector would offload KV cache groups {list(got)}, "
-            f"not {list(want)} (every group but the sparse-MLA ones): the plan was not made by "
-            "the vllm_hisparse planner; accepted: the default platform KV cache config builder")
+            f"not {list(want)} (every group but the sparse-MLA ones): vLLM no longer reads "
+            "hisparse_host_num_blocks and the HISPARSE_INDEXER group role as this package sets "
+            "them; accepted: vLLM 0.33.x")
 
 
 def describe_scope(kv_cache_config: compat.KVCacheConfig) -> str:

@@ -67,7 +67,7 @@ from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
-from vllm_hisparse.vllm.offloading_scope import describe_scope, offloading_composed
+from vllm_hisparse.vllm.offloading_scope import describe_scope, is_scoped
 from vllm_hisparse.vllm.scheduler_acks import AckIntake
 from vllm_hisparse.vllm.spec_decode import DraftRollback
 
@@ -115,7 +115,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
 
         report = engine_capacity_report(vllm_config, kv_cache_config, hisparse_config)
         logger.info("%s", format_capacity_table(report))
-        if offloading_composed(vllm_config):
+        if is_scoped(kv_cache_config):
             logger.info("%s", describe_scope(kv_cache_config))
         self.capacity_report = report
         self.host_pool = HostBlockPool(report.host_blocks)
