@@ -11,7 +11,8 @@ Launches go through the probe API (:mod:`vllm_hisparse.ops.probe`); ``--general-
 profiles the general kernel alone.
 
 ``--time`` instead prints a short table in the bench's harness (µs per launch, CUDA-graph
-replays): the default launch (fast path) cold / warm L2 and the general kernel alone cold, at
+replays): the default launch (fast path) cold / warm L2, the general kernel alone cold, and the
+launch with eviction classes (``slot_class``, random classes 0..3: the general path) cold, at
 ``--batches``, plus the cumulative time to each stop point at batch 64 (a quick check inside
 a short device lease). ``benchmarks/ncu_phases.py`` reads an ncu source export of the
 profile (instructions and stall reasons per barrier-delimited phase).
@@ -59,14 +60,21 @@ def main() -> int:
 
 def time_table(a) -> int:
     print(f"resolve, D {a.slots}, miss {a.miss:.0%}, µs per launch: default (fast path) cold / "
-          "warm, general kernel alone cold", flush=True)
+          "warm, general kernel alone cold, with eviction classes cold", flush=True)
     for B in a.batches:
         sets = make_resolve_sets(B, 2048, a.slots, a.miss, sets=4)
         cold = graph_time_resolve(sets, flush=True, iters=24)
         warm = graph_time_resolve(sets, flush=False, iters=24)
         general = graph_time_resolve(sets, flush=True, iters=24, launch=GENERAL_ONLY)
         check_resolve(sets, B, a.miss)
-        print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   general {general:5.1f}", flush=True)
+        g = torch.Generator(device=sets[0]["lru"].device).manual_seed(B)
+        classes = torch.randint(0, 4, tuple(sets[0]["slot_pos"].shape), dtype=torch.uint8,
+                                device=sets[0]["lru"].device, generator=g)
+        with_classes = graph_time_resolve(
+            sets, flush=True, iters=24,
+            launch=lambda *args: probe.resolve(*args, slot_class=classes))
+        print(f"batch {B:4d}: {cold:5.1f} / {warm:5.1f}   general {general:5.1f}   classes "
+              f"{with_classes:5.1f}", flush=True)
         if B == 64:
             stops = {stop: graph_time_resolve(sets, flush=True, iters=24,
                                               launch=functools.partial(probe.resolve, stop=stop))

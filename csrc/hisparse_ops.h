@@ -20,9 +20,9 @@ enum ResolveErrorCode : int32_t {
   kErrOk = 0,
   kErrPositionOutOfRange = 1,  // [position, P * bs]
   kErrNoHostBlock = 2,         // [position, page]
-  kErrHotOverflow = 3,         // [num_host_backed, D]
+  kErrHotOverflow = 3,         // [num_host_backed, leased slots]
   kErrNotContiguous = 4,       // [token, first token of the earlier run]
-  kErrHotBlockMissing = 5,     // [slot, position]
+  kErrHotBlockMissing = 5,     // [slot, position]: a hit on a slot whose hot block is -1
   kErrDuplicateSlot = 6,       // [position, lowest slot holding it]
   kErrStateRowOutOfRange = 7,  // [state_row, R]
   kErrUnionCapacity = 8,       // [distinct positions seen, hash capacity]
@@ -42,6 +42,7 @@ struct ResolveParams {
   int32_t* miss_dst;           // [T, K]
   int32_t* miss_count;         // [T]
   long long* stats;            // [3] or nullptr
+  const uint8_t* slot_class;   // [R, D] eviction class per slot (0 first, > 3 = 3) or nullptr
   int32_t* error;              // [4] device error record, sticky until cleared
   int32_t* error_host;         // [4] pinned host mirror written by the kernel (or nullptr)
   int num_tokens;              // T

@@ -226,6 +226,7 @@ void register_ops(py::module_& m) {
   def_address(params, "miss_dst", &ResolveParams::miss_dst);
   def_address(params, "miss_count", &ResolveParams::miss_count);
   def_address(params, "stats", &ResolveParams::stats);
+  def_address(params, "slot_class", &ResolveParams::slot_class);
   def_address(params, "error", &ResolveParams::error);
   def_address(params, "error_host", &ResolveParams::error_host);
   params.def_readwrite("num_tokens", &ResolveParams::num_tokens)

@@ -17,11 +17,13 @@ __device__ __forceinline__ int hash_index(int key, int cap) {
                                    static_cast<unsigned>(cap)));
 }
 
-// Inclusive sum of v over the lanes of a warp (all 32 lanes call).
-__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+// Inclusive sum of v over the lanes of a warp (all 32 lanes call); unsigned for packed 16-bit
+// counts that may reach the sign bit.
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, v, d);
+    const T n = __shfl_up_sync(0xffffffffu, v, d);
     if (lane >= d) v += n;
   }
   return v;

@@ -62,9 +62,14 @@ cudaError_t launch_one(void (*kernel)(const ResolveParams, const Probe), int* co
 template <int SPT, int THREADS, class Probe>
 cudaError_t launch_general_spt(const ResolveParams& p, const Probe& probe, size_t smem_bytes,
                                cudaStream_t stream) {
+  if (p.slot_class != nullptr) {  // eviction classes: the instantiation that orders by class
+    static int configured[kMaxDevices] = {0};
+    return launch_one(resolve_general_kernel<SPT, THREADS, true, Probe>, configured, THREADS, p,
+                      probe, smem_bytes, stream);
+  }
   static int configured[kMaxDevices] = {0};
-  return launch_one(resolve_general_kernel<SPT, THREADS, Probe>, configured, THREADS, p, probe,
-                    smem_bytes, stream);
+  return launch_one(resolve_general_kernel<SPT, THREADS, false, Probe>, configured, THREADS, p,
+                    probe, smem_bytes, stream);
 }
 
 template <int KPT, int SPT, int THREADS, int GSPT, class Probe>
@@ -100,11 +105,13 @@ cudaError_t launch_general(const ResolveParams& p, const Probe& probe, int threa
 }
 
 // One launch of planned parameters (planned_params): the fast-path kernel when the plan takes
-// the shape and the rows are aligned (unless general_only), else the general kernel.
+// the shape and the rows are aligned (unless general_only or with eviction classes), else the
+// general kernel.
 template <class Probe>
 cudaError_t launch_planned(const ResolveParams& p, const ResolveLaunchInfo& info,
                            bool general_only, const Probe& probe, cudaStream_t stream) {
-  if (!general_only && info.fast_path && fast_aligned(p, info.fast_kpt, info.fast_spt)) {
+  if (!general_only && p.slot_class == nullptr && info.fast_path &&
+      fast_aligned(p, info.fast_kpt, info.fast_spt)) {
     const int g = info.slots_per_thread;  // the general path's instantiation for this D
     const size_t bytes = info.smem_bytes;  // the larger of the two plans
     if (info.threads == 1024 && info.fast_spt == 4) {

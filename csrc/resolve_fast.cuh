@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(THREADS, 1) resolve_fast_kernel(const ResolveP
                                                                   const Probe probe) {
   if (resolve_fast<KPT, SPT, THREADS>(p, probe)) {
     probe.count_hand_off();
-    resolve_general<GSPT, THREADS>(p, probe);
+    resolve_general<GSPT, THREADS, false>(p, probe);  // never launched with slot_class
   }
 }
 

@@ -9,9 +9,10 @@
 //   B1     classify every selection and insert host-backed positions (64-bit entries:
 //          position | first reference); the hash index stays in a register
 //   B2     errors / fully resident exit; hit marking in slot order (ballots -> hit bitmask)
-//   B3     hits get their rows; hits per LRU chunk and first-reference misses: one barrier for
-//          both scans
-//   B4     victims = first M evictables; miss ranks stored in the hash
+//   B3     hits get their rows; hits, unleased slots (hot block -1) and, with eviction
+//          classes, evictables per class per LRU chunk, and first-reference misses: one
+//          barrier for the scans
+//   B4     victims = first M evictables in (class, LRU) order; miss ranks stored in the hash
 //   B5     misses' rows, slot_pos, miss plan; LRU rewrite from registers; counts, stats
 // Every check is done before the first write of hot state. A request that fails a check
 // writes out_rows = -1 and miss_count = 0 for its tokens and leaves slot_pos, lru and stats
@@ -23,6 +24,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -90,12 +92,14 @@ struct GeneralCtl {
   int n_res;
   int n_hit_slots;
   int n_hit_pos;
+  int n_unleased;  // hot blocks of -1
   int cap_flag;
   int corrupt_flag;
-  int victim_flag;
   unsigned long long classify_err;  // position, host block
-  unsigned long long hit_err;       // hit / victim errors (duplicate slot, hot block)
-  int hits[kMaxWarps];                          // LRU hit counts per warp
+  unsigned long long hit_err;       // hit errors (duplicate slot, hot block)
+  int hits[kMaxWarps];                          // per warp: unleased << 16 | hits (LRU order)
+  unsigned evict[2][kMaxWarps];                 // per warp: evictables of classes 0|1, 2|3
+
   int misses[2][kRefsInRegs][kMaxWarps];        // first-reference misses per (u, warp)
 };
 
@@ -152,8 +156,10 @@ __device__ __forceinline__ void submit_err(unsigned long long* err, unsigned pri
 
 // The general path: any run length, any K and D, every error. resolve_general_kernel runs it
 // for a whole launch; resolve_fast_kernel hands it the requests that its fast path does not
-// take.
-template <int SPT, int THREADS, class Probe>
+// take. kClasses: the instantiation that orders victims by p.slot_class (a launch with classes
+// runs only it); without, the class code is not compiled in, so the fast kernel that inlines
+// this path keeps its register budget.
+template <int SPT, int THREADS, bool kClasses, class Probe>
 __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Probe& probe) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ GeneralCtl s;
@@ -307,9 +313,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     s.n_res = 0;
     s.n_hit_slots = 0;
     s.n_hit_pos = 0;
+    s.n_unleased = 0;
     s.cap_flag = 0;
     s.corrupt_flag = 0;
-    s.victim_flag = 0;
     s.classify_err = kNoError;
     s.hit_err = kNoError;
   }
@@ -477,11 +483,20 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       }
     }
   }
+  // Hot blocks of -1: their slots are never taken (a region of fewer blocks than D / bs).
+  int my_unleased = 0;
+  {
+    const int n_hb = D / bs;
+    for (int b = tid; b < n_hb; b += THREADS)
+      my_unleased += (n_hotb ? hotb[b] : __ldg(&p.hot_blocks[row_hb + b])) < 0;
+  }
   my_host = __reduce_add_sync(0xffffffffu, my_host);
   my_res = __reduce_add_sync(0xffffffffu, my_res);
+  my_unleased = __reduce_add_sync(0xffffffffu, my_unleased);
   if (lane == 0) {
     if (my_host) atomicAdd(&s.n_host, my_host);
     if (my_res) atomicAdd(&s.n_res, my_res);
+    if (my_unleased) atomicAdd(&s.n_unleased, my_unleased);
   }
   probe.mark(2);
   __syncthreads();  // ---- B2: the hash is complete --------------------------------------------
@@ -498,9 +513,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       report_err(p, s.classify_err, row, base);
       return;
     }
-    if (n_host > D) {
+    const int leased = D - s.n_unleased * bs;
+    if (n_host > leased) {
       fail_request(p, base, N, t, ntok);
-      if (tid == 0) record_error(p, kErrHotOverflow, row, n_host, D);
+      if (tid == 0) record_error(p, kErrHotOverflow, row, n_host, leased);
       return;
     }
     if (n_host == 0) {  // fully resident (or empty): the hot state is never touched
@@ -579,23 +595,55 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   if (probe.stops_at(4)) return;
 
   const int H = s.n_hit_slots;
-  const int E = D - H;
-  const int M = s.n_host - s.n_hit_pos;  // <= E: n_host <= D and no slot is duplicated
+  const int U = s.n_unleased * bs;  // unleased slots
+  const int E = D - H - U;          // evictable slots
+  const int M = s.n_host - s.n_hit_pos;  // <= E: n_host <= D - U and no slot is duplicated
   auto is_hit_slot = [&](int slot) { return (hitmask[slot >> 5] >> (slot & 31)) & 1u; };
   auto lru_slot = [&](int k) {
     return static_cast<int>((lru_w[k / 2] >> ((k & 1) * 16)) & 0xFFFFu);
   };
+  const uint8_t* const classes =
+      kClasses && p.slot_class != nullptr ? p.slot_class + row_d : nullptr;
+  auto class_of = [&](int slot) -> int {
+    if (classes == nullptr) return 0;
+    const int c = classes[slot];
+    return c < 3 ? c : 3;
+  };
 
-  // LRU order: hits per thread (its SPT consecutive LRU entries).
-  int my_hits = 0;
+  // With eviction classes: this thread's evictables (not hit, leased) per class, two 16-bit
+  // counts per word (classes 0|1, 2|3). Counted again where needed rather than kept live
+  // across barriers, so the LRU path keeps its register budget.
+  auto count_classes = [&](unsigned& ev01, unsigned& ev23) {
+    ev01 = ev23 = 0;
+#pragma unroll
+    for (int k = 0; k < SPT; ++k) {
+      if (j0 + k < D) {
+        const int slot = lru_slot(k);
+        if (slot < D && !is_hit_slot(slot) && hot_block(slot) >= 0) {
+          const int c = class_of(slot);
+          const unsigned one = 1u << ((c & 1) * 16);
+          if (c < 2) ev01 += one;
+          else ev23 += one;
+        }
+      }
+    }
+  };
+  // LRU order, per thread (its SPT consecutive LRU entries): hits and unleased slots packed
+  // (unleased << 16 | hits: both <= D, and U < D here, so the sum stays below 2^31).
+  int my_pack = 0;
   {
     bool corrupt = false;
 #pragma unroll
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
         const int slot = lru_slot(k);
-        if (slot >= D) corrupt = true;
-        else my_hits += is_hit_slot(slot);
+        if (slot >= D) {
+          corrupt = true;
+        } else if (is_hit_slot(slot)) {
+          my_pack += 1;
+        } else if (hot_block(slot) < 0) {
+          my_pack += 1 << 16;
+        }
       }
     }
     if (corrupt) atomicExch(&s.corrupt_flag, 1);
@@ -617,9 +665,20 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     const int i = u * THREADS + tid;
     if (ref[u] >= 0 && hit_or_flag(i, ref[u])) flags |= 1u << u;
   }
-  // One barrier for two scans: hit ranks in LRU order, miss ranks in first-reference order.
-  const int incl_h = warp_inclusive_sum(my_hits, lane);
+  // One barrier for the scans: hit, unleased and per-class ranks in LRU order, miss ranks in
+  // first-reference order.
+  const int incl_h = warp_inclusive_sum(my_pack, lane);
   if (lane == 31) s.hits[warp] = incl_h;
+  if (classes != nullptr) {  // (a corrupt lru value is skipped here and fails after B4)
+    unsigned ev01, ev23;
+    count_classes(ev01, ev23);
+    ev01 = warp_inclusive_sum(ev01, lane);
+    ev23 = warp_inclusive_sum(ev23, lane);
+    if (lane == 31) {
+      s.evict[0][warp] = ev01;
+      s.evict[1][warp] = ev23;
+    }
+  }
 #pragma unroll
   for (int u = 0; u < kRefsInRegs; ++u) {
     if (u >= nu0) break;
@@ -643,6 +702,11 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     }
     return;
   }
+  if (s.hit_err != kNoError) {  // a hit on a slot whose hot block is -1 (after CORRUPT_LRU)
+    fail_request(p, base, N, t, ntok);
+    report_err(p, s.hit_err, row, base);
+    return;
+  }
   // Warp-level second step of a scan over `nwarps` partials: (exclusive prefix of this
   // thread's warp, total).
   auto warp_prefix = [&](const int* parts, int& total) -> int {
@@ -651,29 +715,99 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     total = __shfl_sync(0xffffffffu, incl, 31);
     return __shfl_sync(0xffffffffu, incl - wt, warp);
   };
-  int total_hits;
-  const int hit_base = warp_prefix(s.hits, total_hits) + incl_h - my_hits;
+  int total_pack;
+  const int pack_base = warp_prefix(s.hits, total_pack) + incl_h - my_pack;
   const int first_j = j0 < D ? j0 : D;
-  const int ev_base = first_j - hit_base;
-  // Victims: the first M evictable slots in LRU order.
-  {
-    int e = ev_base;
-    bool no_block = false;
+  // With eviction classes: the evictables of classes 0|1 and 2|3 before this thread's chunk
+  // (pre) and in all (tot), 16-bit halves; all threads call it (warp shuffles).
+  auto class_prefix = [&](unsigned& pre01, unsigned& pre23, unsigned& tot01, unsigned& tot23) {
+    auto prefix_u = [&](const unsigned* parts, unsigned mine, unsigned& total) -> unsigned {
+      const unsigned wt = lane < nwarps ? parts[lane] : 0u;
+      const unsigned incl = warp_inclusive_sum(wt, lane);
+      total = __shfl_sync(0xffffffffu, incl, 31);
+      return __shfl_sync(0xffffffffu, incl - wt, warp) + warp_inclusive_sum(mine, lane) - mine;
+    };
+    unsigned ev01, ev23;
+    count_classes(ev01, ev23);
+    pre01 = prefix_u(s.evict[0], ev01, tot01);
+    pre23 = prefix_u(s.evict[1], ev23, tot23);
+  };
+  // This thread's LRU entries in order: f(slot, new LRU position, victim index or -1). New
+  // order: [unleased] + [evictable not taken] + [taken, victim order] + [hits], each in old
+  // LRU order; victim i takes miss i. Victims: the first M evictables in LRU order (one class),
+  // or in (class, LRU) order. Per class c: the rank of the thread's next evictable (r), the
+  // class's first victim index (base) and how many it gives (quota); indexed by constants
+  // only (a runtime index would put the arrays in local memory).
+  auto walk_impl = [&](auto with_classes, auto&& f) {
+    constexpr int C = decltype(with_classes)::value ? 4 : 1;
+    int hh = pack_base & 0xFFFF, uu = pack_base >> 16;
+    int r[C], base[C], quota[C];
+    if constexpr (C == 1) {
+      r[0] = first_j - hh - uu;  // evictables before this chunk
+      base[0] = 0;
+      quota[0] = M;
+    } else {
+      unsigned pre01, pre23, tot01, tot23;
+      class_prefix(pre01, pre23, tot01, tot23);
+      const int count[4] = {static_cast<int>(tot01 & 0xFFFFu), static_cast<int>(tot01 >> 16),
+                            static_cast<int>(tot23 & 0xFFFFu), static_cast<int>(tot23 >> 16)};
+      r[0] = static_cast<int>(pre01 & 0xFFFFu);
+      r[1] = static_cast<int>(pre01 >> 16);
+      r[2] = static_cast<int>(pre23 & 0xFFFFu);
+      r[3] = static_cast<int>(pre23 >> 16);
+#pragma unroll
+      for (int c = 0, b = 0; c < 4; ++c) {
+        base[c] = b;
+        const int left = M - b;
+        quota[c] = left <= 0 ? 0 : (left < count[c] ? left : count[c]);
+        b += count[c];
+      }
+    }
+    int ev_before = 0, taken_before = 0;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      ev_before += r[c];
+      taken_before += r[c] < quota[c] ? r[c] : quota[c];
+    }
 #pragma unroll
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
         const int slot = lru_slot(k);
-        if (!is_hit_slot(slot)) {
-          if (e < M) {
-            victims[e] = static_cast<uint16_t>(slot);
-            if (hot_block(slot) < 0) no_block = true;
+        if (is_hit_slot(slot)) {
+          f(slot, U + E + hh++, -1);
+        } else if (hot_block(slot) < 0) {
+          f(slot, uu++, -1);
+        } else {
+          const int c = C == 1 ? 0 : class_of(slot);
+          int rank = 0, first = 0, q = 0;
+#pragma unroll
+          for (int x = 0; x < C; ++x) {
+            if (x == c) {
+              rank = r[x]++;
+              first = base[x];
+              q = quota[x];
+            }
           }
-          ++e;
+          if (rank < q) {
+            f(slot, U + E - M + first + rank, first + rank);
+            ++taken_before;
+          } else {
+            f(slot, U + ev_before - taken_before, -1);
+          }
+          ++ev_before;
         }
       }
     }
-    if (no_block) atomicExch(&s.victim_flag, 1);
-  }
+  };
+  auto walk = [&](auto&& f) {
+    if constexpr (kClasses) {
+      if (classes != nullptr) return walk_impl(std::true_type{}, f);
+    }
+    walk_impl(std::false_type{}, f);
+  };
+  walk([&](int slot, int, int v) {
+    if (v >= 0) victims[v] = static_cast<uint16_t>(slot);
+  });
   // Miss ranks of chunk 0; slot_of of a missed position becomes -2 - rank.
   int carry = 0;
   auto rank_flags = [&](unsigned fl, int nu, int buf, auto&& on_rank) {
@@ -754,21 +888,6 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       }
     }
   };
-  if (s.victim_flag || s.hit_err != kNoError) {
-    // A hit or a victim has no hot block: find the error the reference reports first
-    // (hits were submitted during hit marking), write nothing.
-    for_misses([&](int i, int h, int m) {
-      if (static_cast<int>(static_cast<unsigned>(tab[h])) == i) {
-        const int slot = victims[m];
-        if (hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, i, slot);
-      }
-    });
-    __syncthreads();
-    fail_request(p, base, N, t, ntok);
-    report_err(p, s.hit_err, row, base);
-    return;
-  }
-
   // ---- writes: misses (rows, slot_pos, plan), LRU, counts, stats ----------------------------
   for_misses([&](int i, int h, int m) {
     const int slot = victims[m];
@@ -785,24 +904,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       p.miss_dst[base + m] = r;
     }
   });
-  {  // [evictable not taken] + [taken, miss order] + [hits, old order]
-    int hh = hit_base;
-    int e = ev_base;
+  {  // [unleased] + [evictable not taken] + [taken, miss order] + [hits, old order]
     int16_t* lrow = p.lru + row_d;
-#pragma unroll
-    for (int k = 0; k < SPT; ++k) {
-      if (j0 + k < D) {
-        const int slot = lru_slot(k);
-        int newpos;
-        if (is_hit_slot(slot)) {
-          newpos = E + hh++;
-        } else {
-          newpos = e < M ? E - M + e : e - M;
-          ++e;
-        }
-        lrow[newpos] = static_cast<int16_t>(slot);
-      }
-    }
+    walk([&](int slot, int newpos, int) { lrow[newpos] = static_cast<int16_t>(slot); });
   }
   for (int j = tid; j < ntok; j += THREADS) {
     const long long c = static_cast<long long>(M) - static_cast<long long>(j) * K;
@@ -817,10 +921,10 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   probe.mark(6);
 }
 
-template <int SPT, int THREADS, class Probe>
+template <int SPT, int THREADS, bool kClasses, class Probe>
 __global__ void __launch_bounds__(THREADS, 1) resolve_general_kernel(const ResolveParams p,
                                                                      const Probe probe) {
-  resolve_general<SPT, THREADS>(p, probe);
+  resolve_general<SPT, THREADS, kClasses>(p, probe);
 }
 
 }  // namespace hisparse::resolve_detail

@@ -4,12 +4,13 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh
+#   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker simulate bench capacity sanitize}"
+STEPS="${STEPS:-build test worker simulate connector bench capacity sanitize tp2}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -19,7 +20,21 @@ t0=$(date +%s)
 note() { echo "[gpu_session $(( $(date +%s) - t0 ))s] $*" | tee -a "$SUMMARY"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
+# The vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle), unpacked once.
+BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
+vbundle() {
+  [[ -f "$BUNDLE" ]] || return 1
+  [[ -f /tmp/vbundle/run_sim.py ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp; }
+}
+
 note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1); $($PY -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__,"cuda",torch.version.cuda)' 2>&1); $(nvcc --version | tail -1)"
+
+if [[ -n "${HUGEPAGES_GIB:-}" ]]; then
+  # Reserve 2 MiB hugetlb pages for the host pools of the steps below (HostPool takes them
+  # first when enough are free and logs what it got). Needs root; the page count is logged.
+  echo $(( HUGEPAGES_GIB * 512 )) > /proc/sys/vm/nr_hugepages 2>/dev/null
+  note "hugetlb: asked for $(( HUGEPAGES_GIB * 512 )) pages of 2 MiB: $(grep -E '^HugePages_(Total|Free)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
+fi
 
 if has build; then
   BUILD="${BUILD_DIR:-/tmp/hisparse_build}"
@@ -82,11 +97,9 @@ if has simulate; then
   # vLLM bundle (../shared/tools/gpu-vllm/README.md; carry .device/vbundle). The default
   # simulate on the reference ops (CPU) and on the kernels (CUDA) must give identical counters;
   # then GPU-sized workloads (DeepSeek-V3.2 and GLM-5.2 geometry) too slow for the CPU.
-  BUNDLE="${VBUNDLE:-$ROOT/.device/vbundle/vbundle.tar.gz}"
-  if [[ ! -f "$BUNDLE" ]]; then
+  if ! vbundle; then
     note "simulate skipped: no vLLM bundle at $BUNDLE"
   else
-    rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp
     SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
     timeout 240 "${SIM[@]}" --device cpu --json "$OUT/sim_cpu.json" > "$OUT/sim_cpu.log" 2>&1
     note "simulate --device cpu rc=$?"
@@ -111,6 +124,70 @@ if has simulate; then
   fi
 fi
 
+if has connector; then
+  # Decode tokens/s through vLLM's scheduler, both connector roles and the attention hook,
+  # with and without the connector at one HBM budget, next to the no-IO oracle of the same
+  # run, per index geometry (docs/benchmarks.md, "Decode capacity through the connector").
+  if ! vbundle; then
+    note "connector skipped: no vLLM bundle at $BUNDLE"
+  else
+    timeout "${CONNECTOR_TIMEOUT:-420}" env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 \
+      $PY /tmp/vbundle/run_sim.py bench connector --json "$OUT/connector.json" \
+      ${CONNECTOR_ARGS:-} > "$OUT/connector.log" 2>&1
+    note "bench connector rc=$?: $(grep -E 'host pool:' "$OUT/connector.log" | head -n 1 | cut -c1-200)"
+  fi
+fi
+
+if has tp2; then
+  # Two tensor-parallel ranks, one per GPU, on one shared host pool (docs/worker.md, "Tensor
+  # parallelism"): the two-GPU tests (decode loop and writer/reader exact against the
+  # reference), each rank's gather bandwidth alone and both at once (PCIe links are per GPU:
+  # ~2x aggregate expected), and simulate with two workers (vLLM's scheduler votes both
+  # ranks' acks, every row of both ranks checked), with the shared pool and with private
+  # pools: host memory held once vs twice per host block.
+  NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [[ "$NGPU" -lt 2 ]]; then
+    note "tp2 skipped: $NGPU CUDA device(s) visible, the two-rank run needs 2 (kind nvidia-h200-x2)"
+  else
+    note "tp2: $NGPU GPUs; /dev/shm (size, free): $(df -h --output=size,avail /dev/shm 2>/dev/null | tail -n 1)"
+    timeout 300 $PY -m pytest -m gpu tests/worker/test_decode_loop_tp.py \
+      tests/worker/test_host_pool_shared.py -k "two_gpus" -q -p no:cacheprovider -rfE \
+      > "$OUT/tp2_pytest.log" 2>&1
+    note "tp2 pytest (two GPUs) rc=$?: $(tail -n 1 "$OUT/tp2_pytest.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/tp2_pytest.log" | head -n 20 | tee -a "$SUMMARY"
+    timeout 300 $PY -m vllm_hisparse.cli.main bench tp-gather --json "$OUT/tp2_gather.json" \
+      ${TP2_GATHER_ARGS:-} > "$OUT/tp2_gather.log" 2>&1
+    note "tp2 bench tp-gather rc=$?"
+    grep -E "^tp-gather|^pages|^\||^GB/s|^host memory|^exact|^NOT EXACT" "$OUT/tp2_gather.log" \
+      | tee -a "$SUMMARY"
+    if ! vbundle; then
+      note "tp2 simulate skipped: no vLLM bundle at $BUNDLE"
+    else
+      SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+      for pool in shared private; do
+        shared=1; [[ $pool == private ]] && shared=0
+        VLLM_HISPARSE_SHARED_HOST_POOL=$shared timeout 300 "${SIM[@]}" --device cuda \
+          --ops-backend cuda --tensor-parallel-size 2 --runs with ${TP2_SIM_ARGS:-} \
+          --json "$OUT/sim_tp2_$pool.json" > "$OUT/sim_tp2_$pool.log" 2>&1
+        note "simulate --tensor-parallel-size 2 ($pool pools) rc=$?: $(grep -E '^exact|MISMATCH|FAILED' "$OUT/sim_tp2_$pool.log" | cut -c1-160)"
+        grep -E "^host memory" "$OUT/sim_tp2_$pool.log" | tee -a "$SUMMARY"
+      done
+      $PY - "$OUT/sim_tp2_shared.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+try:
+    run = json.load(open(sys.argv[1]))["runs"]["with connector"]
+    w, r = run["ranks"]
+except (OSError, ValueError, KeyError) as exc:
+    sys.exit(f"tp2 simulate ranks: no two-rank report in {sys.argv[1]} ({exc!r})")
+same = all(w[k] == r[k] for k in ("resident", "hot_hits", "misses", "rows_checked"))
+print(f"tp2 simulate ranks: same decisions and rows checked {same}; rank 1 wrote "
+      f"{r['bytes_d2h']} B and gathered {r['gather_bytes']} B from rows rank 0 wrote "
+      f"({w['bytes_d2h']} B); pages {w['host_pool']['page_mode']}")
+PYEOF
+    fi
+  fi
+fi
+
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 150 compute-sanitizer --tool "$tool" --target-processes all --print-limit 30 \
@@ -125,6 +202,11 @@ cat "$SUMMARY"
 if has bench; then
   echo "---------------- bench ----------------"
   cat "$OUT/bench.log"
+fi
+if has connector; then
+  echo "---------------- decode through the connector ----------------"
+  sed -n '/ sparse layers x /,$p' "$OUT/connector.log" | grep -q . \
+    && sed -n '/ sparse layers x /,$p' "$OUT/connector.log" || tail -n 30 "$OUT/connector.log"
 fi
 if has capacity; then
   echo "---------------- decode capacity (position-major host pool) ----------------"

@@ -154,6 +154,10 @@ def test_prompts_longer_than_one_step_are_prefilled_in_chunks(capsys):
     (["--device-blocks", "10"], "--device-blocks=10 cannot hold one request"),
     (["--host-pool-gib", "0.001"], "host_pool_gib=0.001 buys 5 host blocks"),
     (["--shared-prefix-len", "-1"], "--shared-prefix-len=-1 is invalid"),
+    (["--tensor-parallel-size", "0"],
+     "--tensor-parallel-size=0 is invalid; accepted: an integer in [1, 8]"),
+    (["--tensor-parallel-size", "2", "--device", "cuda:1"],
+     "--device=cuda:1 is invalid; accepted: cpu or cuda with --tensor-parallel-size > 1"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
     with pytest.raises(SystemExit) as info:
@@ -205,8 +209,8 @@ def test_wrong_row_in_a_shared_block_fails(monkeypatch, capsys):
 
     original = SyntheticModel.write_kv
 
-    def planting(self, batch, step):
-        original(self, batch, step)
+    def planting(self, batch, step, slots=None):
+        original(self, batch, step, slots)
         for rid, state, start, n in batch:
             if rid == "sim-1" and start <= 6 < start + n:
                 for g, _, view, stride in self.layers.values():

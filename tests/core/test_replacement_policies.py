@@ -99,8 +99,11 @@ def test_belady_is_lowest_on_random_traces(seed):
     trace = [np.array(rng.sample(range(40), rng.randint(1, 6))) for _ in range(60)]
     for capacity in (6, 8, 12):
         belady = replay_request("belady", trace, capacity)[0]
+        scores = [(np.array(rng.sample(range(40), 5)), np.ones(5, np.uint8)) for _ in trace]
+        scores = [(np.sort(p), c) for p, c in scores]
         for policy in POLICIES:
-            assert belady <= replay_request(policy, trace, capacity, seed=seed)[0]
+            assert belady <= replay_request(policy, trace, capacity, seed=seed,
+                                            scores=scores)[0]
 
 
 def test_belady_uses_next_use_of_unsorted_sets():
@@ -136,3 +139,44 @@ def test_trace_roundtrip_and_format_errors(tmp_path):
     with pytest.raises(ValueError, match="offsets"):
         SelectionTrace(np.zeros(1, np.int32), np.zeros(1, np.int32), np.array([0, 5]),
                        np.zeros(3, np.int32), {})
+
+
+def test_score_policy_evicts_the_lowest_class_first_then_least_recent():
+    # capacity 3: {1, 2, 3} fill the region; step 1 needs 4: one victim among 1, 2, 3
+    sets = [np.array([1, 2, 3]), np.array([4]), np.array([1, 2])]
+    no_scores = [(np.zeros(0, np.int32), np.zeros(0, np.uint8))] * 3
+    # without classes it is the kernel's LRU: victim 1 (least recent), then 1 misses again
+    assert replay_request("score", sets, 3, scores=no_scores)[0] == \
+        replay_request("hisparse", sets, 3)[0] == 3 + 1 + 1
+    # 3 is class 0, 1 and 2 are close to the threshold (class 2): 3 goes, step 2 hits both
+    scores = [no_scores[0], (np.array([1, 2]), np.array([2, 2], np.uint8)), no_scores[0]]
+    assert replay_request("score", sets, 3, scores=scores)[0] == 3 + 1 + 0
+    with pytest.raises(ValueError, match="needs a trace with score classes"):
+        replay_request("score", sets, 3)
+
+
+def test_frequency_policy_keeps_often_selected_positions():
+    # 1 is selected at every step, 2 once: at step 3 the victim is 2 although 1 is older
+    sets = [np.array([1, 2]), np.array([1]), np.array([1]), np.array([3]), np.array([1])]
+    assert replay_request("frequency", sets, 2)[0] == 2 + 0 + 0 + 1 + 0
+
+
+def test_trace_score_classes_round_trip_and_are_checked(tmp_path):
+    trace = synthetic_trace(num_requests=2, num_steps=4, top_k=256, context_tokens=4096)
+    assert trace.has_scores
+    path = tmp_path / "t.npz"
+    trace.save(str(path))
+    loaded = type(trace).load(str(path))
+    for a, b in zip(trace.scored_requests(), loaded.scored_requests()):
+        for (pa, ca), (pb, cb), chosen in zip(a[2], b[2], a[1]):
+            assert np.array_equal(pa, pb) and np.array_equal(ca, cb)
+            assert ca.min() >= 1 and ca.max() <= 3 and not np.isin(pa, chosen).any()
+    plain = synthetic_trace(num_requests=2, num_steps=4, top_k=256, context_tokens=4096,
+                            score_class_width=None)
+    assert not plain.has_scores and np.array_equal(plain.positions, trace.positions)
+    with pytest.raises(ValueError, match="come together"):
+        type(trace)(trace.request, trace.step, trace.offsets, trace.positions, {},
+                    score_offsets=trace.score_offsets)
+    with pytest.raises(ValueError, match=r"score_classes must be in \[1, 4\)"):
+        type(trace)(trace.request, trace.step, trace.offsets, trace.positions, {},
+                    trace.score_offsets, trace.score_positions, trace.score_classes * 0)

@@ -29,6 +29,7 @@ class ResolveCase:
     miss_dst: torch.Tensor = None
     miss_count: torch.Tensor = None
     stats: torch.Tensor = None
+    slot_class: torch.Tensor = None  # uint8 [R, D] eviction classes, or None (plain LRU)
 
     def __post_init__(self):
         shape = tuple(self.topk.shape)
@@ -45,9 +46,10 @@ class ResolveCase:
             self.stats = torch.zeros(3, dtype=torch.int64)
 
     def args(self):
-        return (self.topk, self.token_rows, self.residency, self.host_blocks, self.hot_blocks,
+        args = (self.topk, self.token_rows, self.residency, self.host_blocks, self.hot_blocks,
                 self.slot_pos, self.lru, self.block_size, self.out_rows, self.miss_src,
                 self.miss_dst, self.miss_count, self.stats)
+        return args if self.slot_class is None else args + (self.slot_class,)
 
     def clone(self, device: str | torch.device | None = None) -> "ResolveCase":
         fields = {}
@@ -72,11 +74,14 @@ def i32(x) -> torch.Tensor:
 def random_case(rng: random.Random, *, max_rows: int = 6, max_tokens_per_request: int = 4,
                 k: int | None = None, block_size: int | None = None,
                 hot_blocks_per_request: int | None = None, resident_fraction: float | None = None,
-                padding_fraction: float = 0.1, allow_overflow: bool = False) -> ResolveCase:
+                padding_fraction: float = 0.1, allow_overflow: bool = False,
+                partial_fraction: float = 0.0, with_classes: bool = False) -> ResolveCase:
     """A valid random ``resolve`` input with duplicates, padding and locality.
 
     Unless ``allow_overflow``, the number of distinct host-backed positions per request is
-    kept within D, so the case resolves without error.
+    kept within its leased slots, so the case resolves without error. ``partial_fraction``:
+    the share of state rows whose hot region is partial (some hot blocks -1, their slots
+    empty); ``with_classes``: random ``slot_class`` values 0..5 (above 3 counts as 3).
     """
     bs = block_size or rng.choice([1, 2, 4, 8, 16])
     hot_nb = hot_blocks_per_request or rng.randint(1, 4)
@@ -112,6 +117,18 @@ def random_case(rng: random.Random, *, max_rows: int = 6, max_tokens_per_request
         perm = list(range(num_slots))
         rng.shuffle(perm)
         lru[r] = torch.tensor(perm, dtype=torch.int16)
+    leased_slots = [num_slots] * num_rows
+    for r in range(num_rows):
+        if partial_fraction and rng.random() < partial_fraction:
+            gone = rng.sample(range(hot_nb), rng.randint(1, hot_nb))  # all of them sometimes
+            for b in gone:
+                hot_blocks[r, b] = -1
+                slot_pos[r, b * bs:(b + 1) * bs] = -1  # an unleased slot is empty
+            leased_slots[r] = (hot_nb - len(gone)) * bs
+    slot_class = None
+    if with_classes:
+        slot_class = torch.tensor([[rng.randrange(6) for _ in range(num_slots)]
+                                   for _ in range(num_rows)], dtype=torch.uint8)
 
     # Requests: contiguous runs of tokens, padding tokens in between.
     rows = rng.sample(range(num_rows), rng.randint(0, num_rows))
@@ -139,7 +156,7 @@ def random_case(rng: random.Random, *, max_rows: int = 6, max_tokens_per_request
                     sel.append(min(num_positions - 1, max(0, centre + rng.randint(-3 * bs, 3 * bs))))
             request_sel.append(sel)
         if not allow_overflow:
-            request_sel = _cap_host_backed(request_sel, residency[r], bs, num_slots)
+            request_sel = _cap_host_backed(request_sel, residency[r], bs, leased_slots[r])
         token_rows.extend([r] * n)
         topk_rows.extend(request_sel)
     if not token_rows:
@@ -147,7 +164,7 @@ def random_case(rng: random.Random, *, max_rows: int = 6, max_tokens_per_request
     else:
         topk = torch.tensor(topk_rows, dtype=torch.int32)
     return ResolveCase(topk, torch.tensor(token_rows, dtype=torch.int32).reshape(-1), residency,
-                       host_blocks, hot_blocks, slot_pos, lru, bs)
+                       host_blocks, hot_blocks, slot_pos, lru, bs, slot_class=slot_class)
 
 
 def _cap_host_backed(sel: list[list[int]], residency_row: torch.Tensor, bs: int,
@@ -208,6 +225,34 @@ def adversarial_cases():
     topk = torch.tensor([rng.sample(range(num_pages * bs), k)], dtype=torch.int32)
     yield "max sizes, ids at the int32 edge", ResolveCase(topk, i32([0]), residency, host_blocks,
                                                           hot_blocks, slot_pos, lru, bs)
+    # Partial hot regions and eviction classes (DESIGN.md §4.1 rules 4-5).
+    c = random_case(random.Random(8), resident_fraction=0.0, hot_blocks_per_request=4,
+                    partial_fraction=1.0)
+    yield "partial hot regions, misses only in leased blocks", c
+    c = random_case(random.Random(9), resident_fraction=0.0, hot_blocks_per_request=4,
+                    with_classes=True)
+    c.slot_pos.fill_(-1)
+    yield "all miss, eviction classes", c
+    c = random_case(random.Random(10), resident_fraction=0.2, hot_blocks_per_request=3,
+                    partial_fraction=0.5, with_classes=True)
+    yield "partial hot regions and eviction classes", c
+    # the production shape with classes: K 2048, D 4096, every class, a quarter unleased
+    bs, num_pages, d, k = 64, 2048, 4096, 2048
+    hot_blocks = (torch.arange(d // bs, dtype=torch.int32) + 5000).reshape(1, -1)
+    hot_blocks[0, 48:] = -1
+    slot_pos = torch.full((1, d), -1, dtype=torch.int32)
+    held = torch.tensor(rng.sample(range(num_pages * bs), 3 * d // 4), dtype=torch.int32)
+    slot_pos[0, :3 * d // 4] = held
+    lru = torch.tensor(rng.sample(range(d), d), dtype=torch.int16).reshape(1, d)
+    chosen = rng.sample(held.tolist(), k // 2) + rng.sample(range(num_pages * bs), k // 2)
+    chosen = list(dict.fromkeys(chosen))[:k]
+    chosen += [-1] * (k - len(chosen))
+    slot_class = torch.tensor([[rng.randrange(4) for _ in range(d)]], dtype=torch.uint8)
+    yield "production shape, classes, a quarter unleased", ResolveCase(
+        torch.tensor([chosen], dtype=torch.int32), i32([0]),
+        torch.full((1, num_pages), -1, dtype=torch.int32),
+        torch.arange(num_pages, dtype=torch.int32).reshape(1, -1) + 10_000, hot_blocks, slot_pos,
+        lru, bs, slot_class=slot_class)
 
 
 def input_defect_cases():

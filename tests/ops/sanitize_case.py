@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tests/ops/sanitize_case.py
 
 Resolves a batch with spec-decode requests (2 and 6 tokens of K = 2048), hits, misses, duplicates, padding, a fully
-resident request and stats, and single-token requests at K = 2048, D = 4096 (the fast path), then runs gather_rows (pinned host -> device), copy_blocks (both
+resident request and stats, single-token requests at K = 2048, D = 4096 (the fast path) and with eviction classes and a partial
+hot region (the general path), then runs gather_rows (pinned host -> device), copy_blocks (both
 directions), mirror_rows and a gather from row-strided (position-major) host layers, and checks every result against the reference twins. Also
 exercises the error path (one failing request). Exits non-zero on any mismatch.
 """
@@ -66,6 +67,20 @@ def main() -> int:
     fast_case = distinct_rows(fast_case)  # distinct selections per row, as the indexer gives
     fast_case.topk[3, 1] = fast_case.topk[3, 0]  # request 3 repeats a position (exact either way)
     resolve_steps(fast_case, 2, "resolve, single-token")
+
+    # Eviction classes and a partial hot region (a quarter of the hot blocks -1, their slots
+    # empty) at the production shape: the general path's class scans and victim walk.
+    class_case = big_case(rng, num_requests=3, tokens_per_request=1, k=2048, num_slots=4096,
+                          block_size=64, num_pages=512, resident_fraction=0.3,
+                          hit_fraction=0.5, padding=0.02)
+    class_case = distinct_rows(class_case)
+    nb = class_case.hot_blocks.shape[1]
+    class_case.hot_blocks[:, 3 * nb // 4:] = -1
+    class_case.slot_pos[:, 3 * nb // 4 * 64:] = -1
+    class_case = cap_distinct(class_case)
+    class_case.slot_class = torch.randint(0, 5, tuple(class_case.slot_pos.shape),
+                                          dtype=torch.uint8)
+    resolve_steps(class_case, 2, "resolve, classes and a partial region")
 
     # gather the last plan into device rows
     L, row_bytes = 2, 656

@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from resolve_cases import ResolveCase, i32, random_case
+from resolve_cases import ResolveCase, adversarial_cases, i32, random_case
 from vllm_hisparse.ops import probe, reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.tuning import KernelTuning
@@ -52,8 +52,8 @@ def run_both(case: ResolveCase, with_stats: bool = True, tuning: KernelTuning | 
     gpu = case.clone(DEV)
     ref_stats = ref.stats if with_stats else None
     gpu_stats = gpu.stats if with_stats else None
-    args_ref = ref.args()[:-1] + (ref_stats,)
-    args_gpu = gpu.args()[:-1] + (gpu_stats,)
+    args_ref = ref.args()[:12] + (ref_stats,) + ref.args()[13:]  # [13:]: slot_class, if any
+    args_gpu = gpu.args()[:12] + (gpu_stats,) + gpu.args()[13:]
     reference.resolve(*args_ref)
     tuning = TUNING if tuning is None else tuning
     if general_only:
@@ -160,9 +160,9 @@ def big_case(rng: random.Random, *, num_requests: int, tokens_per_request: int, 
 
 
 def cap_distinct(case: ResolveCase) -> ResolveCase:
-    """Turn selections into padding past D distinct host-backed positions per request."""
+    """Turn selections into padding past the leased slots' worth (D when every hot block is
+    leased) of distinct host-backed positions per request."""
     bs = case.block_size
-    D = case.slot_pos.shape[1]
     topk = case.topk.clone()
     rows = case.token_rows.tolist()
     t = 0
@@ -172,6 +172,7 @@ def cap_distinct(case: ResolveCase) -> ResolveCase:
         while t1 < len(rows) and rows[t1] == r:
             t1 += 1
         if r >= 0:
+            D = int((case.hot_blocks[r] >= 0).sum()) * bs
             flat = topk[t:t1].reshape(-1)
             valid = flat >= 0
             hostb = valid.clone()
@@ -433,11 +434,18 @@ def chunk_boundary_case() -> ResolveCase:
 def test_resolve_chunk_boundary_case_and_its_errors():
     case = chunk_boundary_case()
     check_case(case, what="chunk boundary")
-    # the miss of rank 64 (first referenced in the 5th token) needs hot block 1
+    # 128 distinct positions, hot block 1 not leased: 64 leased slots overflow
     bad = chunk_boundary_case()
     bad.hot_blocks = i32([[30, -1]])
+    e = expect_error(bad, ResolveErrorCode.HOT_OVERFLOW)
+    assert (e.detail_a, e.detail_b) == (128, 64)
+    # a hit on a slot of the unleased block 1 (64 distinct positions: no overflow)
+    bad = chunk_boundary_case()
+    bad.hot_blocks = i32([[30, -1]])
+    bad.slot_pos[0, 64] = 100
+    bad.topk[:, :] = torch.where(bad.topk >= 63, torch.full_like(bad.topk, 100), bad.topk)
     e = expect_error(bad, ResolveErrorCode.HOT_BLOCK_MISSING)
-    assert (e.detail_a, e.detail_b) == (64, 64)
+    assert (e.detail_a, e.detail_b) == (64, 100)
     # a position out of range in the last token
     bad = chunk_boundary_case()
     bad.topk[5, 100] = 2 * 64 + 3
@@ -457,8 +465,8 @@ def run_counted(case: ResolveCase, with_stats: bool = True):
     """Like run_both, plus the number of requests the fast path handed to the general path."""
     ref = case.clone()
     gpu = case.clone(DEV)
-    args_ref = ref.args()[:-1] + (ref.stats if with_stats else None,)
-    args_gpu = gpu.args()[:-1] + (gpu.stats if with_stats else None,)
+    args_ref = ref.args()[:12] + (ref.stats if with_stats else None,) + ref.args()[13:]
+    args_gpu = gpu.args()[:12] + (gpu.stats if with_stats else None,) + gpu.args()[13:]
     reference.resolve(*args_ref)
     dt = torch.zeros(probe.NUM_TIMES, dtype=torch.int64, device=DEV)
     probe.resolve(*args_gpu, tuning=TUNING, times=dt)
@@ -566,6 +574,56 @@ def test_resolve_fast_path_hands_off_what_it_cannot_decide():
     assert handed == 3
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_resolve_random_partial_regions_and_classes(seed):
+    """Partial hot regions (slots of -1 hot blocks never taken) and eviction classes
+    (victims in (class, LRU) order): 2 x 300 random cases, bit for bit."""
+    rng = random.Random(2000 + seed)
+    for i in range(300):
+        case = random_case(rng, partial_fraction=0.5, with_classes=i % 2 == 0)
+        check_case(case, with_stats=(i % 5 != 0), what=f"seed {seed} case {i}")
+
+
+def test_resolve_partial_regions_and_classes_multi_step():
+    rng = random.Random(11)
+    for i in range(40):
+        case = random_case(rng, max_tokens_per_request=4, partial_fraction=0.5,
+                           with_classes=True)
+        ref = case.clone()
+        gpu = case.clone(DEV)
+        for step in range(4):
+            if step:
+                npos = case.residency.shape[1] * case.block_size
+                ref.topk = torch.randint(-1, npos, tuple(case.topk.shape), dtype=torch.int32)
+                ref = cap_distinct(ref)
+                gpu.topk = ref.topk.to(DEV)
+                classes = torch.randint(0, 6, tuple(case.slot_class.shape), dtype=torch.uint8)
+                ref.slot_class = classes
+                gpu.slot_class = classes.to(DEV)
+            reference.resolve(*ref.args())
+            cuda_ops.resolve(*gpu.args(), tuning=TUNING)
+            cuda_ops.check_errors(DEV)
+            assert_same(ref.state(), gpu.state(), f"case {i} step {step}")
+
+
+def test_resolve_adversarial_cases():
+    for name, case in adversarial_cases():
+        check_case(case, what=name)
+
+
+def test_resolve_classes_launch_the_general_kernel():
+    """A launch with eviction classes runs the general kernel's class instantiation alone: the
+    fast kernel (and its hand-off counter) is not launched."""
+    rng = random.Random(5)
+    case = distinct_rows(big_case(rng, num_requests=4, tokens_per_request=1, k=2048,
+                                  num_slots=4096, block_size=64, num_pages=1024,
+                                  resident_fraction=0.3, hit_fraction=0.6, dup=0.0))
+    case.slot_class = torch.randint(0, 4, tuple(case.slot_pos.shape), dtype=torch.uint8)
+    ref, gpu, handed = run_counted(case)
+    assert_same(ref, gpu, "classes")
+    assert handed == 0
+
+
 def test_resolve_general_kernel_alone_random_cases():
     """The general path (the kernel the fast path hands over to, launched for every request
     through the probe API) on random cases, so it stays exact even where the fast path would
@@ -642,17 +700,29 @@ def test_error_state_row_out_of_range():
     expect_error(simple_case(token_rows=i32([-4])), ResolveErrorCode.STATE_ROW_OUT_OF_RANGE)
 
 
-def test_error_hot_block_missing_hit_and_miss():
+def test_error_hot_block_missing_on_a_hit():
+    """A slot of a -1 hot block still holding a position (corrupt: it must be empty) and
+    selected: HOT_BLOCK_MISSING. Misses never take such slots, so they cannot fail so."""
     # the hit on slot 6 (block 1) comes first
     expect_error(simple_case(topk=i32([[16, 25, 12, 30]]), hot_blocks=i32([[20, -1]])),
                  ResolveErrorCode.HOT_BLOCK_MISSING)
-    # the miss 25 takes slot 0 (block 0) and comes first
+    # the miss 25 comes first but takes slot 4 (block 1); the hit on slot 2 (block 0) fails
     expect_error(simple_case(topk=i32([[25, 16, 12, 30]]), hot_blocks=i32([[-1, 21]])),
                  ResolveErrorCode.HOT_BLOCK_MISSING)
-    # the miss comes second
+    # the error is reported after a corrupt lru (the reference's check order)
     expect_error(simple_case(topk=i32([[12, 25]]), hot_blocks=i32([[-1, 21]]),
-                             lru=i32([[4, 5, 6, 7, 0, 1, 2, 3]]).to(torch.int16)),
-                 ResolveErrorCode.HOT_BLOCK_MISSING)
+                             lru=i32([[4, 5, 6, 7, 0, 1, 2, 99]]).to(torch.int16)),
+                 ResolveErrorCode.CORRUPT_LRU)
+
+
+def test_error_hot_overflow_counts_leased_slots():
+    empty = i32([[-1] * 8])
+    expect_error(simple_case(topk=i32([[0, 1, 2, 3, 4]]), hot_blocks=i32([[-1, 21]]),
+                             slot_pos=empty), ResolveErrorCode.HOT_OVERFLOW)
+    expect_error(simple_case(topk=i32([[0]]), hot_blocks=i32([[-1, -1]]), slot_pos=empty),
+                 ResolveErrorCode.HOT_OVERFLOW)
+    check_case(simple_case(topk=i32([[0, 1, 2, 3]]), hot_blocks=i32([[-1, 21]]),
+                           slot_pos=empty), what="4 misses in 4 leased slots")
 
 
 def test_error_duplicate_slot():

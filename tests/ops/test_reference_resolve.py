@@ -33,6 +33,7 @@ def naive_resolve(case: ResolveCase):
     hot_blocks = case.hot_blocks.tolist()
     slot_pos = case.slot_pos.tolist()
     lru = case.lru.tolist()
+    classes = None if case.slot_class is None else case.slot_class.tolist()
     bs = case.block_size
     num_rows = len(residency)
     num_positions = (len(residency[0]) if residency else 0) * bs
@@ -83,7 +84,8 @@ def naive_resolve(case: ResolveCase):
                 if host_blocks[r][p // bs] < 0:
                     raise NaiveError(ResolveErrorCode.NO_HOST_BLOCK)
                 host_backed.append(p)
-        if len(host_backed) > num_slots:
+        leased = [s for s in range(num_slots) if hot_blocks[r][s // bs] >= 0]
+        if len(host_backed) > len(leased):
             raise NaiveError(ResolveErrorCode.HOT_OVERFLOW)
         plan = []
         if host_backed:
@@ -98,23 +100,26 @@ def naive_resolve(case: ResolveCase):
                 raise NaiveError(ResolveErrorCode.CORRUPT_LRU)
             if len(set(lru[r])) != num_slots:
                 raise NaiveError(ResolveErrorCode.DUPLICATE_LRU_SLOT)
+            for p in host_backed:  # a hit on a slot without a hot block
+                if p in hit_slot and hot_blocks[r][hit_slot[p] // bs] < 0:
+                    raise NaiveError(ResolveErrorCode.HOT_BLOCK_MISSING)
             hit_slots = set(hit_slot.values())
-            evictable = [s for s in lru[r] if s not in hit_slots]
+            unleased = [s for s in lru[r] if s not in hit_slots and s not in leased]
+            evictable = [s for s in lru[r] if s not in hit_slots and s in leased]
             misses = [p for p in host_backed if p not in hit_slot]
-            taken = evictable[:len(misses)]
+            # lowest class first (values above 3 are 3), LRU order within a class
+            by_class = sorted(evictable, key=lambda s: min(classes[r][s], 3) if classes else 0)
+            taken = by_class[:len(misses)]
             slot_of = dict(hit_slot)
             for p, s in zip(misses, taken):
                 slot_of[p] = s
             for p in host_backed:
                 s = slot_of[p]
-                blk = hot_blocks[r][s // bs]
-                if blk < 0:
-                    raise NaiveError(ResolveErrorCode.HOT_BLOCK_MISSING)
-                row_of[p] = blk * bs + s % bs
+                row_of[p] = hot_blocks[r][s // bs] * bs + s % bs
             for p, s in zip(misses, taken):
                 new_slot_pos[r][s] = p
                 plan.append((host_blocks[r][p // bs] * bs + p % bs, row_of[p]))
-            new_lru[r] = (evictable[len(misses):] + taken
+            new_lru[r] = (unleased + [s for s in evictable if s not in taken] + taken
                           + [s for s in lru[r] if s in hit_slots])
             stats[1] += len(hit_slot)
             stats[2] += len(misses)
@@ -328,7 +333,7 @@ def _error_cases():
     c.topk = i32([[0, 1, 2, 3, 4, 5, 6, 7, 8]])
     c.__post_init__()
     c.out_rows, c.miss_src, c.miss_dst = (torch.zeros((1, 9), dtype=torch.int32) for _ in range(3))
-    yield "more misses than D", c, ResolveErrorCode.HOT_OVERFLOW, "D = 8"
+    yield "more misses than D", c, ResolveErrorCode.HOT_OVERFLOW, "(8 leased slots)"
     c = worked_example()
     c.topk = i32([[12, 12, 12, 12]] * 3)
     c.token_rows = i32([0, 1, 0])
@@ -580,6 +585,75 @@ def test_random_against_naive(seed):
     rng = random.Random(seed)
     case = random_case(rng, allow_overflow=(seed % 7 == 0))
     check_against_naive(case)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_partial_regions_and_classes_against_naive(seed):
+    rng = random.Random(50_000 + seed)
+    case = random_case(rng, allow_overflow=(seed % 7 == 0), partial_fraction=0.5,
+                       with_classes=seed % 2 == 0)
+    check_against_naive(case)
+
+
+def test_eviction_classes_pick_the_lowest_class_then_the_least_recent():
+    """Worked example with classes: s0 s1 s3 s4 s5 s7 evictable; s4 and s7 class 0, the rest
+    class 2: miss 25 takes s4 (class 0, older than s7), not s0 (least recent)."""
+    case = worked_example()
+    case.slot_class = torch.full((1, 8), 2, dtype=torch.uint8)
+    case.slot_class[0, [4, 7]] = 0
+    case.slot_class[0, 2] = 0  # a hit: its class does not matter
+    reference.resolve(*case.args())
+    assert case.miss_dst[0, 0].item() == hot_row(case, 0, 4)
+    assert case.slot_pos[0].tolist() == [10, 11, 12, 13, 25, 15, 16, 17]
+    assert case.lru[0].tolist() == [0, 1, 3, 5, 7, 4, 2, 6]
+
+
+def test_eviction_classes_above_three_count_as_three():
+    case = worked_example()
+    case.slot_class = torch.tensor([[200, 3, 0, 7, 9, 3, 0, 4]], dtype=torch.uint8)
+    reference.resolve(*case.args())  # evictable s0 s1 s3 s4 s5 s7 all class 3: LRU, s0
+    assert case.slot_pos[0, 0].item() == 25
+    assert case.lru[0].tolist() == [1, 3, 4, 5, 7, 0, 2, 6]
+
+
+def test_unleased_slots_are_never_taken_and_move_to_the_front():
+    """Hot block 0 (slots s0..s3) not leased, its slots empty: misses take s4.. in LRU order,
+    the unleased slots lead the new order (a region that grows uses them first)."""
+    case = worked_example()
+    case.hot_blocks[0, 0] = -1
+    case.slot_pos[0, :4] = -1
+    case.topk = i32([[14, 16, 25, 3]])  # 14 hits s4, 16 s6; 25 and 3 miss
+    case.lru = torch.tensor([[4, 0, 5, 1, 6, 2, 7, 3]], dtype=torch.int16)
+    reference.resolve(*case.args())
+    assert case.miss_count.tolist() == [2]
+    assert case.miss_dst[0, :2].tolist() == [hot_row(case, 0, 5), hot_row(case, 0, 7)]
+    assert case.slot_pos[0].tolist() == [-1, -1, -1, -1, 14, 25, 16, 3]
+    assert case.lru[0].tolist() == [0, 1, 2, 3, 5, 7, 4, 6]
+
+
+def test_a_partial_region_overflows_at_its_leased_slots():
+    case = worked_example()
+    case.hot_blocks[0, 1] = -1
+    case.slot_pos[0, 4:] = -1
+    case.topk = i32([[0, 1, 2, 3, 4]])  # 5 host-backed positions, 4 leased slots
+    case.__post_init__()
+    case.out_rows, case.miss_src, case.miss_dst = (torch.zeros((1, 5), dtype=torch.int32)
+                                                   for _ in range(3))
+    with pytest.raises(ResolveError, match=r"selects 5 .* \(4 leased slots\)") as info:
+        reference.resolve(*case.args())
+    assert info.value.code == ResolveErrorCode.HOT_OVERFLOW
+    case.topk = i32([[0, 1, 2, 3, -1]])
+    reference.resolve(*case.args())  # 4 fit
+    assert sorted(case.slot_pos[0, :4].tolist()) == [0, 1, 2, 3]
+
+
+def test_no_region_at_all_overflows():
+    case = worked_example()
+    case.hot_blocks.fill_(-1)
+    case.slot_pos.fill_(-1)
+    with pytest.raises(ResolveError) as info:
+        reference.resolve(*case.args())
+    assert info.value.code == ResolveErrorCode.HOT_OVERFLOW
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -223,6 +223,11 @@ def test_simulator_internals_exist():
     import inspect
     assert "block_size" in inspect.signature(compat.get_request_block_hasher).parameters or \
         len(inspect.signature(compat.get_request_block_hasher).parameters) >= 1
+    # simulate --tensor-parallel-size: the ranks' outputs folded as vLLM's executor does.
+    assert list(inspect.signature(compat.KVOutputAggregator.from_connector).parameters) == \
+        ["connector", "world_size"]
+    assert list(inspect.signature(compat.KVOutputAggregator.aggregate).parameters) == \
+        ["self", "outputs", "output_rank"]
 
 
 def test_parallel_layout_accessors(dsa_model_dir):

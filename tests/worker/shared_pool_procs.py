@@ -54,6 +54,8 @@ def writer_rank(device: str, spec: dict, out, done):
     """TP rank 0: spill pages and mirror rows of its device KV into the shared pool."""
     try:
         dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # as a vLLM worker process does
         pool = HostPool(L, HOST_BLOCKS, BS, ROW_BYTES, huge_pages="auto", pin=dev.type == "cuda",
                         shared=SharedSegment(**spec))
         rows = torch.arange(DEVICE_BLOCKS * BS)
@@ -77,6 +79,8 @@ def reader_rank(device: str, spec: dict, out, go):
     report mismatches."""
     try:
         dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
         pool = HostPool(L, HOST_BLOCKS, BS, ROW_BYTES, huge_pages="auto", pin=dev.type == "cuda",
                         shared=SharedSegment(**spec))
         # This rank's device KV: zeros. If it wrote its spill, the host pages would be zeros.

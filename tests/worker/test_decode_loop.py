@@ -26,7 +26,7 @@ class DecodeLoop:
     def __init__(self, device: str, *, num_layers=3, row_bytes=32, block_size=16, k=48,
                  hot_slots=160, num_requests=4, device_blocks=160, seed=0,
                  tokens_per_step=1, ops_backend="auto", gather_mode="side", chunks=None,
-                 side_delay_cycles=0, side_ctas_per_sm=1):
+                 side_delay_cycles=0, side_ctas_per_sm=1, shared=None, writes_host=True):
         self.rng = random.Random(seed)
         self.device = torch.device(device)
         self.bs = block_size
@@ -37,10 +37,12 @@ class DecodeLoop:
         self.max_pages = 64
         self.device_kv = [torch.zeros((device_blocks * block_size, row_bytes), dtype=torch.uint8,
                                       device=self.device) for _ in range(num_layers)]
+        # ``shared``: a tensor-parallel rank's mapping of one pool (test_decode_loop_tp.py);
+        # ``writes_host=False`` on the ranks that only read it.
         self.host = HostPool(num_layers, num_requests * self.max_pages, block_size, row_bytes,
-                             huge_pages="never")
+                             huge_pages="never", shared=shared)
         self.engine = TransferEngine(self.device_kv, self.host.layers, block_size,
-                                     ops_backend=ops_backend)
+                                     ops_backend=ops_backend, writes_host=writes_host)
         self.state = HotState(num_requests, self.max_pages, hot_slots, block_size, self.device,
                               ops_backend=ops_backend)
         self.gather = GroupGather(self.state, self.host.layers, self.device_kv, mode=gather_mode,
@@ -116,6 +118,12 @@ class DecodeLoop:
         read every layer without waiting for its rows (a broken caller; must fail)."""
         self._release_some_pages()
         self._drain(block=False)
+        self.read(follower_layers=follower_layers, wait=wait)
+        self.write()
+        self._drain(block=False)
+
+    def read(self, *, follower_layers=True, wait=True):
+        """Resolve this step's selections, gather the misses, check each layer's rows."""
         token_rows, topk = [], []
         for req in self.requests:
             for _ in range(self.tokens_per_step):
@@ -134,9 +142,11 @@ class DecodeLoop:
             if wait:
                 self.gather.wait(layer)
             self.check(topk_c, rows_c, out_c, layer)
+
+    def write(self):
+        """Every request's new tokens: KV into its tail page, mirrored to the host."""
         for req in self.requests:
             self._append_tokens(req, self.tokens_per_step)
-        self._drain(block=False)
 
     def check(self, topk, token_rows, out_rows, layer):
         kv = self.device_kv[layer].cpu()

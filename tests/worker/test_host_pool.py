@@ -85,6 +85,39 @@ def test_thp_mapping_is_2mib_aligned():
             assert pool.layers[0].data_ptr() % (2 << 20) == 0
 
 
+def test_hugetlb_pages_reads_meminfo(tmp_path):
+    from vllm_hisparse.worker.host_pool import hugetlb_pages
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 100 kB\nHugePages_Total:      16\nHugePages_Free:        9\n"
+                    "HugePages_Rsvd:        0\nHugepagesize:       2048 kB\n")
+    assert hugetlb_pages(str(info)) == (16, 9, 2048)
+    assert hugetlb_pages(str(tmp_path / "missing")) == (None, None, None)
+
+
+def test_hugetlb_shortage_is_logged_with_the_pages_needed(monkeypatch, caplog):
+    import vllm_hisparse.worker.host_pool as hp
+    monkeypatch.setattr(hp, "hugetlb_pages", lambda: (4, 1, 2048))
+    monkeypatch.setattr(hp.HostPool, "_try_mapping", lambda self, mode: None)
+    with caplog.at_level("INFO", logger="vllm_hisparse.worker"):
+        with HostPool(2, 64, 64, 656, huge_pages="auto", pin=False) as pool:
+            assert pool.page_mode == "pageable"
+    need = -(-2 * 64 * 64 * 656 // (2 << 20))
+    assert f"1 of 4 reserved 2 MiB hugetlb pages are free, the pool needs {need}" in caplog.text
+
+
+@pytest.mark.parametrize("fraction,mode", [(0.95, "thp"), (0.5, "pinned"), (None, "thp")])
+def test_thp_page_mode_is_what_the_kernel_gave(monkeypatch, caplog, fraction, mode):
+    """A pinned THP pool counts as thp only when smaps shows >= 90 % in 2 MiB pages."""
+    import vllm_hisparse.worker.host_pool as hp
+    monkeypatch.setattr(hp.shm_segment, "huge_page_fraction", lambda address: fraction)
+    with HostPool(1, 1, 16, 16, huge_pages="never", pin=False) as pool:
+        pool._mapping_start = 0
+        with caplog.at_level("INFO", logger="vllm_hisparse.worker"):
+            assert pool._measured_thp(pool.buffer) == mode
+        assert pool.huge_page_fraction == fraction
+    assert ("backed only 50 % of the pool" in caplog.text) == (mode == "pinned")
+
+
 def test_blocks_for_bytes():
     assert HostPool.blocks_for_bytes(10 * 61 * 64 * 656, 61, 64, 656) == 10
     assert HostPool.blocks_for_bytes(10 * 61 * 64 * 656 - 1, 61, 64, 656) == 9
@@ -109,6 +142,8 @@ def test_pool_is_pinned_on_gpu_machines():
     with HostPool(2, 8, 64, 656) as pool:
         assert pool.page_mode in ("hugetlb", "thp", "pinned")
         assert pool.layers[0].is_pinned()
+        if pool.page_mode == "thp":  # measured after pinning, not assumed
+            assert pool.huge_page_fraction is None or pool.huge_page_fraction >= 0.9
 
 
 @pytest.mark.gpu

@@ -229,15 +229,15 @@ def test_non_writer_engine_acknowledges_host_writes_without_copying():
     assert [t for t, _ in failing.poll().failed] == [4]
 
 
-def _two_ranks(device: str, shm_dir: str):
+def _two_ranks(writer_device: str, shm_dir: str, reader_device: str | None = None):
     name = new_name()
     writer_out, reader_out = CTX.Queue(), CTX.Queue()
     done, go = CTX.Event(), CTX.Event()
     reader = CTX.Process(target=procs.reader_rank,
-                         args=(device, spec(shm_dir, name, False, open_timeout_s=120),
-                               reader_out, go))
+                         args=(reader_device or writer_device,
+                               spec(shm_dir, name, False, open_timeout_s=120), reader_out, go))
     writer = CTX.Process(target=procs.writer_rank,
-                         args=(device, spec(shm_dir, name, True), writer_out, done))
+                         args=(writer_device, spec(shm_dir, name, True), writer_out, done))
     reader.start()  # first: it waits for the writer's segment
     writer.start()
     try:
@@ -258,7 +258,7 @@ def _two_ranks(device: str, shm_dir: str):
         reader.join(120)
         writer.join(120)
     assert reader.exitcode == 0 and writer.exitcode == 0
-    if device.startswith("cuda"):
+    if writer_device.startswith("cuda"):
         assert mode in ("hugetlb", "thp", "pinned")
 
 
@@ -274,6 +274,20 @@ def test_two_ranks_writer_spills_reader_restores_and_gathers_cuda():
     path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
     try:
         _two_ranks("cuda:0", path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_ranks_on_two_gpus_writer_spills_reader_restores_and_gathers():
+    """As vLLM runs TP 2: the writer process on cuda:0, the reader process on cuda:1, each
+    registering its own mapping of the one segment; the reader's restore and gather kernels
+    on cuda:1 read exactly what the writer's kernels on cuda:0 copied."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix="hisparse-test-", dir=root)
+    try:
+        _two_ranks("cuda:0", path, reader_device="cuda:1")
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -457,5 +471,33 @@ def test_read_only_opener_maps_read_only(shm_dir):
     with open("/proc/self/maps") as f:
         perms = [line.split()[1] for line in f if line.startswith(start)]
     assert perms == ["r--s"], perms  # the creator's own mapping in this process is rw-s
+    reader.close()
+    creator.close()
+
+
+def test_memory_usage_counts_a_shared_pool_once(shm_dir):
+    """``HostPool.memory_usage``: measured pages, not the geometry. A private pool holds
+    what it touched; two mappings of one segment hold it once (their Pss add up to the
+    file's pages) while each maps all of it."""
+    geometry = (2, 64, 16, 656)  # 1.3 MB
+    private = HostPool(*geometry, huge_pages="never", pin=False)
+    private.buffer.fill_(1)  # (the allocator may hand out pages already present)
+    touched = private.memory_usage()
+    assert not touched["shared"] and touched["segment_bytes"] == -1
+    assert 0 <= touched["resident_bytes"] - touched["logical_bytes"] < 2 * 4096
+    assert touched["pss_bytes"] == touched["resident_bytes"]
+    private.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        private.memory_usage()
+    name = new_name()
+    creator = HostPool(*geometry, pin=False, shared=SharedSegment(**spec(shm_dir, name, True)))
+    reader = HostPool(*geometry, pin=False,
+                      shared=SharedSegment(**spec(shm_dir, name, False, read_only=True)))
+    reader.buffer.sum()  # fault every page in this mapping too
+    mine, theirs = creator.memory_usage(), reader.memory_usage()
+    for usage in (mine, theirs):
+        assert usage["shared"] and 0 <= usage["resident_bytes"] - usage["logical_bytes"] < 8192
+    assert mine["segment_bytes"] == theirs["segment_bytes"] >= mine["logical_bytes"]
+    assert abs(mine["pss_bytes"] + theirs["pss_bytes"] - mine["segment_bytes"]) <= 8192
     reader.close()
     creator.close()

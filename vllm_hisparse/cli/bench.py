@@ -2,9 +2,13 @@
 
 ``kernels`` (GPU: resolve, gathers, page copies, host-pool layouts and page sizes against the
 link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
-vs hybrid residency under one HBM budget; a CPU smoke run otherwise) and ``reference`` (the
-pure-torch resolve on the CPU). Without a target: ``kernels`` and ``capacity`` on a GPU,
-``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
+vs hybrid residency under one HBM budget; a CPU smoke run otherwise), ``connector`` (the same
+through vLLM's scheduler, the connector's two roles and the attention hook, next to the no-IO
+oracle of the same run; needs vLLM), ``clustering`` (CPU: how a hot region's misses fall into
+4 KiB host pages per host-pool layout), ``reference`` (the pure-torch resolve on the CPU) and
+``tp-gather`` (tensor-parallel ranks, one process and GPU each, gathering from one shared
+pinned host pool alone and all at once; CPU reference otherwise). Without a target:
+``kernels`` and ``capacity`` on a GPU, ``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
 (``vllm-hisparse bench kernels --quick --json k.json``; ``--help`` lists them).
 """
 
@@ -14,11 +18,12 @@ import argparse
 import importlib
 import sys
 
-TARGETS = ("kernels", "capacity", "reference")
+TARGETS = ("kernels", "capacity", "connector", "clustering", "reference", "tp-gather")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="kernel, decode-capacity and reference benchmarks",
+    p = sub.add_parser("bench", help="kernel, decode-capacity, connector, clustering, "
+                       "reference and tensor-parallel gather benchmarks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", choices=TARGETS,
                    help="which benchmark (default: kernels + capacity on a GPU, else reference)")
@@ -48,6 +53,7 @@ def run(args) -> int:
         targets = [args.target]
     status = 0
     for name in targets:
-        module = importlib.import_module(f"vllm_hisparse.cli.benchmarks.{name}")
+        module = importlib.import_module(
+            f"vllm_hisparse.cli.benchmarks.{name.replace('-', '_')}")
         status = max(status, module.main(list(args.args)))
     return status

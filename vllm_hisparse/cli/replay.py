@@ -2,7 +2,13 @@
 
 Reads a trace recorded by the connector (``record_trace``) or makes the embedded synthetic one,
 replays it for each policy and hot-region size, and prints the miss rates. Bélády's offline
-optimum is the floor every online policy is measured against.
+optimum is the floor every online policy is measured against: a second table gives the share of
+the LRU (``hisparse``, the kernel's policy) → Bélády gap each online policy closes.
+
+``--adaptive ROWS`` instead compares a fixed hot region of ROWS rows with per-request regions
+sized from each request's miss rate (``core.hot_sizing``), on the trace or, by default, on a
+synthetic trace of four requests whose selections drift differently: the miss rates, the hot
+blocks per request, and what they mean for concurrency.
 """
 
 from __future__ import annotations
@@ -15,8 +21,12 @@ import numpy as np
 from vllm_hisparse.cli.args import nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_file, write_json
 from vllm_hisparse.cli.plots import replay_plot
-from vllm_hisparse.core.replacement import POLICIES, replay
-from vllm_hisparse.core.trace import PAPER_MISS_RATES, SelectionTrace, synthetic_trace
+from vllm_hisparse.core.capacity import PRESETS, max_concurrency
+from vllm_hisparse.core.hot_sizing import compare_sizing
+from vllm_hisparse.core.replacement import POLICIES, gap_closed, replay
+from vllm_hisparse.core.trace import (PAPER_MISS_RATES, SelectionTrace, mixed_trace,
+                                      synthetic_trace)
+from vllm_hisparse.core.units import GIB
 
 DEFAULT_CAPACITIES = (2048, 3072, 4096, 6144, 8192)
 
@@ -38,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=positive_int, default=100_000,
                    help="synthetic trace: context tokens")
     p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--adaptive", type=positive_int, metavar="ROWS",
+                   help="compare a fixed region of ROWS rows with per-request sizing from the "
+                        "miss rate (default trace: four requests that drift differently)")
     p.add_argument("--json", metavar="PATH", type=output_path, help="write the results as JSON")
     p.add_argument("--plot", metavar="PNG", type=output_path,
                    help="plot miss rate vs hot-region size (matplotlib)")
@@ -72,7 +85,62 @@ def load_trace(path: str) -> SelectionTrace:
                          else f"--trace {path}: {text}") from None
 
 
+#: The deployment the sizing table's concurrency column assumes.
+_CONCURRENCY_MODEL, _CONCURRENCY_CONTEXT, _CONCURRENCY_KV_GIB = "deepseek-v3.2", 32768, 60
+
+
+def run_adaptive(args) -> int:
+    if args.trace:
+        trace, source = load_trace(args.trace), args.trace
+    else:
+        trace = mixed_trace(args.steps, args.top_k, args.context, args.seed)
+        source = (f"synthetic, 4 requests (very stable, stable, default, drifting) x "
+                  f"{args.steps} steps, "
+                  f"K = {args.top_k}, {args.context}-token context")
+    block_size = int(trace.meta.get("block_size") or 64)
+    if args.adaptive % block_size:
+        raise ValueError(f"--adaptive {args.adaptive}: not a multiple of the trace's block size "
+                         f"{block_size}")
+    print(f"trace: {source}, {trace.num_records} records; replaying ...", file=sys.stderr)
+    requests = [sets for _, sets in trace.requests()]
+    largest = max((s.shape[0] for sets in requests for s in sets), default=0)
+    if args.adaptive < largest:
+        raise ValueError(f"--adaptive {args.adaptive}: smaller than the largest selection set "
+                         f"of the trace ({largest} rows)")
+    rows = compare_sizing(requests, args.adaptive, block_size)
+    geometry = PRESETS[_CONCURRENCY_MODEL]
+
+    def concurrency(blocks: float) -> int:
+        hot_rows = int(round(blocks)) * geometry.block_size
+        return max_concurrency(geometry, device_kv_bytes=_CONCURRENCY_KV_GIB * GIB,
+                               num_host_blocks=1 << 30, context_tokens=_CONCURRENCY_CONTEXT,
+                               device_buffer_size_rows=hot_rows).steady_state_device
+
+    print(f"| hot region | target miss rate | miss rate | worst request | hot blocks / request "
+          f"| fixed blocks for the same worst request | requests at "
+          f"{_CONCURRENCY_CONTEXT // 1024}K ({_CONCURRENCY_MODEL}, {_CONCURRENCY_KV_GIB} GiB KV) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        target = "-" if r.target_miss_rate is None else f"{100 * r.target_miss_rate:.1f} %"
+        same = ("-" if r.target_miss_rate is None else "> largest measured"
+                if r.fixed_blocks_same_worst is None else
+                f"{r.fixed_blocks_same_worst:.1f} (saved "
+                f"{100 * (1 - r.mean_blocks / r.fixed_blocks_same_worst):.0f} %)")
+        print(f"| {r.label} | {target} | {100 * r.miss_rate:.2f} % | {100 * r.worst_miss_rate:.1f} % "
+              f"| {r.mean_blocks:.1f} | {same} | {concurrency(r.mean_blocks)} |")
+    if args.json:
+        return 0 if write_json("--json", args.json, {"trace": source, "sizing": [
+            {"label": r.label, "target_miss_rate": r.target_miss_rate, "miss_rate": r.miss_rate,
+             "worst_miss_rate": r.worst_miss_rate, "mean_blocks": r.mean_blocks,
+             "fixed_blocks_same_worst": r.fixed_blocks_same_worst,
+             "concurrency": concurrency(r.mean_blocks)} for r in rows]},
+            command="replay") else 1
+    return 0
+
+
 def run(args) -> int:
+    if args.adaptive:
+        return run_adaptive(args)
     if args.trace:
         trace = load_trace(args.trace)
         source = args.trace
@@ -92,10 +160,23 @@ def run(args) -> int:
                          f"trace ({largest} rows): no policy can serve it")
     capacities = sorted({r.capacity for r in results})
     rate = {(r.policy, r.capacity): r.miss_rate for r in results}
-    print("| hot rows | " + " | ".join(args.policies) + " |")
-    print("|---" * (len(args.policies) + 1) + "|")
+    policies = [p for p in args.policies if (p, capacities[0]) in rate]
+    skipped = [p for p in args.policies if p not in policies]
+    if skipped:
+        print(f"skipped {', '.join(skipped)}: the trace has no score classes", file=sys.stderr)
+    print("| hot rows | " + " | ".join(policies) + " |")
+    print("|---" * (len(policies) + 1) + "|")
     for c in capacities:
-        print(f"| {c} | " + " | ".join(f"{100 * rate[(p, c)]:.2f} %" for p in args.policies) + " |")
+        print(f"| {c} | " + " | ".join(f"{100 * rate[(p, c)]:.2f} %" for p in policies) + " |")
+    online = [p for p in policies if p not in ("hisparse", "belady")]
+    if "hisparse" in policies and "belady" in policies and online:
+        print("\nshare of the LRU (hisparse) -> Belady gap closed:")
+        print("| hot rows | " + " | ".join(online) + " |")
+        print("|---" * (len(online) + 1) + "|")
+        for c in capacities:
+            print(f"| {c} | " + " | ".join(
+                f"{100 * gap_closed(rate[(p, c)], rate[('hisparse', c)], rate[('belady', c)]):.0f} %"
+                for p in online) + " |")
     paper = {key: value for key, value in PAPER_MISS_RATES.items() if key in rate}
     if paper and (args.trace or args.top_k == 2048):
         # The synthetic default is calibrated to these; a recorded trace is compared with them.
@@ -113,5 +194,5 @@ def run(args) -> int:
                       for (p, c), v in paper.items()]}, command="replay")
     if args.plot:
         written &= write_file("--plot", args.plot, lambda path: replay_plot(
-            path, args.policies, capacities, rate, source), command="replay")
+            path, policies, capacities, rate, source), command="replay")
     return 0 if written else 1

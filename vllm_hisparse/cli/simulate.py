@@ -89,6 +89,12 @@ def add_parser(sub) -> None:
     m.add_argument("--device", default="cpu",
                    help="where KV and the ops live: cpu (reference ops) or cuda[:N] (CUDA "
                    "kernels) (default: %(default)s)")
+    m.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks: one worker role (and model runner) per rank, "
+                   "rank r on cuda:r (--device cuda) or all on cpu, each in its own thread, "
+                   "mapping one shared host pool that rank 0 writes; the scheduler votes "
+                   "every rank's acks and every rank's rows are checked (default: "
+                   "%(default)s)")
     m.add_argument("--ops-backend", choices=("auto", "cuda", "reference"), default="auto",
                    help="the connector's ops_backend (default: %(default)s)")
     m.add_argument("--threads", type=int, default=1, metavar="N",
@@ -119,6 +125,7 @@ def _spec(args):
         length_jitter=args.length_jitter, shared_prefix_len=args.shared_prefix_len,
         arrival=args.arrival, arrival_rate=args.arrival_rate,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         attention=args.attention,
         max_steps=args.max_steps)
 
@@ -205,6 +212,31 @@ def format_table(results: dict) -> str:
     return "\n".join(out)
 
 
+def format_ranks(label: str, ranks: list[dict]) -> str:
+    """Per tensor-parallel rank: rows checked, bytes each way, host pool memory (markdown),
+    then the ranks' host memory in one line."""
+    from vllm_hisparse.vllm.simulation.ranks import host_memory_line
+
+    out = [f"tensor-parallel ranks ({label}):",
+           "| rank | device | rows checked | bytes D2H | bytes H2D | host pool | resident | Pss |",
+           "|---:|---|---:|---:|---:|---|---:|---:|"]
+    for r in ranks:
+        pool = r["host_pool"]
+        if pool is None:
+            kind = resident = pss = "-"
+        else:
+            kind = ("private" if not pool["shared"] else
+                    "shared, writes" if r["writes_host"] else "shared, reads")
+            resident, pss = _fmt_bytes(pool["resident_bytes"]), _fmt_bytes(pool["pss_bytes"])
+        out.append(f"| {r['rank']} | {r['device']} | {r['rows_checked']:,} | "
+                   f"{_fmt_bytes(r['bytes_d2h'])} | {_fmt_bytes(r['bytes_h2d'])} | {kind} | "
+                   f"{resident} | {pss} |")
+    line = host_memory_line(ranks)
+    if line:
+        out.append(line)
+    return "\n".join(out)
+
+
 class StepSeries:
     """Per-step figures of each run for ``--plot``, from the engine's progress reports."""
 
@@ -280,6 +312,9 @@ def run(args) -> int:
     if results:
         print(_workload_line(spec))
         print(format_table(results))
+        for label, result in results.items():
+            if result.ranks:
+                print(format_ranks(label, result.ranks))
     if status == 0:
         total = sum(r.rows_checked for r in results.values())
         print(f"exact: all {total:,} rows read through the conversion path matched their ground "
@@ -302,4 +337,6 @@ def _workload_line(spec) -> str:
             f"output {spec.output_len} tokens{jitter}, {spec.arrival} arrival; model: "
             f"{spec.num_layers} sparse layers ({spec.layers_per_indexer} per indexer), block "
             f"{spec.block_size}, top-k {spec.top_k}; {spec.device_blocks} device blocks; "
-            f"device {spec.device}")
+            f"device {', '.join(spec.rank_devices)}"
+            + (f" (tensor parallel {spec.tensor_parallel_size})"
+               if spec.tensor_parallel_size > 1 else ""))

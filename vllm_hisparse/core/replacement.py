@@ -12,10 +12,14 @@ replace positions that are not in S. Policies differ only in which positions the
 | ``random`` | uniformly random | — |
 | ``current`` | everything not needed this step (only the current selections stay: "swap-vanilla") | — |
 | ``belady`` | the one used again furthest in the future (or never) | — (needs the future: an offline optimum) |
+| ``score`` | lowest score class first (the indexer's score this step: ``SelectionTrace`` score classes), least recent first within a class | as ``hisparse`` (what ``resolve`` does with ``slot_class``) |
+| ``frequency`` | lowest ``2 * log2(1 + selections in the last 32 steps) - steps since last selected`` first, least recent first on ties | as ``hisparse`` |
 
 Empty slots are used before anything is replaced, as ``-1`` entries at the least recent end,
-exactly like an empty hot region in ``resolve``. Within a step, misses are taken in ascending
-position order (a trace keeps the set, not the order of first reference).
+exactly like an empty hot region in ``resolve`` (class 0 for ``score``). Within a step, misses
+are taken in ascending position order (a trace keeps the set, not the order of first
+reference). ``score`` needs a trace with score classes; ``frequency`` is the best blend of
+recency and selection history found on the default trace (the history a slot could keep).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Sequence
 
 import numpy as np
 
-POLICIES = ("hisparse", "lru", "fifo", "random", "current", "belady")
+POLICIES = ("hisparse", "lru", "fifo", "random", "current", "belady", "score", "frequency")
+#: Policies that need the trace's score classes.
+SCORED_POLICIES = ("score",)
 _EMPTY = -1
 _NEVER = np.iinfo(np.int64).max
 
@@ -57,19 +63,29 @@ def _next_uses(sets: Sequence[np.ndarray]) -> list[np.ndarray]:
 
 
 def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
-                   seed: int = 0) -> tuple[int, int]:
+                   seed: int = 0, scores: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+                   ) -> tuple[int, int]:
     """(misses, references) of one request's selection sets under ``policy``.
 
+    ``scores``: per step, (positions, classes) of the score classes (``SelectionTrace``), needed
+    by the ``score`` policy.
+
     Raises ValueError if a set holds more positions than ``capacity`` (the region could not
-    serve that step at all) or ``policy`` is unknown.
+    serve that step at all), ``policy`` is unknown, or ``score`` has no scores.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+    if policy in SCORED_POLICIES and scores is None:
+        raise ValueError(f"policy {policy!r} needs a trace with score classes")
     rng = np.random.default_rng(seed)
     sets = [np.unique(np.asarray(x, dtype=np.int64)) for x in sets]
     order = np.full(capacity, _EMPTY, dtype=np.int64)  # least recent (or oldest) first
     next_use = np.full(capacity, _NEVER, dtype=np.int64)  # belady only, parallel to order
     future = _next_uses(sets) if policy == "belady" else None
+    if policy == "frequency":  # per position: last step selected, 32-step history (bits)
+        top = max((int(x[-1]) for x in sets if x.size), default=0) + 1
+        last = np.zeros(top, dtype=np.int64)
+        history = np.zeros(top, dtype=np.uint32)
     misses = references = 0
     for s, needed in enumerate(sets):
         if needed.shape[0] > capacity:
@@ -83,6 +99,31 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
         if policy == "hisparse":
             evictable = order[~hit]
             order = np.concatenate([evictable[n:], missing, order[hit]])
+        elif policy in ("score", "frequency"):
+            evictable = order[~hit]
+            filled = evictable != _EMPTY
+            keys = np.full(evictable.shape[0], -np.inf)  # empty slots first
+            if policy == "score":
+                scored_pos, scored_cls = scores[s]
+                keys[filled] = 0
+                if scored_pos.shape[0]:
+                    at = np.minimum(np.searchsorted(scored_pos, evictable[filled]),
+                                    scored_pos.shape[0] - 1)
+                    found = scored_pos[at] == evictable[filled]
+                    keys[filled] = np.where(found, scored_cls[at], 0)
+            else:
+                p = evictable[filled]
+                count = _popcount32(history[p])
+                keys[filled] = 2.0 * np.log2(1.0 + count) - (s - last[p])
+            taken = np.zeros(evictable.shape[0], dtype=bool)
+            taken[np.argsort(keys, kind="stable")[:n]] = True  # lowest key, then LRU order
+            order = np.concatenate([evictable[~taken], missing, order[hit]])
+            if policy == "frequency":
+                held = order[order != _EMPTY]
+                history[held] <<= np.uint32(1)
+                history[needed] |= np.uint32(1)
+                history[missing] = np.uint32(1)  # a slot's history starts at its insertion
+                last[needed] = s
         elif policy == "lru":
             evictable = order[~hit]
             used = np.sort(np.concatenate([order[hit], missing]))
@@ -114,23 +155,39 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
     return misses, references
 
 
+def _popcount32(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint32)
+    x = x - ((x >> np.uint32(1)) & np.uint32(0x55555555))
+    x = (x & np.uint32(0x33333333)) + ((x >> np.uint32(2)) & np.uint32(0x33333333))
+    x = (x + (x >> np.uint32(4))) & np.uint32(0x0F0F0F0F)
+    return ((x * np.uint32(0x01010101)) >> np.uint32(24)).astype(np.int64)
+
+
+def gap_closed(online: float, lru: float, belady: float) -> float:
+    """Share of the LRU → Bélády miss-rate gap an online policy closes (0 when there is none)."""
+    return (lru - online) / (lru - belady) if lru > belady else 0.0
+
+
 def replay(trace, policies: Sequence[str], capacities: Sequence[int],
            seed: int = 0) -> list[ReplayResult]:
     """Score every (policy, capacity) on every request of ``trace`` (a SelectionTrace).
 
     Capacities smaller than the largest selection set of the trace are skipped (no policy could
-    serve it); the caller sees that as a missing row.
+    serve it); the caller sees that as a missing row. Policies that need score classes are
+    skipped on a trace without them.
     """
-    per_request = list(trace.requests())
-    largest = max((s.shape[0] for _, sets in per_request for s in sets), default=0)
+    per_request = list(trace.scored_requests())
+    largest = max((s.shape[0] for _, sets, _ in per_request for s in sets), default=0)
+    if not trace.has_scores:
+        policies = [p for p in policies if p not in SCORED_POLICIES]
     results = []
     for capacity in capacities:
         if capacity < largest:
             continue
         for policy in policies:
             misses = refs = 0
-            for rid, sets in per_request:
-                m, r = replay_request(policy, sets, capacity, seed=seed + rid)
+            for rid, sets, scores in per_request:
+                m, r = replay_request(policy, sets, capacity, seed=seed + rid, scores=scores)
                 misses += m
                 refs += r
             results.append(ReplayResult(policy, capacity, refs, misses))

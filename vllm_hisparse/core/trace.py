@@ -13,9 +13,13 @@ File format (``.npz``, written by :meth:`SelectionTrace.save`, numpy only):
 | ``offsets`` | int64 ``[N + 1]`` | record i's positions are ``positions[offsets[i]:offsets[i+1]]`` |
 | ``positions`` | int32 ``[M]`` | distinct host-backed positions selected (union over the step's tokens and the index group) |
 | ``meta`` | 0-d unicode | JSON: ``{"format": "vllm-hisparse-trace", "version": 1, "top_k": ..., "block_size": ..., "source": ...}`` |
+| ``score_offsets`` | int64 ``[N + 1]`` | optional: record i's scored positions are ``score_positions[score_offsets[i]:score_offsets[i+1]]`` |
+| ``score_positions`` | int32 ``[S]`` | optional: positions *not* selected at that step whose indexer score was close below the selection threshold |
+| ``score_classes`` | uint8 ``[S]`` | optional: their eviction class, 1 .. ``NUM_SCORE_CLASSES - 1`` (higher = closer to the threshold); every other unselected position is class 0 |
 
 Only host-backed positions are recorded: resident pages never touch the hot region, so they do
-not matter to its replacement policy.
+not matter to its replacement policy. The score arrays are what the ``score`` replacement
+policy reads (``core/replacement.py``); a trace without them scores every other policy.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import numpy as np
 
 FORMAT = "vllm-hisparse-trace"
 VERSION = 1
+#: Eviction classes of the score-aware policy (the resolve op's ``slot_class`` range).
+NUM_SCORE_CLASSES = 4
+_SCORE_ARRAYS = ("score_offsets", "score_positions", "score_classes")
 
 
 @dataclasses.dataclass
@@ -39,6 +46,9 @@ class SelectionTrace:
     offsets: np.ndarray
     positions: np.ndarray
     meta: dict
+    score_offsets: np.ndarray | None = None
+    score_positions: np.ndarray | None = None
+    score_classes: np.ndarray | None = None
 
     def __post_init__(self):
         n = self.request.shape[0]
@@ -49,6 +59,26 @@ class SelectionTrace:
                   or np.any(np.diff(self.offsets) < 0)):
             raise ValueError("trace: offsets must start at 0, never decrease and end at "
                              "len(positions)")
+        present = [a is not None for a in (self.score_offsets, self.score_positions,
+                                            self.score_classes)]
+        if any(present) and not all(present):
+            raise ValueError("trace: score_offsets, score_positions and score_classes come "
+                             "together")
+        if all(present):
+            if (self.score_offsets.shape != (n + 1,) or self.score_offsets[0] != 0
+                    or self.score_offsets[-1] != self.score_positions.shape[0]
+                    or np.any(np.diff(self.score_offsets) < 0)
+                    or self.score_classes.shape != self.score_positions.shape):
+                raise ValueError("trace: score_offsets must have n+1 entries, start at 0, never "
+                                 "decrease and end at len(score_positions) == len(score_classes)")
+            if self.score_classes.size and (int(self.score_classes.min()) < 1 or int(
+                    self.score_classes.max()) >= NUM_SCORE_CLASSES):
+                raise ValueError(f"trace: score_classes must be in [1, {NUM_SCORE_CLASSES})")
+
+    @property
+    def has_scores(self) -> bool:
+        """True when the trace carries score classes (the ``score`` policy can be replayed)."""
+        return self.score_offsets is not None
 
     @property
     def num_records(self) -> int:
@@ -56,31 +86,53 @@ class SelectionTrace:
 
     def requests(self) -> Iterator[tuple[int, list[np.ndarray]]]:
         """(request id, its selection sets in step order) for every request."""
+        for rid, records in self._records_by_request():
+            yield rid, [self.positions[self.offsets[i]:self.offsets[i + 1]] for i in records]
+
+    def scored_requests(self) -> Iterator[tuple[int, list[np.ndarray], list | None]]:
+        """(request id, selection sets, score classes) per request: the classes are one
+        ``(positions, classes)`` pair per step, or None when the trace has no scores."""
+        for rid, records in self._records_by_request():
+            sets = [self.positions[self.offsets[i]:self.offsets[i + 1]] for i in records]
+            scores = None
+            if self.has_scores:
+                so = self.score_offsets
+                scores = [(self.score_positions[so[i]:so[i + 1]],
+                           self.score_classes[so[i]:so[i + 1]]) for i in records]
+            yield rid, sets, scores
+
+    def _records_by_request(self) -> Iterator[tuple[int, list[int]]]:
         order = np.lexsort((self.step, self.request))
-        current, sets = None, []
+        current, records = None, []
         for i in order:
             r = int(self.request[i])
             if r != current and current is not None:
-                yield current, sets
-                sets = []
+                yield current, records
+                records = []
             current = r
-            sets.append(self.positions[self.offsets[i]:self.offsets[i + 1]])
+            records.append(int(i))
         if current is not None:
-            yield current, sets
+            yield current, records
 
     def save(self, path: str) -> None:
+        scores = {}
+        if self.has_scores:
+            scores = dict(score_offsets=self.score_offsets.astype(np.int64),
+                          score_positions=self.score_positions.astype(np.int32),
+                          score_classes=self.score_classes.astype(np.uint8))
         np.savez_compressed(path, request=self.request.astype(np.int32),
                             step=self.step.astype(np.int32),
                             offsets=self.offsets.astype(np.int64),
                             positions=self.positions.astype(np.int32),
                             meta=np.array(json.dumps({**self.meta, "format": FORMAT,
-                                                      "version": VERSION})))
+                                                      "version": VERSION})), **scores)
 
     @classmethod
     def load(cls, path: str) -> "SelectionTrace":
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in ("request", "step", "offsets", "positions", "meta")}
+                arrays.update({k: data[k] for k in _SCORE_ARRAYS if k in data.files})
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"{path}: not a vllm-hisparse selection trace ({exc})") from exc
         meta = json.loads(str(arrays.pop("meta")))
@@ -98,19 +150,39 @@ class TraceRecorder:
         self._request: list[int] = []
         self._step: list[int] = []
         self._sets: list[np.ndarray] = []
+        self._scored: list[tuple[np.ndarray, np.ndarray]] = []
 
-    def add(self, request: int, step: int, positions) -> None:
+    def add(self, request: int, step: int, positions, scored=None) -> None:
+        """One record; ``scored`` = (positions, classes) of the step's score classes, given
+        for every record or for none."""
         self._request.append(request)
         self._step.append(step)
         self._sets.append(np.unique(np.asarray(positions, dtype=np.int32)))
+        if scored is not None:
+            where = np.asarray(scored[0], dtype=np.int32)
+            order = np.argsort(where, kind="stable")  # the score policy searches them
+            self._scored.append((where[order], np.asarray(scored[1], dtype=np.uint8)[order]))
 
     def trace(self) -> SelectionTrace:
-        lengths = np.array([s.shape[0] for s in self._sets], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        positions = (np.concatenate(self._sets) if self._sets
-                     else np.zeros(0, dtype=np.int32)).astype(np.int32)
+        offsets, positions = _pack(self._sets, np.int32)
+        scores = {}
+        if self._scored:
+            if len(self._scored) != len(self._sets):
+                raise ValueError("TraceRecorder: score classes given for some records only")
+            scores["score_offsets"], scores["score_positions"] = _pack(
+                [p for p, _ in self._scored], np.int32)
+            scores["score_classes"] = _pack([c for _, c in self._scored], np.uint8)[1]
         return SelectionTrace(np.array(self._request, dtype=np.int32),
-                              np.array(self._step, dtype=np.int32), offsets, positions, self.meta)
+                              np.array(self._step, dtype=np.int32), offsets, positions, self.meta,
+                              **scores)
+
+
+def _pack(arrays: list[np.ndarray], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets int64 [n + 1], concatenation) of a list of 1-D arrays."""
+    lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return offsets, flat.astype(dtype)
 
 
 #: The figures the default synthetic trace is calibrated to: the HiSparse paper's replay of a
@@ -132,7 +204,8 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
                     noise_weight: float = 0.6, noise_persistence: float = 0.6,
                     burst_rate: float = 0.08, burst_tokens: int = 128, burst_gain: float = 1.0,
                     burst_decay: float = 0.87,
-                    resident_tail_tokens: int = 128) -> SelectionTrace:
+                    resident_tail_tokens: int = 128,
+                    score_class_width: float | None = 0.25) -> SelectionTrace:
     """The embedded default trace: an indexer's top-k over a score per position.
 
     Each step, position p scores ``base[p] + anchor_weight * anchor[p] + noise_weight * noise[p]
@@ -145,6 +218,12 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
     ``burst_gain``, decaying by ``burst_decay`` a step (a burst of new positions). The context
     grows by one token a step. The newest ``resident_tail_tokens`` are resident (the tail pages)
     and left out, as a recorded trace would.
+
+    Score classes (for the ``score`` replacement policy; None leaves them out): an unselected
+    host-backed position whose score lies within ``c * w`` below the step's selection threshold
+    (``w = score_class_width`` standard deviations of the step's scores) gets class
+    ``NUM_SCORE_CLASSES - c`` for the smallest such c; a position further below is class 0.
+    They draw nothing from the generator, so the selections are the same with or without them.
 
     With the defaults it reproduces :data:`PAPER_MISS_RATES` within half a point
     (``vllm-hisparse replay`` prints both; docs/core.md has the table).
@@ -179,5 +258,52 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
             k = min(top_k, ctx)
             chosen = np.argpartition(-score, k - 1)[:k] if k < ctx else np.arange(ctx)
             host_backed = np.sort(chosen[chosen < ctx - resident_tail_tokens])
-            rec.add(r, s, host_backed)
+            scored = None
+            if score_class_width is not None:
+                scored = _score_classes(score[:max(0, ctx - resident_tail_tokens)], chosen,
+                                        score_class_width)
+            rec.add(r, s, host_backed, scored)
     return rec.trace()
+
+
+#: ``synthetic_trace`` overrides of the requests of the mixed trace: very stable, stable,
+#: default, drifting.
+MIXED_PROFILES = (
+    {"noise_weight": 0.15, "burst_rate": 0.0, "anchor_persistence": 0.998},
+    {"noise_weight": 0.3, "burst_rate": 0.02},
+    {},
+    {"noise_weight": 0.9, "burst_rate": 0.15},
+)
+
+
+def mixed_trace(num_steps: int = 300, top_k: int = 2048, context_tokens: int = 100_000,
+                seed: int = 0) -> SelectionTrace:
+    """Requests whose selections drift differently (``MIXED_PROFILES``: request i follows
+    profile i), for the per-request hot-size model (``core.hot_sizing``). No score classes."""
+    rec = TraceRecorder(top_k=top_k, block_size=64, source="synthetic-mixed", seed=seed,
+                        context_tokens=context_tokens)
+    for r, profile in enumerate(MIXED_PROFILES):
+        one = synthetic_trace(1, num_steps, top_k, context_tokens, seed + 10 + r,
+                              score_class_width=None, **profile)
+        for step, positions in enumerate(next(one.requests())[1]):
+            rec.add(r, step, positions)
+    return rec.trace()
+
+
+def _score_classes(score: np.ndarray, chosen: np.ndarray,
+                   width_std: float) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, classes 1..NUM_SCORE_CLASSES-1) of the unselected positions close below the
+    selection threshold (``synthetic_trace``'s score classes)."""
+    chosen = chosen[chosen < score.shape[0]]
+    if chosen.size == 0 or score.size == 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    threshold = score[chosen].min()
+    finite = score[np.isfinite(score)]
+    width = np.float32(width_std * (float(finite.std()) if finite.size else 1.0))
+    below = np.ones(score.shape[0], dtype=bool)
+    below[chosen] = False
+    steps_below = np.ceil((threshold - score) / width)  # 1 = within one width
+    near = below & (steps_below < NUM_SCORE_CLASSES)
+    positions = np.flatnonzero(near)
+    classes = NUM_SCORE_CLASSES - np.maximum(steps_below[positions], 1)
+    return positions.astype(np.int32), classes.astype(np.uint8)

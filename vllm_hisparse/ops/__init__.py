@@ -68,20 +68,22 @@ def _check_zero_copy_sources(layers: Sequence[torch.Tensor], device: torch.devic
 
 def _resolve(backend: str, tuning: KernelTuning, topk, token_rows, residency, host_blocks,
              hot_blocks, slot_pos, lru, block_size, out_rows, miss_src, miss_dst, miss_count,
-             stats=None) -> None:
+             stats=None, slot_class=None) -> None:
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
-                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats,
+                               slot_class)
     kernels = _kernels(topk.device, backend)
     if kernels is None:
         reference._resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks,
                                      slot_pos, lru, block_size, out_rows, miss_src, miss_dst,
-                                     miss_count, stats)
+                                     miss_count, stats, slot_class)
         return
     if _checks.value_checks_enabled():  # the reference always checks
         _checks.check_resolve_values(topk, token_rows, residency, host_blocks, hot_blocks,
                                      slot_pos, lru, block_size)
     kernels.resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-                    block_size, out_rows, miss_src, miss_dst, miss_count, stats, tuning=tuning)
+                    block_size, out_rows, miss_src, miss_dst, miss_count, stats, slot_class,
+                    tuning=tuning)
 
 
 def _copy(name: str, check, backend: str, tuning: KernelTuning, src_layers, dst_layers,

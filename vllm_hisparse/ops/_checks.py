@@ -71,7 +71,8 @@ def check_block_size(block_size: object) -> int:
 
 
 def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-                       block_size, out_rows, miss_src, miss_dst, miss_count, stats) -> None:
+                       block_size, out_rows, miss_src, miss_dst, miss_count, stats,
+                       slot_class=None) -> None:
     """Metadata checks of ``resolve`` (DESIGN.md §4.1 argument table)."""
     bs = check_block_size(block_size)
     dev = check_tensor("topk", topk, torch.int32, 2).device
@@ -102,13 +103,18 @@ def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slo
     if stats is not None:
         check_tensor("stats", stats, torch.int64, 1, dev)
         check_shape("stats", stats, (3,), "(resident, hot hit, miss) counters")
+    if slot_class is not None:
+        check_tensor("slot_class", slot_class, torch.uint8, 2, dev)
+        check_shape("slot_class", slot_class, (num_rows, num_slots), "same [R, D] as slot_pos")
     written = [("out_rows", out_rows), ("miss_src", miss_src), ("miss_dst", miss_dst),
                ("miss_count", miss_count), ("slot_pos", slot_pos), ("lru", lru)]
     if stats is not None:
         written.append(("stats", stats))
-    check_no_aliasing(written, [("topk", topk), ("token_rows", token_rows),
-                                ("residency", residency), ("host_blocks", host_blocks),
-                                ("hot_blocks", hot_blocks)])
+    read = [("topk", topk), ("token_rows", token_rows), ("residency", residency),
+            ("host_blocks", host_blocks), ("hot_blocks", hot_blocks)]
+    if slot_class is not None:
+        read.append(("slot_class", slot_class))
+    check_no_aliasing(written, read)
 
 
 def check_row_view(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:

@@ -150,7 +150,7 @@ class _on_device:
 
 
 def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
-            out_rows, miss_src, miss_dst, miss_count, stats=None, *,
+            out_rows, miss_src, miss_dst, miss_count, stats=None, slot_class=None, *,
             tuning: KernelTuning = DEFAULT_TUNING) -> None:
     """DESIGN.md §4.1 on the GPU; see :func:`vllm_hisparse.ops.reference.resolve`.
 
@@ -159,12 +159,14 @@ def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
     :func:`check_errors`) as :class:`ResolveError`.
     """
     _launch_resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-                    block_size, out_rows, miss_src, miss_dst, miss_count, stats, tuning)
+                    block_size, out_rows, miss_src, miss_dst, miss_count, stats, tuning,
+                    slot_class=slot_class)
 
 
 def _launch_resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
                     block_size, out_rows, miss_src, miss_dst, miss_count, stats,
-                    tuning: KernelTuning, probe: dict | None = None) -> None:
+                    tuning: KernelTuning, probe: dict | None = None,
+                    slot_class=None) -> None:
     """One launch: the production entry point, or with ``probe`` (``times`` address, ``stop``,
     ``general_only``; :mod:`vllm_hisparse.ops.probe`) the probe entry point."""
     device = topk.device
@@ -185,6 +187,8 @@ def _launch_resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_p
         error=state.record.data_ptr(), error_host=state.host.data_ptr(), num_tokens=num_tokens,
         k=k, num_rows=num_rows, num_pages=num_pages, num_slots=slot_pos.shape[1],
         block_size=int(block_size))
+    if slot_class is not None:  # the general kernel's class instantiation runs the launch
+        params.slot_class = slot_class.data_ptr()
     with _on_device(device):
         stream = torch.cuda.current_stream(device).cuda_stream
         if probe is None:

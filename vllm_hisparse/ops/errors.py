@@ -24,9 +24,10 @@ class ResolveErrorCode(enum.IntEnum):
     OK = 0
     POSITION_OUT_OF_RANGE = 1  # [position, num_positions = P * block_size]
     NO_HOST_BLOCK = 2  # a host-backed page has host block -1 [position, page]
-    HOT_OVERFLOW = 3  # more distinct host-backed positions than D [num_host_backed, D]
+    HOT_OVERFLOW = 3  # more distinct host-backed positions than leased hot slots
+    #                   [num_host_backed, leased slots: D less bs per hot block of -1]
     NOT_CONTIGUOUS = 4  # tokens of one request are not contiguous [token, first token]
-    HOT_BLOCK_MISSING = 5  # a hot slot is needed but its hot block is -1 [slot, position]
+    HOT_BLOCK_MISSING = 5  # a position hits a slot whose hot block is -1 [slot, position]
     DUPLICATE_SLOT = 6  # one host-backed position is held by two hot slots [position, slot]
     STATE_ROW_OUT_OF_RANGE = 7  # token_rows value outside [-1, R) [state_row, R]
     # Raised by the CUDA kernel only (limits and state checks the reference cannot hit):
@@ -45,13 +46,13 @@ _TEMPLATES = {
         "backed by a host block (host_blocks == -1)",
     ResolveErrorCode.HOT_OVERFLOW:
         "state row {row} selects {a} distinct host-backed positions, more than its hot "
-        "region holds (D = {b})",
+        "region holds ({b} leased slots)",
     ResolveErrorCode.NOT_CONTIGUOUS:
         "tokens of state row {row} are not contiguous: token {a} follows another request "
         "after token {b}",
     ResolveErrorCode.HOT_BLOCK_MISSING:
-        "state row {row} needs hot slot {a} (for position {b}) but its hot block is -1: "
-        "no hot region is leased",
+        "state row {row} hits hot slot {a} (position {b}) but its hot block is -1: a slot "
+        "outside the leased hot blocks must be empty (hot state is corrupt)",
     ResolveErrorCode.DUPLICATE_SLOT:
         "slot_pos of state row {row} holds position {a} in more than one slot (slot {b} "
         "is one): hot state is corrupt",

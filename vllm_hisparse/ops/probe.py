@@ -55,7 +55,7 @@ NUM_TIMES = 10
 
 
 def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
-            out_rows, miss_src, miss_dst, miss_count, stats=None, *,
+            out_rows, miss_src, miss_dst, miss_count, stats=None, slot_class=None, *,
             tuning: KernelTuning = DEFAULT_TUNING, times: torch.Tensor | None = None,
             stop: int = 0, general_only: bool = False) -> None:
     """One resolve launch (arguments of :func:`vllm_hisparse.ops.reference.resolve`).
@@ -79,7 +79,7 @@ def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
                  "general_only": general_only}
     cuda._launch_resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
                          block_size, out_rows, miss_src, miss_dst, miss_count, stats, tuning,
-                         probe)
+                         probe, slot_class=slot_class)
 
 
 def launch_info(num_tokens: int, k: int, num_slots: int, block_size: int, num_pages: int = 0,

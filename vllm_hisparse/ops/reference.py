@@ -31,7 +31,10 @@ import torch
 from vllm_hisparse.ops import _checks
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 
-__all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows"]
+__all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows", "MAX_SLOT_CLASS"]
+
+#: ``slot_class`` values above this count as this (four eviction classes, 0 evicted first).
+MAX_SLOT_CLASS = 3
 
 
 # --------------------------------------------------------------------------------------
@@ -90,6 +93,7 @@ def _plan_request(
     slot_pos_row: torch.Tensor,  # int64 [D]
     lru_row: torch.Tensor,  # int64 [D]
     block_size: int,
+    slot_class_row: torch.Tensor | None,  # int64 [D] or None
 ) -> _RequestPlan:
     num_tokens, k = selections.shape
     num_positions = residency_row.numel() * block_size
@@ -134,8 +138,11 @@ def _plan_request(
         raise ResolveError(ResolveErrorCode.NO_HOST_BLOCK, row, int(missing),
                            int(missing) // block_size)
     num_host_backed = hb_positions.numel()
-    if num_host_backed > num_slots:
-        raise ResolveError(ResolveErrorCode.HOT_OVERFLOW, row, num_host_backed, num_slots)
+    # A slot is leased when its hot block is: only leased slots can take a miss.
+    slot_leased = hot_blocks_row[torch.arange(num_slots, device=flat.device) // block_size] >= 0
+    num_leased = int(slot_leased.sum())
+    if num_host_backed > num_leased:
+        raise ResolveError(ResolveErrorCode.HOT_OVERFLOW, row, num_host_backed, num_leased)
 
     num_resident = int(resident.sum())
     if num_host_backed == 0:
@@ -159,22 +166,34 @@ def _plan_request(
     hb_slot = torch.full_like(hb_positions, -1)
     hb_slot[is_hit] = sorted_slot[left[is_hit]]
 
+    # A hit on a slot whose hot block is -1: the slot should be empty (corrupt hot state).
+    hit_block = hot_blocks_row[hb_slot[is_hit] // block_size]
+    if bool((hit_block < 0).any()):
+        j = int(torch.nonzero(hit_block < 0)[0])
+        raise ResolveError(ResolveErrorCode.HOT_BLOCK_MISSING, row, int(hb_slot[is_hit][j]),
+                           int(hb_positions[is_hit][j]))
+
     slot_is_hit = torch.zeros(num_slots, dtype=torch.bool, device=flat.device)
     slot_is_hit[hb_slot[is_hit]] = True
     lru_is_hit = slot_is_hit[lru_row]
-    evictable = lru_row[~lru_is_hit]  # not hit, in current LRU order
+    lru_leased = slot_leased[lru_row]
+    unleased = lru_row[~lru_is_hit & ~lru_leased]  # never taken, in current LRU order
+    evictable = lru_row[~lru_is_hit & lru_leased]  # not hit, leased, in current LRU order
     hit_slots = lru_row[lru_is_hit]  # hits, in current LRU order
     miss_positions = hb_positions[~is_hit]  # misses in first-reference order
     num_misses = miss_positions.numel()
-    taken = evictable[:num_misses]
+    # Victims: lowest eviction class first (all 0 without slot_class), LRU order within one.
+    if slot_class_row is None:
+        victim_order = torch.arange(evictable.numel(), device=flat.device)
+    else:
+        victim_order = torch.sort(slot_class_row[evictable].clamp(max=MAX_SLOT_CLASS),
+                                  stable=True).indices
+    taken_mask = torch.zeros(evictable.numel(), dtype=torch.bool, device=flat.device)
+    taken_mask[victim_order[:num_misses]] = True
+    taken = evictable[victim_order[:num_misses]]  # victim i takes miss i
     hb_slot[~is_hit] = taken
 
-    # Device row of every used slot; its hot block must be leased.
-    slot_block = hot_blocks_row[hb_slot // block_size]
-    if bool((slot_block < 0).any()):
-        j = int(torch.nonzero(slot_block < 0)[0])
-        raise ResolveError(ResolveErrorCode.HOT_BLOCK_MISSING, row, int(hb_slot[j]),
-                           int(hb_positions[j]))
+    slot_block = hot_blocks_row[hb_slot // block_size]  # leased: checked above
     hb_rows = slot_block * block_size + hb_slot % block_size
     rows_of_positions[host_backed] = hb_rows
 
@@ -184,7 +203,7 @@ def _plan_request(
 
     new_slot_pos = slot_pos_row.clone()
     new_slot_pos[taken] = miss_positions
-    new_lru = torch.cat([evictable[num_misses:], taken, hit_slots])
+    new_lru = torch.cat([unleased, evictable[~taken_mask], taken, hit_slots])
 
     out_flat[valid] = rows_of_positions[rank[inverse]]
     return _RequestPlan(row, first_token, num_tokens, out_flat.view(num_tokens, k),
@@ -206,6 +225,7 @@ def resolve(
     miss_dst: torch.Tensor,
     miss_count: torch.Tensor,
     stats: torch.Tensor | None = None,
+    slot_class: torch.Tensor | None = None,
 ) -> None:
     """Map logical top-k positions to device rows, planning host→hot copies for misses.
 
@@ -215,7 +235,8 @@ def resolve(
             of one request are contiguous.
         residency: int32 ``[R, P]`` device block of each resident page; ``-1`` = not resident.
         host_blocks: int32 ``[R, P]`` host block of each page; ``-1`` = none.
-        hot_blocks: int32 ``[R, D // bs]`` device blocks of each hot region; ``-1`` = none.
+        hot_blocks: int32 ``[R, D // bs]`` device blocks of each hot region; ``-1`` = not
+            leased: its slots are never taken by a miss (a region of fewer than D / bs blocks).
         slot_pos: int32 ``[R, D]`` IN/OUT, position held by each hot slot; ``-1`` = empty.
         lru: int16 ``[R, D]`` IN/OUT, a permutation of the hot slots, least recent first.
         block_size: positions per page (bs).
@@ -227,17 +248,23 @@ def resolve(
         miss_count: int32 ``[T]`` OUT, copies in each row.
         stats: int64 ``[3]`` IN/OUT or None; adds the counts of distinct (resident, hot hit,
             miss) positions.
+        slot_class: uint8 ``[R, D]`` or None: eviction class of each slot this step (0 is
+            evicted first; values above ``MAX_SLOT_CLASS`` count as it). None = every slot
+            class 0, i.e. plain LRU.
 
     Per request, with U its distinct valid positions in first-reference order: resident
     positions map to ``residency * bs + p % bs`` and never touch the hot state; the others
-    are hits (a slot holds them) or misses, which take the evictable (not hit) slots in
-    ``lru`` order; the new ``lru`` is [evictable not taken] + [taken, miss order] + [hits, old
-    order]. A request with no host-backed position leaves ``lru`` and ``slot_pos`` as they are.
+    are hits (a slot holds them) or misses. Evictable slots are the leased slots (hot block
+    not -1) that were not hit; misses take them in order of (class, ``lru`` order). The new
+    ``lru`` is [unleased, old order] + [evictable not taken, old order] + [taken, miss order]
+    + [hits, old order]. A request with no host-backed position leaves ``lru`` and
+    ``slot_pos`` as they are.
 
     Raises:
         ResolveError: a position outside ``[0, P * bs)``; a host-backed page with host block
-            -1; more distinct host-backed positions than D; a request's tokens not contiguous;
-            a state row outside ``[-1, R)``; a needed hot slot whose hot block is -1; one
+            -1; more distinct host-backed positions than leased slots (``HOT_OVERFLOW``); a
+            request's tokens not contiguous; a state row outside ``[-1, R)``; a hit on a slot
+            whose hot block is -1 (``HOT_BLOCK_MISSING``: such a slot must be empty); one
             host-backed position held by two slots; an ``lru`` value outside ``[0, D)``
             (``CORRUPT_LRU``) or a slot twice in it (``DUPLICATE_LRU_SLOT``), for a request
             with a host-backed selection only, after the checks before it (the kernel's order).
@@ -248,13 +275,15 @@ def resolve(
         Nothing is written when it raises.
     """
     _checks.check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos,
-                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+                               lru, block_size, out_rows, miss_src, miss_dst, miss_count, stats,
+                               slot_class)
     _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-                       block_size, out_rows, miss_src, miss_dst, miss_count, stats)
+                       block_size, out_rows, miss_src, miss_dst, miss_count, stats, slot_class)
 
 
 def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
-                       block_size, out_rows, miss_src, miss_dst, miss_count, stats) -> None:
+                       block_size, out_rows, miss_src, miss_dst, miss_count, stats,
+                       slot_class=None) -> None:
     num_rows = residency.shape[0]
     k = topk.shape[1]
     runs = _request_runs(token_rows.tolist(), num_rows)
@@ -268,6 +297,7 @@ def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slo
             residency[row].to(torch.int64), host_blocks[row].to(torch.int64),
             hot_blocks[row].to(torch.int64), slot_pos[row].to(torch.int64),
             lru[row].to(torch.int64), block_size,
+            None if slot_class is None else slot_class[row].to(torch.int64),
         ))
 
     # Every check passed: write.

@@ -516,6 +516,7 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_planning import (  # noqa: E402
@@ -538,5 +539,5 @@ SIMULATOR_INTERNALS = (
     SamplingParams, sha256, get_global_kv_cache_groups, get_kv_cache_configs,
     generate_scheduler_kv_cache_config, get_request_block_hasher, init_none_hash,
     get_kv_quant_mode, ModelRunnerOutput, Request, StructuredOutputManager,
-    create_metric_per_engine, SpeculativeConfig, DraftTokenIds,
+    create_metric_per_engine, KVOutputAggregator, SpeculativeConfig, DraftTokenIds,
 )

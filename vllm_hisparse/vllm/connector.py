@@ -118,6 +118,11 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         """The scheduler-role implementation (tests and tools)."""
         return self._scheduler
 
+    @property
+    def worker_role(self) -> Any:
+        """The worker-role implementation, ``HiSparseWorkerRole`` (tests and tools)."""
+        return self._worker
+
     # ------------------------------------------------------------------ worker role
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._worker.register_kv_caches(kv_caches)

@@ -17,9 +17,12 @@ Layouts (``layout=``):
 Backing memory, best first (the choice is logged with logical and physical GiB):
 
 1. ``hugetlb``: anonymous ``MAP_HUGETLB`` mapping (2 MiB pages reserved by the administrator),
-   registered with ``cudaHostRegister``;
+   registered with ``cudaHostRegister``; when too few are free, the log says how many are
+   and how many the pool needs (``vm.nr_hugepages``);
 2. ``thp``: anonymous mapping with ``madvise(MADV_HUGEPAGE)`` (transparent 2 MiB pages),
-   registered with ``cudaHostRegister``;
+   registered with ``cudaHostRegister``, which faults every page in; the share of the pool
+   the kernel really backed with 2 MiB pages is then read from ``/proc/self/smaps``
+   (``huge_page_fraction``) and logged, and a pool under 90 % counts as ``pinned``;
 3. ``pinned``: ``torch.empty(pin_memory=True)`` (``cudaHostAlloc``, 4 KiB pages);
 4. ``pageable``: plain memory, when no CUDA device exists (CPU tests, the simulator).
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import mmap
+import os
 import threading
 import warnings
 import weakref
@@ -66,6 +70,24 @@ HUGE_PAGE_BYTES = 2 << 20
 _MAP_HUGETLB = 0x40000  # Linux, all architectures we build for
 _CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_READ_ONLY = 8  # the device only reads the range (read-only mappings)
+#: Share of a ``thp`` pool that must sit in 2 MiB pages for it to count as ``thp``.
+THP_MIN_FRACTION = 0.9
+
+
+def hugetlb_pages(meminfo: str = "/proc/meminfo") -> tuple[int | None, int | None, int | None]:
+    """``(HugePages_Total, HugePages_Free, Hugepagesize in KiB)`` of the default hugetlb pool
+    (None for what cannot be read)."""
+    values: dict[str, int] = {}
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("HugePages_Total", "HugePages_Free", "Hugepagesize"):
+                    values[key] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return (values.get("HugePages_Total"), values.get("HugePages_Free"),
+            values.get("Hugepagesize"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +174,9 @@ class HostPool:
         self.shared = shared
         self._segment: shm_segment.Segment | None = None
         self._unlink_at_exit: weakref.finalize | None = None
+        #: Share of the pool backed by 2 MiB pages as measured after pinning (None when not
+        #: measured: an unpinned pool's pages are not faulted in yet).
+        self.huge_page_fraction: float | None = None
         if shared is None:
             self._buffer, self.page_mode = self._allocate(huge_pages)
         else:
@@ -216,6 +241,34 @@ class HostPool:
         """The shared segment's file (None for a private pool)."""
         return None if self._segment is None else self._segment.path
 
+    def memory_usage(self) -> dict:
+        """Host memory this pool holds in this process, measured, not derived from the
+        geometry (all in bytes; -1 where the kernel's files cannot be read):
+
+        * ``logical_bytes``: what this rank addresses;
+        * ``resident_bytes``: pages of the pool present in this process
+          (``shm_segment.resident_bytes``): the whole pool on every rank that maps it;
+        * ``pss_bytes``: this rank's proportional share: a private pool's resident bytes, a
+          shared mapping's Pss (``shm_segment.mapping_pss_bytes``: each page divided by its
+          mappers), so the ``pss_bytes`` of all ranks add up to the memory held once;
+        * ``segment_bytes``: pages allocated to the shared segment's file, counted once
+          however many ranks map it (-1 for a private pool);
+        * ``shared``: whether the pool is a shared segment."""
+        address = self.buffer.data_ptr()
+        resident = shm_segment.resident_bytes(address, self.total_bytes)
+        resident = -1 if resident is None else resident
+        if self._segment is None:
+            pss, segment_bytes = resident, -1
+        else:
+            pss = shm_segment.mapping_pss_bytes(address, self.total_bytes)
+            pss = -1 if pss is None else pss
+            try:
+                segment_bytes = os.fstat(self._segment.fd).st_blocks * 512
+            except OSError:
+                segment_bytes = -1
+        return {"logical_bytes": self.total_bytes, "resident_bytes": resident, "pss_bytes": pss,
+                "segment_bytes": segment_bytes, "shared": self._segment is not None}
+
     @classmethod
     def blocks_for_bytes(cls, pool_bytes: int, num_layers: int, block_size: int,
                          row_bytes: int) -> int:
@@ -228,8 +281,19 @@ class HostPool:
         if huge_pages != "never":
             for mode in ("hugetlb", "thp"):
                 buffer = self._try_mapping(mode)
-                if buffer is not None:
-                    return buffer, mode
+                if buffer is None:
+                    if mode == "hugetlb":
+                        self._log_hugetlb_shortage()
+                    continue
+                if mode == "hugetlb":
+                    self.huge_page_fraction = 1.0
+                elif self._registered_ptr is not None:
+                    mode = self._measured_thp(buffer)
+                    if mode != "thp" and huge_pages == "require":
+                        del buffer
+                        self._release_mapping()
+                        break
+                return buffer, mode
             if huge_pages == "require":
                 raise RuntimeError(
                     f"HostPool: 2 MiB pages were required but neither MAP_HUGETLB (reserve "
@@ -240,6 +304,41 @@ class HostPool:
         if self._pin:
             return torch.empty(self.total_bytes, dtype=torch.uint8, pin_memory=True), "pinned"
         return torch.empty(self.total_bytes, dtype=torch.uint8), "pageable"
+
+    def _release_mapping(self) -> None:
+        """Unpin and unmap a private mapping that will not be used."""
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        try:
+            self._mapping.close()
+        except BufferError:  # a view is still referenced; the GC unmaps it
+            pass
+        self._mapping = None
+
+    def _log_hugetlb_shortage(self) -> None:
+        total, free, page_kib = hugetlb_pages()
+        need = -(-self.total_bytes // HUGE_PAGE_BYTES)
+        if page_kib is not None and page_kib * 1024 != HUGE_PAGE_BYTES:
+            logger.info("host pool: the default hugetlb page is %d KiB, not 2 MiB", page_kib)
+        elif free is not None:
+            logger.info("host pool: %d of %d reserved 2 MiB hugetlb pages are free, the pool "
+                        "needs %d; reserve them (sysctl vm.nr_hugepages) for hugetlb pages",
+                        free, total, need)
+
+    def _measured_thp(self, buffer: torch.Tensor) -> PageMode:
+        """The page mode of a pinned ``thp`` mapping as the kernel backed it: ``thp`` when
+        at least 90 % of it is in 2 MiB pages, else ``pinned`` (registered 4 KiB pages)."""
+        fraction = shm_segment.huge_page_fraction(self._mapping_start)
+        self.huge_page_fraction = fraction
+        if fraction is None:
+            return "thp"  # smaps unreadable: what was asked for
+        if fraction >= THP_MIN_FRACTION:
+            return "thp"
+        logger.info("host pool: transparent huge pages requested, but the kernel backed only "
+                    "%.0f %% of the pool with 2 MiB pages (transparent_hugepage setting, "
+                    "fragmentation); it runs on 4 KiB pages", 100 * fraction)
+        return "pinned"
 
     def _try_mapping(self, mode: str) -> torch.Tensor | None:
         size = -(-self.total_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
@@ -254,6 +353,7 @@ class HostPool:
         except (OSError, ValueError, AttributeError):
             return None
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._mapping_start = whole.data_ptr()
         offset = (-whole.data_ptr()) % HUGE_PAGE_BYTES if mode == "thp" else 0
         buffer = whole[offset:offset + self.total_bytes]
         if self._pin:

@@ -191,6 +191,51 @@ def huge_page_fraction(address: int) -> float | None:
     return pmd_kib / rss_kib if rss_kib else 0.0
 
 
+def mapping_pss_bytes(address: int, length: int) -> int | None:
+    """This process's proportional set size (Pss, ``/proc/self/smaps``) of the mappings that
+    overlap ``[address, address + length)``; None when it cannot be read.
+
+    A page mapped ``n`` times (by ``n`` processes, or by ``n`` mappings of one process)
+    counts ``1/n`` in each mapping's Pss, so the Pss of every rank's mapping of a shared
+    segment adds up to its physical memory once."""
+    end = address + length
+    pss_kib = 0
+    inside = False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if _SMAPS_HEADER.match(line):
+                    lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+                    inside = lo < end and address < hi
+                elif inside and line.startswith("Pss:"):
+                    pss_kib += int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pss_kib << 10
+
+
+def resident_bytes(address: int, length: int) -> int | None:
+    """Bytes of ``[address, address + length)`` resident in this process's page tables
+    (``/proc/self/pagemap``: the present bit of every 4 KiB page); None when it cannot be
+    read. Exact to the range, unlike a mapping's Rss (an allocator's mapping holds more)."""
+    import numpy as np
+
+    page = mmap.PAGESIZE
+    first, last = address // page, (address + length - 1) // page
+    present = 0
+    chunk_pages = 1 << 20  # 8 MiB of pagemap per read
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            for lo in range(first, last + 1, chunk_pages):
+                n = min(chunk_pages, last + 1 - lo)
+                f.seek(lo * 8)
+                entries = np.frombuffer(f.read(n * 8), dtype=np.uint64)
+                present += int(np.count_nonzero(entries >> np.uint64(63)))
+    except (OSError, ValueError):
+        return None
+    return present * page
+
+
 def _flock_probe_is_free(fd: int) -> bool:
     """True when no live creator holds the file's exclusive lock (the probe's shared lock is
     dropped again at once)."""
@@ -581,5 +626,6 @@ def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
 
 
 __all__ = ["Candidate", "DATA_OFFSET", "SEGMENT_PREFIX", "Segment", "SegmentError", "SegmentTimeout",
-           "candidate_dirs", "create_segment", "huge_page_fraction", "open_segment",
-           "ownership_problem", "remove_stale_segments", "segment_file_name"]
+           "candidate_dirs", "create_segment", "huge_page_fraction", "mapping_pss_bytes",
+           "open_segment", "ownership_problem", "remove_stale_segments", "resident_bytes",
+           "segment_file_name"]

@@ -62,12 +62,14 @@ from vllm_hisparse.vllm.compat import (
 )
 from vllm_hisparse.vllm.kv_planning import host_page_bytes
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
+from vllm_hisparse.vllm.simulation.ranks import RankThreads
 from vllm_hisparse.vllm.simulation.model import (
     dsa_layer_specs,
     kv_transfer_config,
     make_vllm_config,
     write_model_dir,
 )
+from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
 from vllm_hisparse.vllm.simulation.spec import (
     SAMPLED_TOKEN,
     RequestPlan,
@@ -123,6 +125,9 @@ class RunResult:
     indexer_rows_checked: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    #: With --tensor-parallel-size > 1: each rank's figures and host memory (``.ranks``);
+    #: ``rows_checked`` above then counts the rows of every rank.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def hot_hit_rate(self) -> float:
@@ -179,13 +184,16 @@ class SimulationEngine:
         spec: the simulation.
         workdir: where the generated model config goes (default: a temporary directory).
         progress: called after every step with a :class:`Progress`.
+        probe: told about every run, step and layer (:mod:`.probe`; timing benchmarks).
     """
 
     def __init__(self, spec: SimulationSpec, *, workdir: Path | None = None,
-                 progress: Callable[[Progress], None] | None = None):
+                 progress: Callable[[Progress], None] | None = None,
+                 probe: StepProbe | None = None):
         spec.validate()
         self.spec = spec
         self.progress = progress
+        self.probe = probe
         self.workload = make_workload(spec)
         self._tmp = None
         if workdir is None:
@@ -225,22 +233,40 @@ class SimulationEngine:
             self.model_dir, kv_transfer=kv_transfer_config(extra),
             max_model_len=spec.max_model_len, block_size=spec.block_size,
             max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-            device=("cuda" if spec.device.startswith("cuda") else "cpu"))
+            device=("cuda" if spec.device.startswith("cuda") else "cpu"),
+            tensor_parallel_size=spec.tensor_parallel_size)
 
-    def _plan(self, vllm_config):
+    def _plan(self, vllm_config, num_blocks: int | None = None):
         spec = self.spec
+        num_blocks = spec.device_blocks if num_blocks is None else num_blocks
         specs = dsa_layer_specs(spec.num_layers, leaders=spec.leaders, block_size=spec.block_size)
         groups = get_global_kv_cache_groups(vllm_config, [specs])
-        vllm_config.cache_config.num_gpu_blocks_override = spec.device_blocks
+        vllm_config.cache_config.num_gpu_blocks_override = num_blocks
         try:
             # With the override vLLM sizes the pool to exactly device_blocks whatever memory
             # we claim; claim plenty so its max_model_len check passes.
             (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
         finally:
             vllm_config.cache_config.num_gpu_blocks_override = None
-        vllm_config.cache_config.num_gpu_blocks = spec.device_blocks
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
         # The engine core hands the scheduler each group collapsed to its first layer's spec.
         return full, generate_scheduler_kv_cache_config([full])
+
+    def device_plan(self) -> dict[str, int]:
+        """The plan both runs use, from planning alone (nothing allocated):
+        ``bytes_per_block`` (device bytes of one block id, every KV cache group),
+        ``num_groups``, ``num_sparse_groups``, ``num_indexer_groups`` and
+        ``host_block_bytes`` (one page of every sparse-MLA layer)."""
+        from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
+
+        # Enough blocks for vLLM's max_model_len check whatever spec.device_blocks says.
+        blocks = 16 * cdiv(self.spec.max_model_len, self.spec.block_size)
+        full, _ = self._plan(self._config(self.spec.host_pool_gib or _probe_host_gib()), blocks)
+        return dict(bytes_per_block=sum(t.size for t in full.kv_cache_tensors) // full.num_blocks,
+                    num_groups=len(full.kv_cache_groups),
+                    num_sparse_groups=len(sparse_group_ids(full)),
+                    num_indexer_groups=len(indexer_group_ids(full)),
+                    host_block_bytes=sum(host_page_bytes(full)))
 
     def run(self, with_connector: bool) -> RunResult:
         """One run of the workload; raises :class:`SimulationFailure` on any failure."""
@@ -270,7 +296,12 @@ class SimulationEngine:
             stack.enter_context(_worker_patches_restored())
             if not spec.device.startswith("cuda"):
                 stack.enter_context(cpu_direct_twin())
-            runner = _Run(self, label, vllm_config, full, sched_config, with_connector)
+            if spec.tensor_parallel_size == 1:
+                runner = _Run(self, label, vllm_config, full, sched_config, with_connector)
+            else:  # one model runner + worker per rank, each on its device and thread
+                runner = RankThreads(spec, vllm_config, lambda rank, device, config, leader: _Run(
+                    self, label, config, full, sched_config, with_connector, rank=rank,
+                    device=device, leader=leader))
             try:
                 return runner.execute()
             finally:
@@ -282,23 +313,33 @@ class _Run:
     counters."""
 
     def __init__(self, engine: SimulationEngine, label: str, vllm_config, full_config,
-                 sched_config, with_connector: bool):
-        spec = engine.spec
-        self.engine, self.spec, self.label = engine, spec, label
+                 sched_config, with_connector: bool, *, rank: int = 0,
+                 device: torch.device | None = None, leader: _Run | None = None):
+        # A tensor-parallel rank r > 0 (``leader`` given) is a model runner only: it shares
+        # rank 0's scheduler and runs the same steps on its own device (ranks.py).
+        spec = engine.spec if device is None else dataclasses.replace(engine.spec,
+                                                                       device=str(device))
+        self.engine, self.spec, self.label, self.rank = engine, spec, label, rank
         self.vllm_config = vllm_config
         self.with_connector = with_connector
         self.device = torch.device(spec.device)
         self.block_size = spec.block_size
         self.result = RunResult(with_connector=with_connector)
         self.num_groups = len(sched_config.kv_cache_groups)
-        init_none_hash(sha256)
-        self._hasher = get_request_block_hasher(self.block_size, sha256)
-
-        scheduler_cls, _ = compat.scheduler_classes()
-        self.scheduler = scheduler_cls(
-            vllm_config=vllm_config, kv_cache_config=sched_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=self.block_size, log_stats=True)
+        #: Every rank's model runner (``_add``/``_release`` keep their request tables).
+        self.model_runners: list[_Run] = [self]
+        #: Runs one engine step's model execution; RankThreads replaces it on rank 0.
+        self.execute_model = self._forward
+        if leader is None:
+            init_none_hash(sha256)
+            self._hasher = get_request_block_hasher(self.block_size, sha256)
+            scheduler_cls, _ = compat.scheduler_classes()
+            self.scheduler = scheduler_cls(
+                vllm_config=vllm_config, kv_cache_config=sched_config,
+                structured_output_manager=StructuredOutputManager(vllm_config),
+                block_size=self.block_size, log_stats=True)
+        else:
+            self.scheduler = leader.scheduler
 
         # The per-layer KV tensors vLLM's worker allocates for this plan, and the model.
         layout = compat.resolved_kv_cache_layout(vllm_config)
@@ -321,8 +362,16 @@ class _Run:
             self.residency = self.scheduler.connector.scheduler_role
         self.requests: dict[str, RequestState] = {}
         self.step = 0
+        self.probe = engine.probe if rank == 0 else None  # it times rank 0's steps
+        if self.probe is not None:
+            bindings = tuple(getattr(group, BINDING_ATTR) for *_, group in self.model.units
+                             ) if with_connector else ()
+            self.probe.start_run(ProbeRun(label, with_connector, self.model, bindings,
+                                          self.worker.worker_role if with_connector else None))
 
     def close(self) -> None:
+        if self.probe is not None:
+            self.probe.end_run()
         if self.worker is not None:
             self.worker.shutdown()
         self.model = None
@@ -353,7 +402,7 @@ class _Run:
             running_sum += running
             result.preemptions += len(output.preempted_req_ids or ())
             try:
-                runner_output = self._forward(output)
+                runner_output = self.execute_model(output)
             except SimulationFailure:
                 raise
             except Exception as exc:  # noqa: BLE001 - every failure names its step
@@ -390,13 +439,15 @@ class _Run:
                           sampling_params=SamplingParams(max_tokens=plan.output_len,
                                                          ignore_eos=True),
                           pooling_params=None, block_hasher=self._hasher)
-        self.requests[plan.request_id] = RequestState(plan)
+        for runner in self.model_runners:
+            runner.requests[plan.request_id] = RequestState(plan)
         self.scheduler.add_request(request)
 
     def _release(self, rid: str) -> None:
-        state = self.requests.pop(rid, None)
-        if state is not None:
-            self.model.truth.release(state.plan.serial)
+        for runner in self.model_runners:
+            state = runner.requests.pop(rid, None)
+            if state is not None and runner.model.truth is not None:
+                runner.model.truth.release(state.plan.serial)
 
     # ------------------------------------------------------------------ the model runner
 
@@ -449,6 +500,18 @@ class _Run:
             batch.append((rid, state, state.next_pos, so.num_scheduled_tokens[rid]))
         model = self.model
         metadata = model.attention_metadata(batch) if batch else {}
+        info = StepInfo(self.step, len(batch), sum(n for *_, n in batch),
+                        bool(batch) and all(n == 1 and start >= state.plan.prompt_len
+                                            for _, state, start, n in batch),
+                        len(self.scheduler.running))
+        probe = self.probe
+        attend = bool(batch) and (probe is None or probe.wants_attention(info))
+        # The indexers' output and (without a ground truth) the slot mapping, before the
+        # forward (a probe times from here on).
+        topk, spans = model.selections(batch) if attend else (None, [])
+        slots = model.slot_mapping(batch, self.step) if batch and model.truth is None else None
+        if probe is not None:
+            probe.before_forward(info)
         worker = self.worker
         if worker is not None:
             # KVConnector.pre_forward: bind the metadata, then (has_sync_kv_loads) the load
@@ -460,14 +523,17 @@ class _Run:
                               num_tokens=sum(n for *_, n in batch), attn_metadata=metadata)
             worker.start_load_kv(None, **kwargs)
         if batch:
-            model.write_kv(batch, self.step)
+            model.write_kv(batch, self.step, slots)
         # After the writes: vLLM's prefix cache may hand a request blocks that another
         # request of this very step computes.
         if self.spec.check and model.indexer_layers:
             self._check_indexer_prefixes(so)
-        if batch and self.spec.check:
-            rows, tokens = model.attend(batch, metadata, fail=self._fail,
-                                        request_note=self._residency_note)
+        if attend:
+            after_layer = None if probe is None else (
+                lambda name, rows, counts: probe.after_layer(info, name, rows, counts))
+            rows, tokens = model.attend(batch, metadata, topk, spans, fail=self._fail,
+                                        request_note=self._residency_note,
+                                        after_layer=after_layer)
             self.result.rows_checked += rows
             self.result.tokens_checked += tokens
         for _, state, start, n in batch:
@@ -475,6 +541,9 @@ class _Run:
         connector_output = None
         if worker is not None:
             worker.wait_for_save()
+        if probe is not None:
+            probe.after_forward(info)
+        if worker is not None:
             loads = worker.get_transfer_results(set())
             meta = worker.build_connector_worker_meta()
             stats = worker.get_kv_connector_stats()

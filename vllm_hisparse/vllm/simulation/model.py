@@ -127,6 +127,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
     pipeline_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
     hybrid_kv_cache_manager: bool = True,
     kv_cache_layout: str | None = "BLHNC",
     device: str = "cpu",
@@ -141,7 +142,9 @@ def make_vllm_config(
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
     )
-    parallel_config = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size)
+    # TP > 1: vLLM's multiprocess executor ("mp") on one node, as it picks by default.
+    parallel_config = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
+                                     tensor_parallel_size=tensor_parallel_size)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(

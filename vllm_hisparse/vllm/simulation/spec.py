@@ -51,9 +51,10 @@ class SimulationSpec:
     arrival_rate: float = 0.5  # requests per step (poisson)
     seed: int = 0
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks; each with its worker role and device (ranks.py)
     ops_backend: str = "auto"
     attention: str = "direct"  # see ATTENTION_PATHS
-    check: bool = True
+    check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
     max_steps: int = 20_000
 
     def validate(self) -> None:
@@ -90,6 +91,10 @@ class SimulationSpec:
              "host-pool-gib", "a finite number > 0", self.host_pool_gib)
         need(self.device in ("cpu", "cuda") or self.device.startswith("cuda:"), "device",
              "cpu | cuda | cuda:N", self.device)
+        need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 8,
+             "tensor-parallel-size", "an integer in [1, 8]", self.tensor_parallel_size)
+        need(self.tensor_parallel_size == 1 or self.device in ("cpu", "cuda"), "device",
+             "cpu or cuda with --tensor-parallel-size > 1 (rank r runs on cuda:r)", self.device)
         need(self.ops_backend in ("auto", "cuda", "reference"), "ops-backend",
              "auto | cuda | reference", self.ops_backend)
         need(self.max_num_seqs <= 1024, "max-num-seqs", "at most 1024", self.max_num_seqs)
@@ -99,9 +104,22 @@ class SimulationSpec:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device={self.device} is invalid: no CUDA device is visible; "
                              "accepted: cpu")
+        if self.device == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size={self.tensor_parallel_size} is invalid "
+                             f"with --device=cuda: {torch.cuda.device_count()} CUDA device(s) "
+                             "visible, rank r runs on cuda:r; accepted: at most that many, or "
+                             "--device=cpu")
         if self.device == "cpu" and self.ops_backend == "cuda":
             raise ValueError("--ops-backend=cuda is invalid with --device=cpu; accepted: auto "
                              "or reference")
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """The device of each tensor-parallel rank: ``cpu`` for all, or ``cuda:r``."""
+        if self.tensor_parallel_size == 1:
+            return [self.device]
+        return ["cpu" if self.device == "cpu" else f"cuda:{r}"
+                for r in range(self.tensor_parallel_size)]
 
     @property
     def leaders(self) -> set[int]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_hisparse.vllm import compat, patches
@@ -38,11 +39,12 @@ from vllm_hisparse.vllm.attention_hook import (
     vllm_reference_conversion,
 )
 from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
-from vllm_hisparse.vllm.simulation.ground_truth import GroundTruth, SimulationFailure
+from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
+                                                        SimulationFailure)
 from vllm_hisparse.vllm.simulation.spec import RequestPlan, SimulationSpec
 from vllm_hisparse.worker.device_rows import flat_row_view
 from vllm_hisparse.worker.indexer_pages import page_view
-from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row
+from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
 
 #: Where the generic sparse-MLA backend calls the direct conversion (a module global).
 DIRECT_SITE_MODULE = "vllm.model_executor.layers.attention.sparse_mla_attention"
@@ -222,15 +224,31 @@ class SyntheticModel:
                 impl = SyntheticSparseMLAImpl(group, i, topk_buffer, spec.attention == "direct")
                 self.impls[name] = impl
                 forward_context[name] = SimpleNamespace(impl=impl)
-        self.truth = GroundTruth(sequences, num_layers=spec.num_layers,
-                                 max_model_len=spec.max_model_len, block_size=self.block_size,
-                                 row_bytes=self.row_bytes, device=self.device)
+        #: The ground truth, or None without checks (``spec.check`` False: timing runs), when
+        #: the KV bytes are written without a per-request store and nothing is compared.
+        self.truth = (GroundTruth(sequences, num_layers=spec.num_layers,
+                                  max_model_len=spec.max_model_len, block_size=self.block_size,
+                                  row_bytes=self.row_bytes, device=self.device)
+                      if spec.check else None)
 
     # ------------------------------------------------------------------ writing KV
 
-    def write_kv(self, batch: Sequence[BatchEntry], step: int) -> None:
+    def write_kv(self, batch: Sequence[BatchEntry], step: int,
+                 slots: dict[str, Any] | None = None) -> None:
         """Each scheduled token's KV into the slot the model runner's block table names
-        (vLLM's slot mapping), in every sparse-MLA and indexer layer."""
+        (vLLM's slot mapping), in every sparse-MLA and indexer layer. Without a ground truth
+        (timing runs) ``slots`` (:meth:`slot_mapping`) is required: one write per layer for
+        the whole batch, bytes from :func:`kv_rows` of each position (request 0: nothing is
+        compared, only the traffic and the slots matter)."""
+        if self.truth is None:
+            pos, offsets = slots["positions"], slots["positions"] % self.block_size
+            for name, (g, layer, view, stride) in self.layers.items():
+                view[slots["sparse"][g] * stride + offsets] = kv_rows(0, pos, layer,
+                                                                      view.shape[1])
+            for name, (i, layer, view) in self.indexer_layers.items():
+                view[slots["indexer"][i], offsets] = kv_rows(0, pos, INDEXER_LAYER_BASE + layer,
+                                                             view.shape[2])
+            return
         bs = self.block_size
         group_index = {g: i for i, g in enumerate(self.sparse_groups)}
         for rid, state, start, n in batch:
@@ -247,6 +265,40 @@ class SyntheticModel:
                                         device=self.device)
                 view[table[pos // bs], pos % bs] = self.truth.indexer_rows(
                     serial, pos, layer, view.shape[2])
+
+    def slot_mapping(self, batch: Sequence[BatchEntry], step: int) -> dict[str, Any]:
+        """Where the step's tokens go, as the model runner prepares it before the forward:
+        ``positions`` (int64 ``[T]``), ``sparse`` (sparse group id -> block of each token) and
+        ``indexer`` (indexer group index -> block of each token), all on the model's device."""
+        bs = self.block_size
+        counts = np.asarray([n for *_, n in batch], dtype=np.int64)
+        starts = np.asarray([start for _, _, start, _ in batch], dtype=np.int64)
+        first = np.cumsum(counts) - counts
+        req = np.repeat(np.arange(len(batch)), counts)
+        positions = np.repeat(starts, counts) + np.arange(int(counts.sum())) - first[req]
+        pages = positions // bs
+
+        def blocks(tables: list[list[int]], what: str) -> torch.Tensor:
+            lengths = np.asarray([len(t) for t in tables], dtype=np.int64)
+            short = np.nonzero(pages >= lengths[req])[0]
+            if short.size:
+                t = int(short[0])
+                raise SimulationFailure(
+                    f"step {step}: {batch[req[t]][0]} writes page {int(pages[t])} but the model "
+                    f"runner's {what} has {int(lengths[req[t]])} blocks")
+            padded = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+            for b, ids in enumerate(tables):
+                padded[b, :len(ids)] = ids
+            return torch.from_numpy(padded[req, pages]).to(self.device)
+
+        return dict(
+            positions=torch.from_numpy(positions).to(self.device),
+            sparse={g: blocks([state.block_ids[i] for _, state, _, _ in batch],
+                              f"block table of KV cache group {g}")
+                    for i, g in enumerate(self.sparse_groups)},
+            indexer={i: blocks([state.indexer_block_ids[i] for _, state, _, _ in batch],
+                               f"indexer block table {i}")
+                     for i in range(len(self.indexer_groups))})
 
     def _block_of(self, state: RequestState, group_index: int, pages: torch.Tensor,
                   step: int) -> torch.Tensor:
@@ -308,20 +360,32 @@ class SyntheticModel:
                     out[name] = md
         return out
 
-    def attend(self, batch: Sequence[BatchEntry], metadata: dict[str, Any], *,
-               fail: Callable[[str, int, int, str], None],
-               request_note: Callable[[str], str]) -> tuple[int, int]:
-        """Every sparse-MLA layer's attention, reduced to its top-k conversion: the unit's
-        indexer fills the top-k buffer, each layer's ``forward_mqa`` converts it, and every
-        row it returns is checked against the ground truth. ``fail(request id, layer, token
-        position, what)`` raises. Returns ``(rows checked, tokens)``."""
+    def selections(self, batch: Sequence[BatchEntry]) -> tuple[torch.Tensor, list[tuple]]:
+        """The step's top-k (what the indexers would output), on the model's device: int32
+        ``[T, K]`` in token order, and the spans ``(request id, serial, first token, tokens,
+        first position)`` of the batch's requests."""
         spans, topks = [], []
         t = 0
         for rid, state, start, n in batch:
             topks.append(self._selections(state, start, n))
             spans.append((rid, state.plan.serial, t, n, start))
             t += n
-        topk = torch.cat(topks).to(self.device)
+        if all(s.device.type == "cpu" for s in topks):  # decode-only: one copy
+            return torch.cat(topks).to(self.device), spans
+        return torch.cat([s.to(self.device) for s in topks]), spans
+
+    def attend(self, batch: Sequence[BatchEntry], metadata: dict[str, Any], topk: torch.Tensor,
+               spans: Sequence[tuple], *, fail: Callable[[str, int, int, str], None],
+               request_note: Callable[[str], str],
+               after_layer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
+               ) -> tuple[int, int]:
+        """Every sparse-MLA layer's attention, reduced to its top-k conversion: the unit's
+        indexer fills the top-k buffer (``topk``, ``spans`` from :meth:`selections`), each
+        layer's ``forward_mqa`` converts it, and every row it returns is checked against the
+        ground truth (unless the model has none). ``fail(request id, layer, token position,
+        what)`` raises; ``after_layer(layer name, rows, counts)`` sees each conversion.
+        Returns ``(rows checked, tokens)``."""
+        t = topk.shape[0]
         q = torch.empty((t, 1), device=self.device)
         rows_checked = 0
         for _, names, _ in self.units:
@@ -330,6 +394,10 @@ class SyntheticModel:
                 _, layer, view, _ = self.layers[name]
                 rows, counts = self.impls[name].forward_mqa(q, self.kv[name], metadata[name],
                                                             None)
+                if after_layer is not None:
+                    after_layer(name, rows, counts)
+                if self.truth is None:
+                    continue
                 rows_checked += self.truth.check_conversion(
                     rows, counts, topk, spans, layer, view,
                     any_order=self.device.type == "cuda",
@@ -339,7 +407,9 @@ class SyntheticModel:
 
     def _selections(self, state: RequestState, start: int, n: int) -> torch.Tensor:
         """int32 ``[n, K]`` top-k of the tokens at positions ``start .. start + n - 1`` (each
-        attends to ``[0, p]``); -1 padding only at the end of a row."""
+        attends to ``[0, p]``); -1 padding only at the end of a row. Decode tokens' come from
+        the CPU generator; prefill tokens' are computed on the model's device (a long prompt's
+        ``[n, K]`` is large), from a start drawn on the CPU: the same values on any device."""
         k = self.spec.top_k
         if n == 1 and start >= state.plan.prompt_len:
             if state.topk is None:
@@ -350,11 +420,11 @@ class SyntheticModel:
         # prefix (a stride walk from a seeded random start), -1 after them. Fewer than K
         # keeps the check of long prompts cheap; every returned row is still checked.
         kp = min(k, self.spec.prefill_top_k)
-        pos = torch.arange(start, start + n, dtype=torch.int64)
-        ctx = pos + 1
         g = torch.Generator().manual_seed(state.plan.serial * 65_537 + start)
-        first = (torch.rand(n, generator=g) * ctx).to(torch.int64)
-        j = torch.arange(k, dtype=torch.int64)
+        ctx_cpu = torch.arange(start + 1, start + n + 1, dtype=torch.int64)
+        first = (torch.rand(n, generator=g) * ctx_cpu).to(torch.int64).to(self.device)
+        ctx = ctx_cpu.to(self.device)
+        j = torch.arange(k, dtype=torch.int64, device=self.device)
         stride = torch.clamp(ctx // kp, min=1)  # j * stride < ctx for j < min(kp, ctx)
         sel = (first[:, None] + j[None, :] * stride[:, None]) % ctx[:, None]
         valid = (j[None, :] < ctx[:, None]) & (j[None, :] < kp)
