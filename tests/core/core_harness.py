@@ -62,6 +62,7 @@ class FakeWorker:
         self.launched: dict[int, Launched] = {}
         self.enqueued: set[int] = set()
         self.commands: list[StepCommand] = []
+        self.rejected_from: dict[int, int] = {}  # row -> first position the next forward writes wrong
 
     # -- executing a command ------------------------------------------------------------
     def run(self, cmd: StepCommand, fail_ids: frozenset[int] = frozenset()) -> None:
@@ -105,10 +106,12 @@ class FakeWorker:
     def _forward(self, row: int, start: int, end: int) -> None:
         bs = self.block_size
         family = self.row_family[row]
+        # Rejected draft tokens (``rejected_from``): KV of tokens the request never had.
+        rejected_from = self.rejected_from.pop(row, end)
         for pos in range(start, end):
             block = self.residency[row, pos // bs]
             assert block >= 0, f"forward writes row {row} position {pos} into a non-resident page"
-            self.device_mem[block, pos % bs] = tag(family, pos)
+            self.device_mem[block, pos % bs] = -tag(family, pos) if pos >= rejected_from else tag(family, pos)
 
     def _launch(self, spec, will_fail: bool) -> None:
         bs = self.block_size
@@ -209,7 +212,8 @@ class Driver:
         self.worker.row_family[result.row] = family
         return result
 
-    def step(self, scheduled: dict[str, int], *, ack: bool = True, fail_ids=frozenset()) -> StepCommand:
+    def step(self, scheduled: dict[str, int], *, ack: bool = True, fail_ids=frozenset(),
+             check: bool = True) -> StepCommand:
         """Schedule, build the command, run it on the worker, optionally ack everything."""
         outcomes = {}
         ranges = []
@@ -224,6 +228,33 @@ class Driver:
         if not self.policy.config.eager_host_mirror:
             self.worker.forward_rows(ranges)
         self.worker.run(cmd, fail_ids)
+        if check:
+            self.check()
+        if ack:
+            self.ack_all()
+        return cmd
+
+    def spec_step(self, scheduled: dict[str, tuple[int, int]], *, ack: bool = True,
+                  roll_back: bool = True) -> StepCommand:
+        """A speculative-decoding step: ``request id -> (tokens, accepted)`` schedules
+        ``tokens`` positions (the last sampled token and ``tokens - 1`` drafts), of which the
+        forward writes the first ``1 + accepted`` right and the rest as rejected KV. The
+        engine then rolls the request back to ``start + 1 + accepted`` (unless
+        ``roll_back`` is False) before the acks are applied."""
+        rows, ends = [], []
+        for request_id, (n, accepted) in scheduled.items():
+            row = self.policy.row_of(request_id)
+            start = int(self.policy.tables.num_tokens[row])
+            self.worker.rejected_from[row] = start + 1 + accepted
+            rows.append(row)
+            ends.append(start + 1 + accepted)
+        cmd = self.step({r: n for r, (n, _) in scheduled.items()}, ack=False, check=False)
+        ran = [self.last_outcomes[r] == 0 for r in scheduled]
+        for row, ok in zip(rows, ran):
+            if not ok:  # did not run this step (back-pressure): nothing written
+                self.worker.rejected_from.pop(row, None)
+        if roll_back:
+            self.policy.roll_back(np.array(rows, dtype=np.int64)[ran], np.array(ends, dtype=np.int64)[ran])
         self.check()
         if ack:
             self.ack_all()

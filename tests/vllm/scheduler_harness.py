@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -103,6 +104,13 @@ class SchedulerHarness:
         self.stats = RunStats()
         # Fake worker acks for our connector (None: no connector, or nobody acks).
         self.worker = worker
+        # Speculative decoding: drafts proposed per decoding request after each step, and
+        # how many of a request's scheduled drafts the fake forward accepts
+        # (``accept(request, num_drafts) -> accepted``; default: all).
+        spec = vllm_config.speculative_config
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.accept: Callable[[Request, int], int] | None = None
+        self.num_drafts = self.num_accepted = 0
         if worker is None and self.residency is not None:
             self.worker = FakeWorker()
         if self.worker is not None and self.worker.multi_index is None and self._multi_index() is not None:
@@ -118,6 +126,7 @@ class SchedulerHarness:
         kv_transfer: KVTransferConfig | None = None,
         construct_connector: bool = True,
         worker: FakeWorker | None = None,
+        num_draft_layers: int = 0,
         **config_kwargs,
     ) -> SchedulerHarness:
         """A harness over a ``num_layers`` DSA model with a ``num_blocks`` device pool.
@@ -127,7 +136,8 @@ class SchedulerHarness:
         (the baseline for with/without-connector comparisons).
         """
         vllm_config = make_vllm_config(model_dir, kv_transfer=kv_transfer, **config_kwargs)
-        specs = dsa_layer_specs(num_layers, block_size=vllm_config.cache_config.block_size)
+        specs = dsa_layer_specs(num_layers, block_size=vllm_config.cache_config.block_size,
+                                num_draft_layers=num_draft_layers)
         kv_cache_config = planned_kv_cache_config(vllm_config, specs, num_blocks)
         if not construct_connector:
             vllm_config.kv_transfer_config = None
@@ -162,12 +172,21 @@ class SchedulerHarness:
         """One sampled token per request whose prompt is complete after this step."""
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = []
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id in req_ids:
             request = self.requests[req_id]
             # num_computed_tokens already includes this step's tokens (the scheduler
             # advances it in schedule()); a partial prefill chunk samples nothing.
             done_prefill = request.num_computed_tokens >= request.num_prompt_tokens
-            sampled.append([SAMPLED_TOKEN] if done_prefill else [])
+            tokens = [SAMPLED_TOKEN] if done_prefill else []
+            num_drafts = len(drafts.get(req_id, ()))
+            if num_drafts and done_prefill:
+                accepted = self.accept(request, num_drafts) if self.accept else num_drafts
+                assert 0 <= accepted <= num_drafts
+                self.num_drafts += num_drafts
+                self.num_accepted += accepted
+                tokens = [SAMPLED_TOKEN] * (accepted + 1)  # accepted drafts + the bonus token
+            sampled.append(tokens)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
@@ -183,6 +202,13 @@ class SchedulerHarness:
             for output in engine_outputs.outputs:
                 if output.finish_reason is not None:
                     self.stats.finished.append(output.request_id)
+        if self.num_spec_tokens:
+            # The fake drafter: k drafts for every request that just sampled, as the engine
+            # core hands the drafter's output to update_draft_token_ids (synchronous).
+            ids = [r for r in scheduler_output.num_scheduled_tokens
+                   if r in self.scheduler.requests and not self.scheduler.requests[r].is_finished()]
+            self.scheduler.update_draft_token_ids(
+                DraftTokenIds(ids, [[SAMPLED_TOKEN] * self.num_spec_tokens for _ in ids]))
 
     def step(self) -> SchedulerOutput:
         """``schedule()``, then apply the oldest in-flight step's fake output."""

@@ -267,3 +267,35 @@ def test_parallel_layout_accessors(dsa_model_dir):
     source = inspect.getsource(gpu_worker.Worker)
     assert source.index("init_worker_distributed_environment(") < source.index(
         "ensure_kv_transfer_initialized(")
+
+
+def test_offloading_interop_fields():
+    """The public fields OffloadingConnector keys on, and what vLLM does with them
+    (``compat.scope_offloading``, ``offloading_scope.py``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import config as offloading_config
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    assert compat.OFFLOADED_GROUP_ROLE.value == "hisparse_indexer"
+    assert {f.name for f in dataclasses.fields(KVCacheConfig)} >= {"hisparse_host_num_blocks"}
+    assert {f.name for f in dataclasses.fields(KVCacheGroupSpec)} >= {"role"}
+    source = inspect.getsource(offloading_config.get_offloading_group_ids)
+    assert "hisparse_host_num_blocks" in source and "HISPARSE_INDEXER" in source
+    assert "defer_async_loads" in inspect.getsource(Scheduler.__init__)
+    # retains_longer_hit is read per manager when the KVCacheManager is built.
+    assert "retains_longer_hit" in inspect.getsource(KVCacheManager.__init__)
+    assert compat.FullAttentionManager.retains_longer_hit is False
+
+
+def test_prefix_hit_and_request_accessors():
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+    from vllm.v1.request import RequestStatus
+
+    assert params(HybridKVCacheCoordinator.find_longest_cache_hit_per_group) == [
+        "self", "block_hashes", "max_cache_hit_length"]
+    assert isinstance(compat.KVCacheBlock.block_hash, property)
+    assert compat.block_is_cached(compat.KVCacheBlock(block_id=1)) is False
+    assert RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert compat.is_waiting_for_remote_kvs(types.SimpleNamespace(status=RequestStatus.WAITING_FOR_REMOTE_KVS))
+    assert not compat.is_waiting_for_remote_kvs(types.SimpleNamespace(status=RequestStatus.WAITING))

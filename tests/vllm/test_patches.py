@@ -49,7 +49,7 @@ def test_the_table_names_every_patch_once():
     names = [p.name for p in patches.PATCHES]
     assert names == ["planner_hook", "topk_conversion_hook", "direct_conversion_routing",
                      "layer_forward_context", "cpu_direct_conversion", "cpu_group_conversion",
-                     "config_check"]
+                     "config_check", "capacity_line"]
     for patch in patches.PATCHES:
         assert patch.target and patch.why and patch.installed_by and patch.install_args
         assert patches.by_name(patch.name) is patch
@@ -274,3 +274,28 @@ def test_cpu_group_conversion():
     assert not patches.CPU_GROUP_CONVERSION.remove(group)
     assert "_convert_once" not in group.__dict__
     assert group._convert_once.__func__ is cls.__dict__["_convert_once"]
+
+
+def test_capacity_line():
+    """Reached through vLLM's ``get_kv_cache_capacity`` (what ``update_kv_cache_capacity``
+    logs): our figure for our configs, vLLM's for the others; removal restores vLLM's."""
+    from vllm_hisparse.vllm.plugin import _max_concurrency
+
+    module = importlib.import_module(compat.MAX_CONCURRENCY_MODULE)
+    was_installed = patches.CAPACITY_LINE.installed()
+    patches.CAPACITY_LINE.remove()
+    original = getattr(module, compat.MAX_CONCURRENCY_NAME)
+    assert list(inspect.signature(original).parameters) == ["vllm_config", "kv_cache_config"]
+    ours = SimpleNamespace(model_config=SimpleNamespace(max_model_len=1000))
+    try:
+        assert patches.CAPACITY_LINE.install(lambda cfg, kv: 7.0 if cfg is ours else None)
+        assert not patches.CAPACITY_LINE.install(_max_concurrency)
+        assert patches.CAPACITY_LINE.installed()
+        assert module.get_kv_cache_capacity(ours, None) == (7000, 7.0)
+        assert patches.CAPACITY_LINE.remove()
+        assert not patches.CAPACITY_LINE.installed() and not patches.CAPACITY_LINE.remove()
+        assert getattr(module, compat.MAX_CONCURRENCY_NAME) is original
+    finally:
+        patches.CAPACITY_LINE.remove()
+        if was_installed:
+            assert patches.CAPACITY_LINE.install(_max_concurrency)

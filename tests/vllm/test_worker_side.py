@@ -54,13 +54,15 @@ def model_dir(tmp_path_factory) -> Path:
     return root
 
 
-def planned(model_dir: Path, num_blocks: int, *, max_model_len: int = 1024, extra=None):
+def planned(model_dir: Path, num_blocks: int, *, max_model_len: int = 1024, extra=None,
+            num_speculative_tokens: int = 0):
     """A VllmConfig and vLLM's FULL (per-layer) KV cache config planned by our builder."""
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
     extra = {"host_pool_gib": 0.02, **(extra or {})}
     vllm_config = make_vllm_config(model_dir, kv_transfer=kv_transfer_config(extra),
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len,
+                                   num_speculative_tokens=num_speculative_tokens)
     specs = dsa_layer_specs(NUM_LAYERS, leaders=LEADERS, block_size=BS)
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
@@ -107,11 +109,12 @@ class Rig:
     """Policy + worker role + fake forward over vLLM-allocated CPU KV tensors."""
 
     def __init__(self, model_dir, *, num_blocks=200, policy_blocks=None, fail=None, seed=0,
-                 extra=None, pad_to=None):
+                 extra=None, pad_to=None, num_speculative_tokens=0):
         # pad_to: decode batches padded to this many tokens as a FULL CUDA graph pads them
         # (padding tokens map to batch row 0, the metadata counts them as actual tokens).
         self.pad_to = pad_to
-        self.vllm_config, self.kv_cache_config = planned(model_dir, num_blocks, extra=extra)
+        self.vllm_config, self.kv_cache_config = planned(
+            model_dir, num_blocks, extra=extra, num_speculative_tokens=num_speculative_tokens)
         self.hs_config = resolve_config(self.vllm_config)
         self.kv = allocate(self.vllm_config, self.kv_cache_config)
         self.role = HiSparseWorkerRole(self.vllm_config, self.hs_config, self.kv_cache_config,
@@ -184,15 +187,17 @@ class Rig:
         self.deliver_acks()
         self.policy.check_invariants()
 
-    def write_kv(self, rid, row, start, end):
+    def write_kv(self, rid, row, start, end, serial=None):
+        """The forward's KV of positions ``[start, end)``: request ``rid``'s (or, with
+        ``serial``, that of another token sequence)."""
         pos = torch.arange(start, end)
         for lane in self.role.lanes:
             res = lane.executor.residency[row, (pos // BS).numpy()]
             assert (res >= 0).all(), "the forward writes into resident tail pages only"
             dev_rows = torch.as_tensor(res) * BS + pos % BS
             for i, view in enumerate(lane.device_layers):
-                view[dev_rows] = kv_rows(self.serial[rid], pos, self.layer_ids[(lane.group_id, i)],
-                                         view.shape[1])
+                view[dev_rows] = kv_rows(self.serial[rid] if serial is None else serial, pos,
+                                         self.layer_ids[(lane.group_id, i)], view.shape[1])
 
     def attend(self, ranges, decode, block_stride_mode):
         """Decode tokens only (one per request), batch rows = positions in ``ranges``."""

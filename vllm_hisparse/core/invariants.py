@@ -23,7 +23,7 @@ import numpy as np
 from vllm_hisparse.core.commands import Residency
 from vllm_hisparse.core.device_pool import DevicePool, InMemoryDevicePool
 from vllm_hisparse.core.host_blocks import HostBlockPool
-from vllm_hisparse.core.page_table import PageTables
+from vllm_hisparse.core.page_table import PageTables, range_mask
 from vllm_hisparse.core.request_table import RequestStatus, RequestTable
 from vllm_hisparse.core.transactions import TransactionTable
 from vllm_hisparse.core.transitions import ResidencyTransitions
@@ -69,7 +69,15 @@ def check_invariants(
             # R1.a: a prefilling request that may be scheduled has its whole context pinned.
             assert t.num_pinned[row] == cdiv(int(t.num_tokens[row]), t.block_size), req.request_id
         n = int(t.num_pages[row])
-        assert n == cdiv(int(t.num_tokens[row]), t.block_size)
+        # Pages past the length stay adopted after a rollback (rejected drafts); no page
+        # has a host row at or past the length.
+        written = int(t.num_tokens[row])
+        assert n >= cdiv(written, t.block_size), req.request_id
+        for page in range(written // t.block_size, n):
+            keep = range_mask(0, max(written - page * t.block_size, 0), t.num_mask_words)
+            assert np.all(t.host_mask[row, page] & ~keep == 0), (req.request_id, page, "host row past the length")
+            if req.status == RequestStatus.ACTIVE:  # the next forward writes there
+                assert t.pinned[row, page], (req.request_id, page, "page at or past the length not pinned")
         assert t.num_pinned[row] == int(np.count_nonzero(t.pinned[row, :n])), req.request_id
         assert t.num_clean_pinned[row] == int(np.count_nonzero(t.pinned[row, :n] & t.host_valid[row, :n]))
         assert not np.any(t.pinned[row, n:]) and not np.any(t.device_block[row, n:] >= 0)

@@ -44,6 +44,7 @@ from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTable, PageTables, range_mask
 from vllm_hisparse.core.policy_config import PolicyConfig
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
+from vllm_hisparse.core.rollback import roll_back_rows
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
 from vllm_hisparse.core.transfer_planner import TransferPlanner
@@ -388,6 +389,17 @@ class ResidencyPolicy:
             if new > 0:
                 blocks = device_blocks_for(row, old, new)
         return self._grow(req, count, blocks)
+
+    def roll_back(self, rows: np.ndarray, num_tokens: np.ndarray) -> int:
+        """The engine discarded positions it had scheduled (rejected draft tokens): the
+        requests in ``rows`` (int64 ``[n]`` distinct state rows) hold valid KV for their first
+        ``num_tokens`` (int64 ``[n]``) positions only. Call it before applying the acks of the
+        step that wrote them. Their host rows stop counting as valid, open copies are
+        clipped, and the next ``schedule`` continues from there
+        (:mod:`~vllm_hisparse.core.rollback`). Returns the positions rolled back."""
+        rolled = roll_back_rows(self.tables, self._requests, self._planner.txns, rows, num_tokens)
+        self.stats.num_rolled_back_tokens += rolled
+        return rolled
 
     def finish(self, request_id: str) -> None:
         """The request finished: publish its clean pages, return every lease."""

@@ -23,3 +23,4 @@ class PolicyStats:
     num_published_pages: int = 0
     num_prefix_load_pages: int = 0
     num_failed_prefix_load_pages: int = 0
+    num_rolled_back_tokens: int = 0

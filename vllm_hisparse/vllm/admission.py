@@ -43,6 +43,7 @@ class AdmissionGate:
         rid = request.request_id
         if rid in self._requests:
             return 0, False
+        self._drop_offer(rid)  # offered before and not admitted: look again
         local_pages = num_computed_tokens // self.block_size
         hit_pages = self._host_hit_pages(request, local_pages)
         prefix_pages = local_pages + hit_pages if hit_pages else 0
@@ -50,7 +51,8 @@ class AdmissionGate:
         available = self.host_pool.num_allocatable_blocks - self._host_outstanding - prefix_pages
         if self._host_pages_for(request) - prefix_pages > available:
             return None, False
-        self._offered_hit = (rid, local_pages) if hit_pages else None
+        if hit_pages:  # leased until vLLM allocates (or not) for it (host_prefix_cache)
+            hit_pages = self._lease_offer(request, local_pages, prefix_pages)
         # If vLLM cannot allocate its first chunk, this is unmet device demand
         # (``_note_unadmitted``): vLLM offers waiting requests in order and stops at the
         # first one it cannot allocate.
@@ -83,24 +85,12 @@ class AdmissionGate:
         rid = request.request_id
         if rid in self._requests:
             return
-        offered, self._offered_hit = self._offered_hit, None
         prefix_pages = 0
         if num_external_tokens:
-            if offered is None or offered[0] != rid or num_external_tokens % self.block_size:
-                raise RuntimeError(
-                    f"{CONNECTOR_NAME}: request {rid!r} allocated with {num_external_tokens} "
-                    "external tokens this connector did not offer in whole pages")
-            local_pages = offered[1]
-            prefix_pages = local_pages + num_external_tokens // self.block_size
-            policy = self._require_policy()
-            hits = policy.acquire_host_prefix(request.block_hashes, max_pages=prefix_pages)
-            if len(hits) != prefix_pages:
-                policy.release_host_prefix(hits)
-                raise RuntimeError(
-                    f"{CONNECTOR_NAME}: request {rid!r}: a host prefix of {prefix_pages} pages "
-                    f"was offered but only {len(hits)} are still published")
-            self._host_hits[rid] = (hits, local_pages)
+            prefix_pages = self._take_offer(request, num_external_tokens)
             self._loads_to_start.append(rid)
+        else:
+            self._drop_offer(rid)  # another connector loads it, or nothing is loaded
         self._requests[rid] = request
         need = self._host_pages_for(request) - prefix_pages
         self._host_remaining[rid] = need

@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     HiddenStateCacheSpec,
     KVCacheConfig,
+    KVCacheGroupRole,
     KVCacheGroupSpec,
     KVCacheSpec,
     MLAAttentionSpec,
@@ -70,8 +71,16 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheSpecRegistry",
     "KVConnectorOutput",
+    "MAX_CONCURRENCY_MODULE",
+    "MAX_CONCURRENCY_NAME",
+    "OFFLOADED_GROUP_ROLE",
     "RESIDENCY_GROUP_ROLE",
     "assign_group_role",
+    "block_is_cached",
+    "is_waiting_for_remote_kvs",
+    "offloading_group_ids",
+    "per_group_prefix_hits",
+    "scope_offloading",
     "group_managers",
     "kv_load_failure_policy",
     "prefix_cache_geometry",
@@ -203,16 +212,79 @@ def residency_manager_registered() -> bool:
     return RESIDENCY_GROUP_ROLE in _REGISTRY_ROLE_MANAGERS
 
 
-def register_residency_manager(manager_cls: type) -> None:
-    """Map ``RESIDENCY_GROUP_ROLE`` to ``manager_cls`` (idempotent).
+#: ``KVCacheGroupSpec.role`` of the groups vLLM's ``OffloadingConnector`` offloads once
+#: ``KVCacheConfig.hisparse_host_num_blocks`` is set (``offloading/config.py:39``,
+#: ``get_offloading_group_ids``); no manager is registered for it in vLLM 0.33.
+OFFLOADED_GROUP_ROLE = KVCacheGroupRole.HISPARSE_INDEXER
 
-    Inert on its own: only a group whose ``role`` is ``RESIDENCY_GROUP_ROLE`` uses it,
-    and only :func:`assign_group_role` (called by our connector) sets that role.
+
+def register_residency_manager(manager_cls: type) -> None:
+    """Map ``RESIDENCY_GROUP_ROLE`` and ``OFFLOADED_GROUP_ROLE`` to ``manager_cls``
+    (idempotent; one manager class on every full-attention group, see ``managers.py``).
+
+    Inert on its own: only a group whose ``role`` is one of those uses it, and only this
+    package sets them (:func:`assign_group_role`, :func:`scope_offloading`).
     vLLM's built-in registrations run lazily on first lookup; we trigger them first so
     that ours never counts as "the registry is already populated".
     """
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register_role_manager(RESIDENCY_GROUP_ROLE, manager_cls)
+    KVCacheSpecRegistry.register_role_manager(OFFLOADED_GROUP_ROLE, manager_cls)
+
+
+def scope_offloading(kv_cache_config: KVCacheConfig, group_ids: tuple[int, ...],
+                     host_num_blocks: int) -> None:
+    """Make vLLM's ``OffloadingConnector`` offload exactly ``group_ids``.
+
+    Public ``KVCacheConfig`` / ``KVCacheGroupSpec`` fields that vLLM 0.33's other
+    connectors key on (reference map §3.5): with ``hisparse_host_num_blocks`` set,
+    ``get_offloading_group_ids`` returns the groups whose role is
+    ``HISPARSE_INDEXER`` (instead of every prefix-cacheable group), and the offloading
+    worker registers those groups layer by layer. The same field makes vLLM's scheduler
+    defer a consumer connector's async load into a reused block until in-flight steps
+    are processed (``Scheduler.defer_async_loads``). Nothing else in vLLM reads them for
+    a config without ``host_resident`` groups.
+    """
+    for group_id in group_ids:
+        kv_cache_config.kv_cache_groups[group_id].role = OFFLOADED_GROUP_ROLE
+    kv_cache_config.hisparse_host_num_blocks = int(host_num_blocks)
+
+
+def offloading_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """The groups vLLM's ``OffloadingConnector`` offloads for this config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        get_offloading_group_ids,
+    )
+
+    return tuple(get_offloading_group_ids(kv_cache_config))
+
+
+def per_group_prefix_hits(kv_cache_manager: Any, block_hashes: Any, max_tokens: int) -> tuple[int, ...]:
+    """Each KV cache group's own device prefix-cache hit, in tokens, evaluated group by
+    group (``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the lookup
+    vLLM's ``OffloadingConnector`` bounds its loads with)."""
+    _, hits = kv_cache_manager.coordinator.find_longest_cache_hit_per_group(block_hashes, max_tokens)
+    return tuple(int(h) for h in hits)
+
+
+#: Module and function behind vLLM's "Maximum concurrency for N tokens per request" line:
+#: ``update_kv_cache_capacity`` (engine core, ``v1/engine/core.py``) calls
+#: ``get_kv_cache_capacity``, which calls this function by its module-global name with the
+#: scheduler's KV cache config, before the scheduler (and our connector) exists.
+MAX_CONCURRENCY_MODULE = "vllm.v1.core.kv_cache_utils"
+MAX_CONCURRENCY_NAME = "get_max_concurrency_for_kv_cache_config"
+
+
+def block_is_cached(block: KVCacheBlock) -> bool:
+    """Whether a block holds a prefix-cached page (vLLM's ``block_hash`` is set)."""
+    return block.block_hash is not None
+
+
+def is_waiting_for_remote_kvs(request: Any) -> bool:
+    """Whether vLLM parked the request for a connector load (``WAITING_FOR_REMOTE_KVS``)."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 def assign_group_role(kv_cache_config: KVCacheConfig, group_ids: tuple[int, ...]) -> None:
@@ -442,6 +514,7 @@ from vllm.config import (  # noqa: E402
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -457,7 +530,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
 )
 from vllm.v1.kv_cache_interface import get_kv_quant_mode  # noqa: E402
 from vllm.v1.metrics.utils import create_metric_per_engine  # noqa: E402  (metrics.py)
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -466,5 +539,5 @@ SIMULATOR_INTERNALS = (
     SamplingParams, sha256, get_global_kv_cache_groups, get_kv_cache_configs,
     generate_scheduler_kv_cache_config, get_request_block_hasher, init_none_hash,
     get_kv_quant_mode, ModelRunnerOutput, Request, StructuredOutputManager,
-    create_metric_per_engine, KVOutputAggregator,
+    create_metric_per_engine, KVOutputAggregator, SpeculativeConfig, DraftTokenIds,
 )

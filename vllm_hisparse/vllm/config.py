@@ -515,6 +515,14 @@ def check_engine_compatible(vllm_config: VllmConfig) -> None:
         raise _unsupported(
             "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 or a feature V2 lacks)", True,
             "Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER or set it to 1)")
+    # Rejected drafts are rolled back when their step's output arrives (spec_decode.py).
+    # Under async scheduling the next step is planned before that, and the worker moves
+    # its positions on the GPU, so the rows a step writes are unknown when it is planned.
+    spec_tokens = max_decode_query_len(vllm_config) - 1
+    if spec_tokens and vllm_config.scheduler_config.async_scheduling:
+        raise _unsupported(
+            "async_scheduling", f"True with speculative decoding (num_speculative_tokens="
+            f"{spec_tokens})", "--no-async-scheduling when speculative decoding is on")
     # Residency keeps sparse-MLA and indexer KV in separate KV cache groups, which
     # needs the hybrid (multi-group) KV cache manager.
     if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:

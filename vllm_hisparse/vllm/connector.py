@@ -26,6 +26,7 @@ from vllm_hisparse.vllm.compat import (
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, resolve_config
 from vllm_hisparse.vllm.kv_planning import sparse_group_ids
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetrics
+from vllm_hisparse.vllm.offloading_scope import check_offloading_scope
 
 if TYPE_CHECKING:
     from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
@@ -64,6 +65,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
                 "connectors that accept kv_cache_config); got None"
             )
         sparse_group_ids(kv_cache_config)  # the planner split must have run
+        check_offloading_scope(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: HiSparseSchedulerRole | None = None
         self._worker: Any = None

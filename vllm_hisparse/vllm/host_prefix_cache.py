@@ -45,6 +45,10 @@ class HostPrefixCache:
             why = "eager_host_mirror is false (indexer pages are saved with the mirror)"
         elif not self.indexer_group_ids:
             why = "the plan has no indexer group"
+        elif len(self.sparse_group_ids) + len(self.indexer_group_ids) < self._num_kv_groups:
+            # A restore would leave those groups' pages (MTP draft layers) unwritten.
+            why = (f"{self._num_kv_groups - len(self.sparse_group_ids) - len(self.indexer_group_ids)}"
+                   " KV cache group(s) hold layers the host tier does not store (MTP draft layers)")
         elif self._load_failure_policy != "fail":
             why = (f"kv_load_failure_policy={self._load_failure_policy!r} (a failed host load "
                    "would rewind tokens the policy already holds; accepted: 'fail')")
@@ -56,14 +60,72 @@ class HostPrefixCache:
         return True
 
     def _host_hit_pages(self, request: Any, local_pages: int) -> int:
-        """Published host pages of ``request`` past its first ``local_pages`` pages."""
+        """Published host pages of ``request`` past its first ``local_pages`` pages.
+
+        None when the sparse-MLA groups still hold every one of those pages on the device
+        (only their indexer pages are gone): a load would restore no sparse-MLA row, so it
+        is left to ``OffloadingConnector`` (which loads the indexer groups up to the
+        sparse groups' own hit) or recomputed."""
         if not self.host_prefix_cache:
             return 0
         max_pages = (request.num_tokens - 1) // self.block_size  # leave a token to compute
         if max_pages <= local_pages:
             return 0
         hits = self._require_policy().lookup_host_prefix(request.block_hashes[:max_pages])
-        return max(0, hits - local_pages)
+        if hits <= local_pages:
+            return 0
+        per_group = compat.per_group_prefix_hits(self._kv_cache_manager, request.block_hashes,
+                                                 hits * self.block_size)
+        if min(per_group[g] for g in self.sparse_group_ids) >= hits * self.block_size:
+            return 0
+        return hits - local_pages
+
+    # ------------------------------------------------------------------ offered hits
+    def _lease_offer(self, request: Any, local_pages: int, prefix_pages: int) -> int:
+        """Lease the offered prefix until vLLM allocates for the request (its
+        ``update_state_after_alloc`` may come a step later, ``defer_async_loads``), so LRU
+        eviction cannot take it meanwhile. Returns the hit pages past ``local_pages``."""
+        policy = self._require_policy()
+        hits = policy.acquire_host_prefix(request.block_hashes, max_pages=prefix_pages)
+        if len(hits) <= local_pages:
+            policy.release_host_prefix(hits)
+            return 0
+        self._offered_hits[request.request_id] = (hits, local_pages, request)
+        return len(hits) - local_pages
+
+    def _take_offer(self, request: Any, num_external_tokens: int) -> int:
+        """vLLM allocated ``num_external_tokens`` for our offer: the request's host prefix
+        (the lease passes to ``_host_hits``; pages vLLM did not take are given back).
+        Returns the prefix pages, device-cached ones included."""
+        rid = request.request_id
+        offered = self._offered_hits.pop(rid, None)
+        if offered is None or num_external_tokens % self.block_size:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: request {rid!r} allocated with {num_external_tokens} "
+                "external tokens this connector did not offer in whole pages")
+        hits, local_pages, _ = offered
+        prefix_pages = local_pages + num_external_tokens // self.block_size
+        if prefix_pages > len(hits):
+            self._require_policy().release_host_prefix(hits)
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: request {rid!r} allocated with a host prefix of "
+                f"{prefix_pages} pages; {len(hits)} were offered")
+        self._require_policy().release_host_prefix(hits[prefix_pages:])
+        self._host_hits[rid] = (hits[:prefix_pages], local_pages)
+        return prefix_pages
+
+    def _drop_offer(self, rid: str) -> None:
+        offered = self._offered_hits.pop(rid, None)
+        if offered is not None:
+            self._require_policy().release_host_prefix(offered[0])
+
+    def _drop_stale_offers(self) -> None:
+        """Offers vLLM did not admit this step give their lease back (they are offered
+        again); admitted ones whose ``update_state_after_alloc`` vLLM deferred wait in
+        WAITING_FOR_REMOTE_KVS and keep it."""
+        for rid, (_, _, request) in list(self._offered_hits.items()):
+            if not compat.is_waiting_for_remote_kvs(request):
+                self._drop_offer(rid)
 
     def _plan_indexer_saves(self, keys: tuple, rows: np.ndarray, counts: np.ndarray,
                             command: StepCommand, indexer_pages: dict[int, IndexerPages]) -> None:
@@ -155,7 +217,16 @@ class HostPrefixCache:
         tables = [m.req_to_blocks[rid] for m in self._managers]
         adopt = self.device_pool.adopt
         leads = [adopt([table[p] for table in tables]) for p in range(n)]
-        load_id = policy.adopt_host_prefix(rid, leads, hits, local_pages)
+        # vLLM gave the sparse groups back their cached blocks for the pages of the hit
+        # still on the device (``retains_longer_hit``, managers.py): restore the sparse
+        # rows from the first page that is not; the indexer pages of the whole hit load.
+        first_load = local_pages
+        while first_load < n and all(compat.block_is_cached(t[first_load]) for t in tables):
+            first_load += 1
+        if first_load == n:  # the offer checked the sparse groups' own hit (_host_hit_pages)
+            raise RuntimeError(f"{CONNECTOR_NAME}: request {rid!r}: host prefix of {n} pages "
+                               "with every sparse-MLA page still cached; nothing to load")
+        load_id = policy.adopt_host_prefix(rid, leads, hits, first_load)
         policy.set_block_hashes(rid, 0, self._requests[rid].block_hashes[:n])
         if load_id >= 0:
             self._load_requests[load_id] = rid

@@ -53,6 +53,7 @@ from vllm_hisparse.vllm.compat import (
     UniformTypeKVCacheSpecs,
     VllmConfig,
 )
+from vllm_hisparse.vllm.offloading_scope import scope_planned_config
 from vllm_hisparse.vllm.config import (
     CONNECTOR_NAME,
     HiSparseConfigError,
@@ -321,16 +322,20 @@ def split_kv_cache_groups(
     return SplitGroups(groups, sparse_ids, indexer_ids, choice)
 
 
+def is_target_sparse_spec(spec: KVCacheSpec) -> bool:
+    """Whether a layer spec is a target-model sparse-MLA layer (residency moves its rows)."""
+    return (
+        isinstance(spec, MLAAttentionSpec)
+        and spec.cache_role is SparseCacheRole.SPARSE
+        and not spec.is_draft
+        and not isinstance(spec, (HiddenStateCacheSpec, SlidingWindowMLASpec))
+    )
+
+
 def is_sparse_group(group: KVCacheGroupSpec) -> bool:
     """Whether a planned group holds target-model sparse-MLA layers (releasable)."""
     specs = _layer_specs(group)
-    return bool(specs) and all(
-        isinstance(s, MLAAttentionSpec)
-        and s.cache_role is SparseCacheRole.SPARSE
-        and not s.is_draft
-        and not isinstance(s, (HiddenStateCacheSpec, SlidingWindowMLASpec))
-        for s in specs
-    )
+    return bool(specs) and all(is_target_sparse_spec(s) for s in specs)
 
 
 def sparse_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
@@ -401,10 +406,29 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
             )
         return split.groups
 
+    def get_kv_cache_config_from_groups(
+        self, vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], num_blocks: int
+    ) -> KVCacheConfig:
+        """vLLM's placement; composed with OffloadingConnector, the plan also scopes it to
+        the non-sparse groups (``offloading_scope``), so every process gets that scope."""
+        config = super().get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, num_blocks)
+        scope_planned_config(vllm_config, config, resolve_config(vllm_config))
+        return config
+
 
 def host_block_bytes(sparse_groups: Iterable[KVCacheGroupSpec]) -> int:
-    """Bytes of one page of every layer of ``sparse_groups`` (any groups, summed)."""
-    return sum(group.kv_cache_spec.page_size_bytes for group in sparse_groups)
+    """Bytes of one page of every layer of ``sparse_groups`` (any groups, summed).
+
+    A worker's plan keeps each group's per-layer specs (``UniformTypeKVCacheSpecs``, whose
+    page size is the layers' sum); the scheduler's keeps only the first layer's spec
+    (``generate_scheduler_kv_cache_config``), whose page is one layer's: both count every
+    layer."""
+    total = 0
+    for group in sparse_groups:
+        spec = group.kv_cache_spec
+        layers = 1 if isinstance(spec, UniformTypeKVCacheSpecs) else len(group.layer_names)
+        total += spec.page_size_bytes * layers
+    return total
 
 
 def indexer_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:

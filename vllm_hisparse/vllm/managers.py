@@ -18,8 +18,17 @@ block table (:meth:`null_page`), so nothing that reads the table (other connecto
 finish hook) sees a block the request no longer owns; a page restored to the device
 gets its new block back (:meth:`set_page`).
 
+On the sparse-MLA groups the manager keeps a device prefix-cache hit longer than the
+one every group shares (``retains_longer_hit``, vLLM's hook for tiers that still hold a
+prefix the other groups lost): when a connector loads the pages past the shared hit, the
+sparse groups get their cached blocks back for the pages still on the device instead of
+fresh ones. This is what makes ``OffloadingConnector`` correct next to us (it loads only
+the indexer groups, up to the sparse groups' own hit), and it lets our host-prefix loads
+skip the sparse-MLA pages still cached (``host_prefix_cache``). vLLM trims the kept blocks
+to the loaded range at allocation, so with nothing loaded it changes nothing.
+
 Unbound (connector not configured, or not bound yet) the manager is exactly a
-``FullAttentionManager``. It is selected per group through a group role
+``FullAttentionManager``, apart from that retention. It is selected per group through a group role
 (``compat.RESIDENCY_GROUP_ROLE``) registered with vLLM's ``KVCacheSpecRegistry``.
 
 Which groups get it (:func:`residency_manager_group_ids`): the sparse-MLA groups (bound)
@@ -40,6 +49,7 @@ from typing import Any, Protocol
 import dataclasses
 
 from vllm_hisparse.vllm.compat import FullAttentionManager, KVCacheBlock, KVCacheGroupSpec, KVCacheSpecRegistry
+from vllm_hisparse.vllm.kv_planning import is_target_sparse_spec
 
 #: ``KVCacheGroupSpec.role`` of a group nobody gave a role.
 _DEFAULT_GROUP_ROLE = {f.name: f for f in dataclasses.fields(KVCacheGroupSpec)}["role"].default
@@ -83,6 +93,8 @@ class ResidencyAwareManager(FullAttentionManager):
         super().__init__(*args, **kwargs)
         self._owner: ResidencyOwner | None = None
         self._sparse_index = -1
+        # Read by vLLM when it builds the KVCacheManager (module docstring).
+        self.retains_longer_hit = is_target_sparse_spec(self.kv_cache_spec)
 
     def bind_residency(self, owner: ResidencyOwner, sparse_index: int) -> None:
         """Hand lease decisions for this group to ``owner``; ``sparse_index`` is this

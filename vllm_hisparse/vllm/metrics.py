@@ -38,6 +38,7 @@ SCHEDULER_COUNTERS = (
     "num_preemptions",
     "num_preemptions_avoided",
     "num_admissions_deferred",
+    "num_rolled_back_tokens",
 )
 
 #: Scheduler-side gauges (level at report time; the later report wins).
@@ -75,6 +76,9 @@ PROMETHEUS_METRICS: dict[str, tuple[str, str, str]] = {
     "num_admissions_deferred": ("vllm:hisparse_residency_admissions_deferred", "counter",
                                 "Offers of waiting requests deferred because admitting them "
                                 "would leave running requests no free blocks to grow into."),
+    "num_rolled_back_tokens": ("vllm:hisparse_residency_rolled_back_tokens", "counter",
+                               "Positions written by a step and then discarded (rejected "
+                               "draft tokens): their host copies stop counting as valid."),
     "num_hot_leases": ("vllm:hisparse_residency_hot_leases", "gauge",
                        "Requests holding a hot region (Mixed or None residency)."),
     "num_host_blocks_used": ("vllm:hisparse_residency_host_blocks_used", "gauge",

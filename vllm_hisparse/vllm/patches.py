@@ -15,7 +15,8 @@ installed at import. ``tests/vllm/test_patches.py`` checks each patch against th
 vLLM: it installs, is seen installed, is reached through vLLM's own entry point, and its
 removal restores vLLM's original object.
 
-Who installs what: the plugin's ``register()`` the planner hook; the worker role, when it
+Who installs what: the plugin's ``register()`` the planner hook, the config check and the
+capacity line; the worker role, when it
 binds the KV caches, the top-k conversion hook, the direct conversion routing and (per bound
 layer) the layer forward context; the CPU simulator, for one run, the two CPU twins.
 """
@@ -464,10 +465,64 @@ CONFIG_CHECK = Patch(
     remove=_remove_config_check)
 
 
+# ------------------------------------------------------------------------ capacity line
+
+_CAPACITY = "capacity_line"
+
+
+def _capacity_module() -> Any:
+    return importlib.import_module(compat.MAX_CONCURRENCY_MODULE)
+
+
+def _capacity_installed() -> bool:
+    return _is_ours(getattr(_capacity_module(), compat.MAX_CONCURRENCY_NAME), _CAPACITY)
+
+
+def _install_capacity(concurrency: Callable[[Any, Any], float | None]) -> bool:
+    """``concurrency(vllm_config, kv_cache_config)`` returns the figure to report, or None
+    to keep vLLM's (every config that does not name the connector)."""
+    module = _capacity_module()
+    original = getattr(module, compat.MAX_CONCURRENCY_NAME)
+    if _is_ours(original, _CAPACITY):
+        return False
+
+    @functools.wraps(original)
+    def get_max_concurrency_for_kv_cache_config(vllm_config: Any, kv_cache_config: Any) -> float:
+        ours = concurrency(vllm_config, kv_cache_config)
+        return original(vllm_config, kv_cache_config) if ours is None else ours
+
+    setattr(module, compat.MAX_CONCURRENCY_NAME,
+            _marked(get_max_concurrency_for_kv_cache_config, _CAPACITY, original))
+    return True
+
+
+def _remove_capacity() -> bool:
+    module = _capacity_module()
+    wrapper = getattr(module, compat.MAX_CONCURRENCY_NAME)
+    if not _is_ours(wrapper, _CAPACITY):
+        return False
+    setattr(module, compat.MAX_CONCURRENCY_NAME, getattr(wrapper, _ORIGINAL))
+    return True
+
+
+CAPACITY_LINE = Patch(
+    name=_CAPACITY,
+    target=f"{compat.MAX_CONCURRENCY_MODULE}.{compat.MAX_CONCURRENCY_NAME}",
+    why="vLLM's startup line 'Maximum concurrency for N tokens per request' (and "
+        "cache_config.kv_cache_max_concurrency) counts every page of every group on the "
+        "device; it reads no field a plan without host-resident groups could set, so with "
+        "hybrid residency it would report the full-residency figure (DeepSeek-V3.2, 60 GiB "
+        "of KV, 32K: 38 instead of 140).",
+    installed_by="plugin.register(), in every process vLLM starts",
+    install_args="concurrency(vllm_config, kv_cache_config) -> the startup capacity report's "
+                 "steady-state figure, or None for configs that do not name the connector",
+    install=_install_capacity, installed=_capacity_installed, remove=_remove_capacity)
+
+
 #: Every runtime patch of vLLM this package applies.
 PATCHES: tuple[Patch, ...] = (PLANNER_HOOK, TOPK_CONVERSION_HOOK, DIRECT_CONVERSION_ROUTING,
                               LAYER_FORWARD_CONTEXT, CPU_DIRECT_CONVERSION, CPU_GROUP_CONVERSION,
-                              CONFIG_CHECK)
+                              CONFIG_CHECK, CAPACITY_LINE)
 
 
 def by_name(name: str) -> Patch:

@@ -12,7 +12,10 @@ config names ``HiSparseResidencyConnector``:
 3. installs the config check (``patches.CONFIG_CHECK``): every ``VllmConfig`` built from then
    on validates our ``kv_connector_extra_config`` (top level or MultiConnector child),
    so ``vllm serve`` rejects a bad key in the API-server process;
-4. sends this package's log records to vLLM's log handler (vLLM configures only its own
+4. installs the capacity line (``patches.CAPACITY_LINE``): for configs that name the
+   connector, vLLM's startup "Maximum concurrency" line reports the startup capacity
+   report's steady-state figure (hybrid residency) instead of full residency's;
+5. sends this package's log records to vLLM's log handler (vLLM configures only its own
    ``vllm`` logger; without this, our INFO lines, e.g. the startup capacity table, would
    not be printed).
 
@@ -31,8 +34,14 @@ import logging
 
 import vllm_hisparse
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.config import CONNECTOR_MODULE, CONNECTOR_NAME, check_extra_config
-from vllm_hisparse.vllm.kv_planning import select_builder
+from vllm_hisparse.vllm.config import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    check_extra_config,
+    is_connector_configured,
+    resolve_config,
+)
+from vllm_hisparse.vllm.kv_planning import engine_capacity_report, select_builder
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +95,20 @@ def _check_config(vllm_config) -> None:
     check_extra_config(vllm_config)
 
 
+def _max_concurrency(vllm_config, kv_cache_config) -> float | None:
+    """What vLLM's "Maximum concurrency" line reports for our configs: the startup
+    capacity report's steady state (``kv_planning.engine_capacity_report``); None keeps
+    vLLM's figure for every other config."""
+    if not is_connector_configured(vllm_config):
+        return None
+    report = engine_capacity_report(vllm_config, kv_cache_config, resolve_config(vllm_config))
+    logger.info("%s: vLLM's maximum concurrency line reports hybrid residency in steady "
+                "state: %d requests of %d tokens (full residency: %d, at admission: %d)",
+                CONNECTOR_NAME, report.max_concurrency_steady, vllm_config.model_config.max_model_len,
+                report.max_concurrency_without_residency, report.max_concurrency_at_admission)
+    return float(report.max_concurrency_steady)
+
+
 def register() -> None:
     """Register the connector, hook KV planning and config validation; idempotent."""
     if compat.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME):
@@ -95,5 +118,7 @@ def register() -> None:
     if patches.CONFIG_CHECK.install(_check_config):
         logger.debug("installed the vllm_hisparse VllmConfig check")
         _route_logs_to_vllm()
+    if patches.CAPACITY_LINE.install(_max_concurrency):
+        logger.debug("installed the vllm_hisparse capacity line")
     if _vllm_logging_configured():
         _announce()

@@ -38,6 +38,8 @@ class AckIntake:
         """Apply the workers' transfer acks, voted per (transfer, worker rank)
         (``core.ack_vote``: completed once every worker completed it, failed once every
         worker reported it and one failed; duplicates are counted and dropped)."""
+        # Rejected drafts first: the acks below may complete their rows' mirror.
+        self._roll_back_rejected()
         meta = connector_output.kv_connector_worker_meta
         if meta is None:
             return

@@ -67,7 +67,9 @@ from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
+from vllm_hisparse.vllm.offloading_scope import describe_scope, is_scoped
 from vllm_hisparse.vllm.scheduler_acks import AckIntake
+from vllm_hisparse.vllm.spec_decode import DraftRollback
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ _POLICY_COUNTERS = {
     "num_demotions": "num_demotions",
     "num_promotions": "num_promotions",
     "num_failed_transfers": "num_failed_transfers",
+    "num_rolled_back_tokens": "num_rolled_back_tokens",
 }
 
 
@@ -87,7 +90,7 @@ _POLICY_COUNTERS = {
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
+class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
@@ -112,6 +115,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
 
         report = engine_capacity_report(vllm_config, kv_cache_config, hisparse_config)
         logger.info("%s", format_capacity_table(report))
+        if is_scoped(kv_cache_config):
+            logger.info("%s", describe_scope(kv_cache_config))
         self.capacity_report = report
         self.host_pool = HostBlockPool(report.host_blocks)
 
@@ -141,8 +146,11 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
 
         # Host tier as a prefix cache (decided in bind_kv_cache_manager).
         self.host_prefix_cache = False
-        # The last request get_num_new_matched_tokens offered a host hit: (id, local pages).
-        self._offered_hit: tuple[str, int] | None = None
+        # Host-prefix hits offered and leased, until vLLM allocates for the request (its
+        # update_state_after_alloc may come a step later: defer_async_loads):
+        # id -> (host blocks, local pages, request).
+        self._offered_hits: dict[str, tuple[list[int], int, Any]] = {}
+        self._kv_cache_manager: Any = None
         # Admitted requests with a leased host prefix: id -> (host blocks, local pages).
         self._host_hits: dict[str, tuple[list[int], int]] = {}
         # Of those, the ones whose load starts with this step's command, and this step's
@@ -239,6 +247,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
             manager.bind_residency(self, index)
         self._managers = managers
         self._indexer_managers = compat.group_managers(kv_cache_manager, self.indexer_group_ids)
+        self._kv_cache_manager = kv_cache_manager
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
         self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
         self.host_prefix_cache = self._host_prefix_cache_usable(kv_cache_manager)
@@ -265,12 +274,15 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         """
         policy = self._require_policy()
         self.check_ack_deadline()
+        self._roll_back_rejected()  # the previous step's drafts, if no ack came to do it
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         # The admission pass of this step is over (offer).
         if self._let_through:
             self._let_through.clear()
         self._admission_closed = False
         self._note_unadmitted(scheduled)
+        if self._offered_hits:
+            self._drop_stale_offers()
         if self._prefilling:
             self._update_prefilling(scheduled)
         new_rows: dict[str, int] = {}
@@ -296,6 +308,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
                 self._cached_keys, self._cached_rows = keys, rows
             # One vectorised call; requests crossing into new pages adopt vLLM's blocks.
             outcome = policy.schedule_rows(rows, counts, self._adopt_pages)
+            self._remember_spec_step(keys, rows)
             if np.count_nonzero(outcome):
                 # Admission reserved host blocks for every request and R1 keeps prefilling
                 # requests FULL, so this is an accounting error, not back-pressure; refuse
@@ -474,6 +487,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        self._drop_offer(rid)
         hit = self._host_hits.pop(rid, None)
         if hit is not None:  # freed before it was ever scheduled
             self._require_policy().release_host_prefix(hit[0])

@@ -15,6 +15,7 @@ Used by ``vllm-hisparse simulate`` and by the tests (``tests/vllm/vllm_configs.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from vllm_hisparse.vllm.compat import (
     ParallelConfig,
     SchedulerConfig,
     SparseCacheRole,
+    SpeculativeConfig,
     VllmConfig,
     get_kv_quant_mode,
 )
@@ -129,8 +131,10 @@ def make_vllm_config(
     hybrid_kv_cache_manager: bool = True,
     kv_cache_layout: str | None = "BLHNC",
     device: str = "cpu",
+    num_speculative_tokens: int = 0,
 ) -> VllmConfig:
-    """A real ``VllmConfig`` over ``model_dir`` (no tokenizer, no Hub access)."""
+    """A real ``VllmConfig`` over ``model_dir`` (no tokenizer, no Hub access); with
+    ``num_speculative_tokens`` > 0, MTP speculative decoding of that many drafts."""
     model_config = ModelConfig(
         model=str(model_dir),
         dtype="bfloat16",
@@ -138,6 +142,9 @@ def make_vllm_config(
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
     )
+    # TP > 1: vLLM's multiprocess executor ("mp") on one node, as it picks by default.
+    parallel_config = ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
+                                     tensor_parallel_size=tensor_parallel_size)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
@@ -151,11 +158,14 @@ def make_vllm_config(
         cache_config=CacheConfig(
             block_size=block_size, enable_prefix_caching=enable_prefix_caching
         ),
-        # TP > 1: vLLM's multiprocess executor ("mp") on one node, as it picks by default.
-        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size,
-                                       tensor_parallel_size=tensor_parallel_size),
+        parallel_config=parallel_config,
         device_config=DeviceConfig(device),
         kv_transfer_config=kv_transfer,
+        speculative_config=(
+            SpeculativeConfig(method="mtp", num_speculative_tokens=num_speculative_tokens,
+                              target_model_config=model_config,
+                              target_parallel_config=parallel_config)
+            if num_speculative_tokens else None),
     )
     # A CPU-only platform reports no hybrid-KV-manager support, so vLLM turns it off;
     # on a GPU it defaults to on. Set the GPU value on the real object.
@@ -204,16 +214,21 @@ def indexer_name(layer: int) -> str:
 
 
 def dsa_layer_specs(
-    num_layers: int, *, leaders: set[int] | None = None, block_size: int = 64
+    num_layers: int, *, leaders: set[int] | None = None, block_size: int = 64,
+    num_draft_layers: int = 0,
 ) -> dict[str, MLAAttentionSpec]:
     """Per-layer specs in model order; ``leaders`` (default: all) run an indexer, the layers
-    after a leader reuse its top-k (GLM-5.x IndexShare)."""
+    after a leader reuse its top-k (GLM-5.x IndexShare). ``num_draft_layers`` MTP layers
+    (each a DSA layer with its own indexer, ``is_draft=True``) follow the target layers."""
     specs: dict[str, MLAAttentionSpec] = {}
     for layer in range(num_layers):
         leader = leaders is None or layer in leaders
         specs[mla_name(layer)] = sparse_mla_spec(block_size, leader=leader)
         if leader:
             specs[indexer_name(layer)] = indexer_spec(block_size)
+    for layer in range(num_layers, num_layers + num_draft_layers):
+        specs[mla_name(layer)] = dataclasses.replace(sparse_mla_spec(block_size), is_draft=True)
+        specs[indexer_name(layer)] = dataclasses.replace(indexer_spec(block_size), is_draft=True)
     return specs
 
 
