@@ -35,7 +35,7 @@ import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.device_pool import DevicePool
-from vllm_hisparse.core.errors import HostPoolExhausted, ProtocolError
+from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted, ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
 from vllm_hisparse.core.invariants import check_invariants
@@ -430,9 +430,18 @@ class ResidencyPolicy:
             return outcome
         return self._transitions.prepare_prefill(req)
 
-    def begin_import(self, request_id: str, num_tokens: int) -> list[int]:
+    def begin_import(self, request_id: str, num_tokens: int,
+                     tail_device_blocks: Sequence[int] | None = None) -> list[int]:
         """P/D import: hand out host blocks for ``num_tokens`` positions an external
-        transfer writes. Raises :class:`HostPoolExhausted` (back-pressure) if short."""
+        transfer writes. Raises :class:`HostPoolExhausted` (back-pressure) if short.
+
+        ``tail_device_blocks``: the engine allocated (and pins) one device block for each of
+        the last ``min(ACTIVE_TAIL_PAGES, pages)`` pages, and the transfer writes those pages
+        there as well as to the host. The policy takes over one lease of each (as for
+        growth) and leases the hot region now, so that :meth:`finish_import` activates the
+        request at once, NONE, with no restore. :class:`DevicePoolExhausted` (nothing
+        changed) when the pool cannot give the hot region.
+        """
         req = self._requests.get(request_id)
         t = self.tables
         if req.status != RequestStatus.ACTIVE or t.num_tokens[req.row] != 0:
@@ -440,6 +449,17 @@ class ResidencyPolicy:
         num_pages = cdiv(int(num_tokens), self.block_size)
         if num_pages > self.config.max_pages_per_request:
             raise ProtocolError(f"import of {num_tokens} tokens exceeds max_pages_per_request")
+        tail = None
+        if tail_device_blocks is not None:
+            tail = [int(b) for b in tail_device_blocks]
+            if len(tail) != min(ACTIVE_TAIL_PAGES, num_pages):
+                raise ProtocolError(f"request {request_id!r}: {len(tail)} tail device blocks for an "
+                                    f"import of {num_pages} pages (expected {min(ACTIVE_TAIL_PAGES, num_pages)})")
+            if req.hot_blocks > self.device_pool.get_num_free_blocks():
+                self.stats.num_device_backpressure += 1
+                raise DevicePoolExhausted(f"request {request_id!r}: no room for a hot region of "
+                                          f"{req.hot_blocks} blocks", req.hot_blocks,
+                                          self.device_pool.get_num_free_blocks())
         try:
             host = self.host_pool.allocate(num_pages)
         except HostPoolExhausted:
@@ -449,6 +469,13 @@ class ResidencyPolicy:
         t.host_block[row, :num_pages] = host
         t.num_pages[row] = num_pages
         t.num_tokens[row] = int(num_tokens)
+        if tail is not None:
+            first = num_pages - len(tail)
+            t.device_block[row, first:num_pages] = tail
+            t.pinned[row, first:num_pages] = True
+            t.num_pinned[row] = len(tail)
+            self._leases.lease_hot(req)
+            self._requests.set_residency(req, Residency.NONE)
         self._requests.set_status(req, RequestStatus.IMPORTING)
         return list(host)
 
@@ -456,8 +483,10 @@ class ResidencyPolicy:
         """The external transfer into the imported host blocks finished.
 
         On success the pages are host-valid and the request is activated like a resume
-        (state NONE). On failure the host blocks are returned and the request restarts at
-        zero tokens (``Outcome.RECOMPUTE``).
+        (state NONE); an import begun with ``tail_device_blocks`` is ACTIVE at once (``OK``).
+        On failure the host blocks (and the hot region) are returned, the engine's tail
+        blocks are left to the engine, and the request restarts at zero tokens
+        (``Outcome.RECOMPUTE``).
         """
         req = self._requests.get(request_id)
         if req.status != RequestStatus.IMPORTING:
@@ -468,16 +497,25 @@ class ResidencyPolicy:
         if not success:
             self.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
             t.host_block[row, :num_pages] = -1
+            t.device_block[row, :num_pages] = -1
+            t.pinned[row, :num_pages] = False
+            t.num_pinned[row] = 0
             t.num_pages[row] = 0
             t.num_tokens[row] = 0
+            self._leases.drop_hot_lease(req)
+            self._requests.set_residency(req, Residency.FULL, emit=False)
             self._requests.set_status(req, RequestStatus.ACTIVE)
             return Outcome.RECOMPUTE
+        engine_tail = int(t.num_pinned[row]) > 0
         for page in range(num_pages):
             written = t.rows_written(row, page)
             t.host_mask[row, page] = range_mask(0, written, t.num_mask_words)
             if written == self.block_size:
                 self._leases.mark_clean(req, page)
-            self._steps.emit_page(row, page, -1, int(t.host_block[row, page]))
+            self._steps.emit_page(row, page, int(t.device_block[row, page]), int(t.host_block[row, page]))
+        if engine_tail:
+            self._requests.set_status(req, RequestStatus.ACTIVE)
+            return Outcome.OK
         self._requests.set_status(req, RequestStatus.PARKED)
         self._requests.set_residency(req, Residency.NONE)
         return self.resume(request_id)
