@@ -25,8 +25,9 @@ Per step: ``build_connector_meta`` feeds the step's scheduled tokens to the poli
 (one vectorised ``schedule_rows`` call; a request that crosses into new pages adopts
 vLLM's blocks through a callback), takes the policy's
 :class:`~vllm_hisparse.core.StepCommand`, applies its page losses to vLLM's block tables
-(null blocks), and returns the command as metadata. It does not modify
-``scheduler_output``. ``update_connector_output`` votes the worker acks per (transfer,
+(null blocks), and returns the command as metadata. The one field of
+``scheduler_output`` it sets is ``has_sync_kv_loads`` (the worker applies the command
+before the forward; docs/vllm-integration.md, "Step order"). ``update_connector_output`` votes the worker acks per (transfer,
 worker) and applies them (``scheduler_acks``). The work is proportional to the scheduled
 requests (one dict walk and a few numpy operations) plus what changed this step.
 
@@ -256,7 +257,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
 
     # ==================================================================== the step
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
-        """Feed the step to the policy; return its command (``scheduler_output`` untouched).
+        """Feed the step to the policy; return its command (of ``scheduler_output`` only
+        ``has_sync_kv_loads`` is set, on steps that run a forward).
 
         Per step: the state rows of the scheduled requests (cached while the scheduled set
         is unchanged), one vectorised ``schedule_rows`` call in which each request that
@@ -266,6 +268,11 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         policy = self._require_policy()
         self.check_ack_deadline()
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        if scheduled:
+            # The worker must apply this step's command before the forward reads KV. MRV2
+            # calls start_load_kv before the forward only for steps with synchronous loads
+            # (after it otherwise), so every step that runs a forward asks for that order.
+            scheduler_output.has_sync_kv_loads = True
         # The admission pass of this step is over (offer).
         if self._let_through:
             self._let_through.clear()

@@ -21,7 +21,8 @@ group the command must come with the bundle members (``metadata.bundles``: lead 
 one block id per sparse group, for every bundle new since the previous step). Ids are then
 scaled to flat-row blocks (``DeviceRowLayout``).
 
-Per step: ``start_load_kv`` (before the forward; needs ``has_sync_kv_loads``) applies the
+Per step: ``start_load_kv`` (before the forward: the scheduler role sets
+``has_sync_kv_loads`` on every step that runs one) applies the
 command to every lane (tables, leases, pre-forward transfers, fence), checks that tracked
 requests with prefill tokens have no host-only page (R1, ``docs/worker.md``) and rewrites
 their rows of the sparse groups' batch block tables, and opens the step for the attention
@@ -336,7 +337,8 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
         self._track_residency(cmd)
         request_ids = step_inputs.get("request_ids")
-        batch_rows = self._batch_state_rows(request_ids)
+        # MRV2 passes no keyword argument at all when the step runs no forward: no batch.
+        batch_rows = self._batch_state_rows(request_ids) if step_inputs else None
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
