@@ -65,6 +65,7 @@ from vllm_hisparse.vllm.kv_planning import (
     sparse_group_ids,
 )
 from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
+from vllm_hisparse.vllm.kv_import import PDImports
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
@@ -88,7 +89,7 @@ _POLICY_COUNTERS = {
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
+class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
@@ -195,6 +196,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._stats = HiSparseConnectorStats()
         self._policy_stats_seen = {k: 0 for k in _POLICY_COUNTERS}
         self.num_preemptions = 0  # lifetime count (tests, tools)
+        self._init_pd_imports(vllm_config)  # P/D decode consumer (kv_import)
 
     def _watermarks(self, kv_cache_config, sched, hisparse_config) -> tuple[int, int]:
         """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
@@ -283,6 +285,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         new_rows: dict[str, int] = {}
         if self._loads_to_start:
             self._start_loads(new_rows)
+        imports = self._start_imports(new_rows) if self._pd_claimed else []
         if scheduled:
             n = len(scheduled)
             keys = tuple(scheduled)
@@ -327,6 +330,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command),
             indexer_pages=indexer_pages, load_requests=self._take_load_requests(),
+            imports=imports,
         )
 
     # ------------------------------------------------------------------ R1: prefilling
@@ -468,6 +472,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
 
     def _end_request(self, rid: str) -> None:
         policy = self._require_policy()
+        self._pd_ending(rid)
         if rid in self._finishing:
             policy.finish(rid)
         else:
@@ -481,6 +486,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._forget(rid)
 
     def _forget(self, rid: str) -> None:
+        self._pd_forget(rid)
         hit = self._host_hits.pop(rid, None)
         if hit is not None:  # freed before it was ever scheduled
             self._require_policy().release_host_prefix(hit[0])
