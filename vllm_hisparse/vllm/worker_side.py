@@ -60,6 +60,7 @@ from vllm_hisparse.vllm.kv_planning import (host_copies_per_replica, host_page_b
                                             indexer_group_ids, sparse_group_ids)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
+from vllm_hisparse.vllm.worker_import import WorkerImports
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
@@ -86,7 +87,7 @@ class _Lane:
     bindings: list[IndexGroupResidency] = field(default_factory=list)
 
 
-class HiSparseWorkerRole(WorkerHostPrefix):
+class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
     """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
 
     Args:
@@ -160,6 +161,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._row_request: dict[int, str] = {}
         self._step_id = -1
         self._closed = False
+        self._init_imports(vllm_config)  # P/D host landings (worker_import)
 
     # ================================================================== binding
 
@@ -212,6 +214,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
         self._bind_indexer_pages(kv_caches, self._indexer_segment)
+        self._bind_importer(kv_caches)
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
         patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
         self._counter_reader = AsyncCounterReader(
@@ -344,6 +347,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
+        self._submit_imports(getattr(metadata, "imports", None) or [])
         if self._step_indexer_pages:
             self._load_indexer_pages(cmd, metadata)
         if batch_rows is not None:
@@ -443,6 +447,8 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self.host_pool.close()
         if self.indexer_pages is not None:
             self.indexer_pages.close()
+        if self.importer is not None:
+            self.importer.close()
 
     # ================================================================== helpers
 
