@@ -189,3 +189,13 @@ def test_a_host_landing_the_policy_refuses_is_reported_failed(small_topk_model_d
     finish(harness)
     assert worker.imports[request.request_id].cancel
     assert request.status == RequestStatus.FINISHED_ERROR
+
+
+def test_a_child_reads_the_composing_config(small_topk_model_dir):
+    """MultiConnector hands each child a config with its own entry only; the role reads the
+    top-level settings anyway: the sibling order (host landing) and the engine's
+    kv_load_failure_policy, which turns host-prefix hits off under 'recompute'."""
+    harness, _ = build(small_topk_model_dir, failure_policy="recompute")
+    role = harness.residency
+    assert role.pd.host_landing
+    assert role._load_failure_policy == "recompute" and not role.host_prefix_cache

@@ -22,7 +22,9 @@ class RemotePrefill:
     """Where the prefill instance holds a request's KV (from its ``kv_transfer_params``).
 
     ``block_ids[g]`` are the prefill's blocks of its ``g``-th transfer group, page order;
-    ``tp_size`` its tensor-parallel size (MLA KV is replicated over its ranks).
+    ``tp_size`` its tensor-parallel size (MLA KV is replicated over its ranks);
+    ``generation`` changes when the prefill registers its KV cache again (a reader must
+    then ask for its registration again).
     """
 
     engine_id: str
@@ -31,6 +33,7 @@ class RemotePrefill:
     port: int
     tp_size: int
     block_ids: tuple[tuple[int, ...], ...]
+    generation: int = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "RemotePrefill | None":
@@ -52,7 +55,8 @@ class RemotePrefill:
                    request_id=str(params["remote_request_id"]),
                    host=str(params["remote_host"]), port=int(params["remote_port"]),
                    tp_size=int(params["tp_size"]),
-                   block_ids=tuple(tuple(int(b) for b in group) for group in blocks))
+                   block_ids=tuple(tuple(int(b) for b in group) for group in blocks),
+                   generation=int(params.get("remote_registration_generation", 0) or 0))
 
 
 @dataclass

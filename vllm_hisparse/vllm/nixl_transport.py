@@ -19,7 +19,6 @@ in a bounded device buffer and copies them into host rows with its own page copy
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -250,6 +249,13 @@ class NixlTransport:
             self._agent.release_dlist_handle(dlist)
         return True
 
+    def forget(self, agent: RemoteAgent) -> None:
+        """Drop a prefill agent (after a failure: the next import asks again)."""
+        try:
+            self._agent.remove_remote_agent(agent.agent_name)
+        except Exception as exc:
+            logger.debug("NIXL remove_remote_agent(%s): %s", agent.agent_name, exc)
+
     def notify(self, agent: RemoteAgent, message: bytes) -> None:
         """Send ``message`` to a prefill worker (errors are logged: the prefill's lease
         frees the blocks eventually)."""
@@ -266,13 +272,3 @@ class NixlTransport:
                 logger.debug("NIXL deregister: %s", exc)
         self._registered = []
         self._ranges = set()
-
-
-def wait_states(transport: NixlTransport, handles: Sequence[Any], timeout_s: float) -> list[str]:
-    """Poll ``handles`` until none is ``PROC`` or ``timeout_s`` passes (tests, shutdown)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        states = [transport.state(h) for h in handles]
-        if "PROC" not in states or time.monotonic() > deadline:
-            return states
-        time.sleep(0.001)

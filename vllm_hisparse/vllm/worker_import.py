@@ -158,6 +158,8 @@ class KVImporter:
         transport.register([*kv_tensors, *([self.staging] if self.staging is not None else [])])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hisparse-pd-handshake")
         self._imports: dict[str, _Import] = {}
+        # Prefill agents already loaded: (engine, host, port, rank, generation) -> agent.
+        self._agents: dict[tuple, RemoteAgent] = {}
         self._spills: dict[int, tuple[_Import, _Chunk]] = {}
         self._next_spill_id = 0
         self._finished: set[str] = set()
@@ -174,6 +176,10 @@ class KVImporter:
                                  "ordered twice")
             imp = _Import(order, now)
             for prefill_rank in self._prefill_ranks(order):
+                known = self._agents.get(self._agent_key(order, prefill_rank))
+                if known is not None:
+                    imp.agents[prefill_rank] = known
+                    continue
                 imp.handshakes[prefill_rank] = self._pool.submit(
                     query_prefill, order.remote.host, order.remote.port, prefill_rank,
                     timeout_s=self.handshake_timeout_s)
@@ -211,6 +217,11 @@ class KVImporter:
             ranks += list(range(self.world_size, p))
         return ranks
 
+    @staticmethod
+    def _agent_key(order: ImportOrder, prefill_rank: int) -> tuple:
+        r = order.remote
+        return (r.engine_id, r.host, r.port, prefill_rank, r.generation)
+
     def _fail(self, imp: _Import, why: str) -> None:
         if imp.error is None:
             imp.error = why
@@ -223,7 +234,7 @@ class KVImporter:
             self._fail(imp, f"not finished after {self.deadline_s:g} s")
         if imp.error is None and not imp.started:
             self._take_handshakes(imp)
-            if imp.error is None and len(imp.agents) == len(imp.handshakes):
+            if imp.error is None and len(imp.agents) == len(self._prefill_ranks(order)):
                 if order.cancel:  # only to tell the prefill it may free the blocks
                     imp.error = "cancelled by the scheduler"
                 else:
@@ -248,9 +259,10 @@ class KVImporter:
             if prefill_rank in imp.agents or not future.done():
                 continue
             try:
-                imp.agents[prefill_rank] = self.transport.add_prefill(
+                agent = self.transport.add_prefill(
                     future.result(), expected_engine_id=imp.order.remote.engine_id,
                     tp_rank=prefill_rank)
+                imp.agents[prefill_rank] = self._agents[self._agent_key(imp.order, prefill_rank)] = agent
             except Exception as exc:  # unreachable prefill, foreign registration, ...
                 self._fail(imp, f"handshake with prefill rank {prefill_rank}: {exc}")
                 return
@@ -392,6 +404,10 @@ class KVImporter:
         self._finished.add(order.request_id)
         if imp.error is not None:
             self._failed.add(order.request_id)
+        if imp.error is not None and not order.cancel:
+            for prefill_rank, agent in imp.agents.items():  # ask again next time
+                if self._agents.pop(self._agent_key(order, prefill_rank), None) is not None:
+                    self.transport.forget(agent)
 
 
 class WorkerImports:
