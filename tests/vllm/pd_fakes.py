@@ -5,10 +5,11 @@ Faked: the remote prefill engine and the GPUs. Real: vLLM's ``Scheduler``,
 ``MultiConnector``, NixlConnector's scheduler side and our scheduler role.
 
 ``PDFakeWorker`` extends the ack fake (``fake_worker.FakeWorker``): it reads each step's
-``MultiConnector`` metadata, and ``load_delay_steps`` steps later reports every load it saw
-in ``finished_recving``: NixlConnector's (``reqs_to_recv`` with local blocks: a resident
-landing) and ours (``HiSparseConnectorMetadata.imports``: a host landing); requests in
-``fail_loads`` also in ``failed_recving``, as vLLM's ``KVOutputAggregator`` hands them over.
+metadata, and ``load_delay_steps`` steps later reports every import it saw in
+``finished_recving`` (``HiSparseConnectorMetadata.imports``; a ``RELEASE`` is not reported,
+a ``CANCEL`` is reported failed); requests in ``fail_loads`` also in ``failed_recving``, as
+vLLM's ``KVOutputAggregator`` hands them over. Composed with NixlConnector, it records the
+loads NixlConnector's metadata asks for (none are expected).
 """
 
 from __future__ import annotations
@@ -22,17 +23,23 @@ from vllm.v1.request import Request
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.vllm_configs import CONNECTOR
+from vllm_hisparse.vllm.import_order import ImportAction
 
 PREFILL_ENGINE = "prefill-engine-0"
 
 
-def pd_kv_transfer(*, hisparse_first: bool = True, failure_policy: str = "fail",
+def pd_kv_transfer(*, compose: str = "alone", failure_policy: str = "fail",
                    host_pool_gib: float = 1) -> KVTransferConfig:
-    """The decode instance's ``--kv-transfer-config``."""
-    ours = {"kv_connector": CONNECTOR, "kv_role": "kv_consumer",
-            "kv_connector_extra_config": {"host_pool_gib": host_pool_gib}}
+    """The decode instance's ``--kv-transfer-config``: our connector ``alone``
+    (``kv_consumer``), or in a MultiConnector before (``"first"``) or after (``"after"``)
+    NixlConnector."""
+    extra = {"host_pool_gib": host_pool_gib}
+    if compose == "alone":
+        return KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_consumer",
+                                kv_load_failure_policy=failure_policy, kv_connector_extra_config=extra)
+    ours = {"kv_connector": CONNECTOR, "kv_role": "kv_consumer", "kv_connector_extra_config": extra}
     nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-    children = [ours, nixl] if hisparse_first else [nixl, ours]
+    children = [ours, nixl] if compose == "first" else [nixl, ours]
     return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer",
                             kv_load_failure_policy=failure_policy,
                             kv_connector_extra_config={"connectors": children})
@@ -67,25 +74,29 @@ def add_pd_request(harness, prompt_len: int, max_tokens: int, **params):
 
 @dataclass
 class PDFakeWorker(FakeWorker):
-    nixl_index: int = 1
+    nixl_index: int | None = None
     load_delay_steps: int = 2
     fail_loads: set[str] = field(default_factory=set)
     nixl_loads: dict[str, tuple] = field(default_factory=dict)  # id -> local block ids
     imports: dict[str, object] = field(default_factory=dict)  # id -> ImportOrder
+    releases: list[str] = field(default_factory=list)
+    heartbeats: list = field(default_factory=list)
     _loads_due: list[tuple[int, str]] = field(default_factory=list)
 
     def on_forward(self, scheduler_output) -> KVConnectorOutput | None:
         meta = scheduler_output.kv_connector_metadata
-        if meta is not None:
-            nixl = meta.metadata[self.nixl_index]
-            for rid, req in nixl.reqs_to_recv.items():
-                if any(req.local_block_ids):
-                    self.nixl_loads[rid] = req.local_block_ids
-                    self._loads_due.append((self.step + self.load_delay_steps, rid))
-            ours = self._our_metadata(scheduler_output)
-            for order in ours.imports if ours is not None else ():
+        if meta is not None and self.nixl_index is not None:
+            for rid, req in meta.metadata[self.nixl_index].reqs_to_recv.items():
+                self.nixl_loads[rid] = req.local_block_ids
+        ours = self._our_metadata(scheduler_output)
+        if ours is not None:
+            self.heartbeats.extend(ours.heartbeats)
+            for order in ours.imports:
+                if order.action is ImportAction.RELEASE:
+                    self.releases.append(order.request_id)
+                    continue
                 self.imports[order.request_id] = order
-                if order.cancel:  # the real worker reports a cancelled order failed
+                if order.action is ImportAction.CANCEL:  # reported failed by the real worker
                     self.fail_loads.add(order.request_id)
                 self._loads_due.append((self.step + self.load_delay_steps, order.request_id))
         out = super().on_forward(scheduler_output)

@@ -12,6 +12,7 @@ import pytest
 from vllm.config import KVTransferConfig
 
 from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import HiSparseConfigError
 from vllm_hisparse.vllm.import_order import RemotePrefill
 from vllm_hisparse.vllm.kv_import import pd_composition
 from vllm_hisparse.vllm.nixl_transport import (
@@ -80,16 +81,21 @@ def test_readers_of_each_prefill_rank(decode, prefill, want):
 
 
 def test_composition_rules():
-    assert pd_composition(pd_kv_transfer(hisparse_first=True)).host_landing
-    first = pd_composition(pd_kv_transfer(hisparse_first=False))
-    assert first.has_nixl and not first.host_landing and "first" in first.reason
-    push = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer",
-                            kv_connector_extra_config={"connectors": [
-                                {"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_consumer"},
-                                {"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer"}]})
-    assert not pd_composition(push).has_nixl
-    alone = KVTransferConfig(kv_connector="HiSparseResidencyConnector", kv_role="kv_both")
-    assert not pd_composition(alone).has_nixl and not pd_composition(None).has_nixl
+    assert pd_composition(pd_kv_transfer(compose="alone")).enabled
+    assert pd_composition(pd_kv_transfer(compose="first")).enabled
+    with pytest.raises(HiSparseConfigError, match="before HiSparseResidencyConnector"):
+        pd_composition(pd_kv_transfer(compose="after"))
+    second = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_consumer",
+                              kv_connector_extra_config={"connectors": [
+                                  {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+                                  {"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_consumer"}]})
+    assert not pd_composition(second).enabled and "first" in pd_composition(second).reason
+    producer = KVTransferConfig(kv_connector="HiSparseResidencyConnector", kv_role="kv_producer")
+    assert not pd_composition(producer).enabled
+    assert not pd_composition(None).enabled
+    extra = pd_kv_transfer(compose="first")
+    extra.kv_connector_extra_config["connectors"][1]["kv_connector_extra_config"] = {"backends": ["UCX"]}
+    assert pd_composition(extra).nixl_extra_config == {"backends": ["UCX"]}
 
 
 def test_our_side_channel_client_against_vllms_listener():

@@ -25,7 +25,7 @@ from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
 from vllm_hisparse.core import Outcome, Residency
 from vllm_hisparse.vllm import worker_import
-from vllm_hisparse.vllm.import_order import ImportOrder, RemotePrefill
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder, RemotePrefill
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
 from vllm_hisparse.vllm.nixl_transport import nixl_missing
 from vllm_hisparse.worker.synthetic import kv_rows
@@ -67,13 +67,15 @@ class PDRig(Rig):
         host = self.policy.begin_import(rid, num_tokens, tail_device_blocks=tail)
         first_free = self.M * self.num_groups + 1  # blocks no page bundle uses
         return ImportOrder(
-            request_id=rid,
-            remote=RemotePrefill(prefill.engine_id, f"p-{rid}", "127.0.0.1", prefill.port, 1,
-                                 (tuple(block_ids or P_BLOCKS),)),
-            num_tokens=num_tokens, host_blocks=host,
-            tail_blocks=[self.bundles[self.lead(b)] for b in tail],
+            request_id=rid, remote=self.remote(prefill, rid, block_ids), num_tokens=num_tokens,
+            num_pages=pages, host_blocks=host,
+            device_blocks=[self.bundles[self.lead(b)] for b in tail],
             indexer_blocks=[[first_free + 3 * p for p in range(pages)]
                             for _ in self.role.indexer_group_ids])
+
+    def remote(self, prefill: FakePrefill, rid: str, block_ids=None) -> RemotePrefill:
+        return RemotePrefill(prefill.engine_id, f"p-{rid}", "127.0.0.1", prefill.port, 1,
+                             (tuple(block_ids or P_BLOCKS),))
 
     def run_import(self, order: ImportOrder, timeout_s: float = 60.0):
         """Hand the order to the worker with a step; poll its transfer results."""
@@ -109,19 +111,19 @@ def prefill(rig):
 def _check_bytes(rig: PDRig, order: ImportOrder) -> int:
     """Every imported byte: host rows of every sparse layer, tail and indexer pages."""
     serial = rig.serial[order.request_id]
-    pages = len(order.host_blocks)
+    pages = order.num_pages
     positions = torch.arange(pages * BS)
-    host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
     written = positions < order.num_tokens
-    first_tail = pages - len(order.tail_blocks)
+    first_tail = pages - len(order.device_blocks)
     checked = 0
     for i, (lane, name, view) in enumerate((lane, n, v) for lane in rig.role.lanes
                                            for n, v in zip(lane.layer_names, lane.device_layers)):
         want = kv_rows(serial, positions, int(name.split(".")[2]), MLA_ROW_BYTES)
-        host = rig.role.host_pool.layers[i]
-        assert torch.equal(host[host_rows][written], want[written]), name
+        if order.host_blocks:
+            host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
+            assert torch.equal(rig.role.host_pool.layers[i][host_rows][written], want[written]), name
         tail_rows = torch.cat([torch.arange(b[lane.sparse_index] * lane.layout.block_stride_rows, b[lane.sparse_index] * lane.layout.block_stride_rows + BS)
-                               for b in order.tail_blocks])
+                               for b in order.device_blocks])
         assert torch.equal(view[tail_rows], want[first_tail * BS:]), (name, "tail")
         checked += int(written.sum())
     for g, group in enumerate(rig.role.indexer_group_ids):
@@ -150,10 +152,40 @@ def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, pref
     assert sorted(rig.role.importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
 
 
+def test_resident_landing_reads_every_page_into_vllms_blocks(rig, prefill):
+    """Every page of every layer straight into the device blocks (no staging, no host)."""
+    rig.add("res")
+    pages = 10
+    leads = rig.policy.device_pool.get_new_blocks(pages)  # stand-ins for vLLM's blocks
+    first_free = rig.M * rig.num_groups + 1
+    order = ImportOrder("res", rig.remote(prefill, "res"), num_tokens=NUM_TOKENS, num_pages=pages,
+                        device_blocks=[rig.bundles[rig.lead(b)] for b in leads],
+                        indexer_blocks=[[first_free + 3 * p + 1 for p in range(pages)]
+                                        for _ in rig.role.indexer_group_ids])
+    staged = rig.role.importer.num_pages_staged
+    rig.serial["res"] = 1  # the prefill holds request 1's KV
+    assert rig.run_import(order)
+    _check_bytes(rig, order)
+    assert rig.role.importer.num_pages_staged == staged
+    assert prefill.notifications(expect=1) == ["p-res:1"]
+    rig.policy.device_pool.free_blocks(leads)
+    rig.policy.abort("res")
+
+
+def test_leases_are_renewed_on_every_prefill_rank(rig, prefill):
+    remote = rig.remote(prefill, "hb")
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    meta = HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles,
+                                     heartbeats=[Heartbeat(remote, ("p-a", "p-b"))])
+    rig.role.start_load_kv(meta)  # the prefill's registration is loaded already (cached)
+    rig.role.wait_for_save()
+    assert prefill.notifications(expect=1) == ["HB:p-a,p-b"]
+
+
 def _fail_and_check_whole(rig: PDRig, order: ImportOrder) -> None:
     assert rig.run_import(order) is False
     assert rig.policy.finish_import(order.request_id, success=False) == Outcome.RECOMPUTE
-    rig.policy.device_pool.free_blocks([b - 1 for b in (blocks[0] for blocks in order.tail_blocks)])
+    rig.policy.device_pool.free_blocks([b - 1 for b in (blocks[0] for blocks in order.device_blocks)])
     rig.policy.abort(order.request_id)
     rig.drain()
     importer = rig.role.importer

@@ -1,18 +1,19 @@
-"""The wire types of a P/D import into the host tier (scheduler role → worker role).
+"""The wire types of P/D imports (scheduler role → worker role).
 
-A decode instance receives a prefill's KV with vLLM's NixlConnector protocol. When the
-request lands in the host tier (``kv_import``), the worker role reads it itself: the
-sparse-MLA rows into the host pool (staged through a bounded device buffer), the indexer
-pages and the tail pages into the device blocks vLLM allocated (``worker_import``).
+A decode instance receives a prefill's KV with vLLM's NixlConnector protocol, read by this
+connector's workers (``worker_import``). The scheduler role (``kv_import``) decides where
+each request lands and sends the workers one :class:`ImportOrder` per request, and the
+prefill leases to renew (:class:`Heartbeat`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-#: Fields of a prefill's ``kv_transfer_params`` (vLLM's NixlConnector, pull mode) that a
-#: host landing needs.
+#: Fields of a prefill's ``kv_transfer_params`` (vLLM's NixlConnector, pull mode) that an
+#: import needs.
 REQUIRED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                    "remote_port", "tp_size")
 
@@ -39,7 +40,7 @@ class RemotePrefill:
     def from_params(cls, params: Mapping[str, Any] | None) -> "RemotePrefill | None":
         """The remote prefill of a P/D decode request; None when ``params`` describes none
         (not ``do_remote_prefill``, a field missing, pipeline or decode-context parallel
-        prefill, which a host landing does not read)."""
+        prefill, which this reader does not handle)."""
         if not params or not params.get("do_remote_prefill"):
             return None
         if any(params.get(k) is None for k in REQUIRED_PARAMS):
@@ -58,33 +59,57 @@ class RemotePrefill:
                    block_ids=tuple(tuple(int(b) for b in group) for group in blocks),
                    generation=int(params.get("remote_registration_generation", 0) or 0))
 
+    @property
+    def engine_key(self) -> tuple:
+        """One prefill engine's side channel and registration."""
+        return (self.engine_id, self.host, self.port, self.tp_size, self.generation)
+
+
+class ImportAction(enum.Enum):
+    READ = "read"  # read the pages, tell the prefill, report the request
+    CANCEL = "cancel"  # admitted but dropped: tell the prefill, report the request failed
+    RELEASE = "release"  # never admitted (aborted while waiting): tell the prefill only
+
 
 @dataclass
 class ImportOrder:
-    """One request's host landing, for every worker.
+    """One request's import, for every worker.
 
     Attributes:
         request_id: the decode instance's request id (reported in ``finished_recving``).
         remote: the prefill's KV.
-        num_tokens: positions read (the request's computed tokens once loaded); page ``p``
-            covers positions ``[p * block_size, (p + 1) * block_size)``.
-        host_blocks: host block of each page ``0 .. cdiv(num_tokens, block_size) - 1``.
-        tail_blocks: for the last ``len(tail_blocks)`` pages, their block in every
-            sparse-MLA KV cache group (sparse group order): read there too.
+        num_tokens: positions imported (the request's computed tokens once loaded); page
+            ``p`` covers positions ``[p * block_size, (p + 1) * block_size)``.
+        num_pages: pages imported, ``cdiv(num_tokens, block_size)``.
+        host_blocks: a host landing's host block of every page (read into the host pool);
+            empty for a resident landing.
+        device_blocks: the last ``len(device_blocks)`` pages' block in every sparse-MLA
+            KV cache group (sparse group order), read to the device: every page of a
+            resident landing, the tail of a host landing.
         indexer_blocks: ``indexer_blocks[g][p]`` is page ``p``'s block in the ``g``-th
             indexer KV cache group (every page is read to the device).
-        cancel: the scheduler dropped the import before it started: read nothing, tell
-            the prefill it may free its blocks, report the request failed.
+        action: see :class:`ImportAction`.
     """
 
     request_id: str
     remote: RemotePrefill
     num_tokens: int
-    host_blocks: list[int]
-    tail_blocks: list[list[int]]
-    indexer_blocks: list[list[int]]
-    cancel: bool = False
+    num_pages: int
+    host_blocks: list[int] = field(default_factory=list)
+    device_blocks: list[list[int]] = field(default_factory=list)
+    indexer_blocks: list[list[int]] = field(default_factory=list)
+    action: ImportAction = ImportAction.READ
 
     @property
-    def num_pages(self) -> int:
-        return len(self.host_blocks)
+    def reported(self) -> bool:
+        """vLLM waits for this request in ``finished_recving``."""
+        return self.action is not ImportAction.RELEASE
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Prefill requests whose blocks the prefill must keep: vLLM's NixlConnector lease
+    renewal (``"HB:<ids>"``), sent while they wait here or are being read."""
+
+    remote: RemotePrefill  # any request of the engine: its side channel and size
+    request_ids: tuple[str, ...]

@@ -255,6 +255,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Finish or abort (not preemption): the free that follows ends it as finished."""
         self._finishing.add(request.request_id)
+        self._pd_finished(request)  # a P/D request aborted while waiting (kv_import)
         return False, None
 
     # ==================================================================== the step
@@ -285,7 +286,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         new_rows: dict[str, int] = {}
         if self._loads_to_start:
             self._start_loads(new_rows)
-        imports = self._start_imports(new_rows) if self._pd_claimed else []
+        imports = self._start_imports(new_rows) if self._pd_pending() else []
         if scheduled:
             n = len(scheduled)
             keys = tuple(scheduled)
@@ -330,7 +331,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command),
             indexer_pages=indexer_pages, load_requests=self._take_load_requests(),
-            imports=imports,
+            imports=imports, heartbeats=self._pd_heartbeats(),
         )
 
     # ------------------------------------------------------------------ R1: prefilling

@@ -1,21 +1,26 @@
-"""P/D decode consumer, worker side: the reads of a host landing (``kv_import``).
+"""P/D decode consumer, worker side: the reads of an import (``kv_import``).
 
 For each :class:`~vllm_hisparse.vllm.import_order.ImportOrder`, every worker of the
 decode replica:
 
-1. asks the prefill worker it reads from for its NIXL registration (vLLM's side channel,
-   on a background thread; ``nixl_transport``);
-2. reads the indexer pages into the indexer blocks vLLM allocated and the tail pages into
-   the sparse-MLA tail blocks (one page-granular NIXL READ into its own device memory);
-3. the rank that writes the host pool also reads every page's sparse-MLA rows through a
-   bounded **staging buffer** on the KV device: a chunk of pages is READ into it, then
-   copied into the host rows by a :class:`~vllm_hisparse.worker.TransferEngine` spill (the
-   policy's page copy), and its slots are reused once that copy completed (two chunks in
-   flight);
+1. loads the registration of the prefill worker it reads from (vLLM's side channel, on a
+   background thread; ``nixl_transport``), once per prefill engine and registration;
+2. reads into its own device memory, with one page-granular NIXL READ: the indexer pages
+   into the indexer blocks vLLM allocated, and the sparse-MLA pages the order names into
+   their sparse blocks (every page of a resident landing, the tail of a host landing);
+3. for a host landing, the rank that writes the host pool also reads every page's
+   sparse-MLA rows through a bounded **staging buffer** on the KV device: a chunk of pages
+   is READ into it, then copied into the host rows by a
+   :class:`~vllm_hisparse.worker.TransferEngine` spill (the policy's page copy), and its
+   slots are reused once that copy completed (two chunks in flight);
 4. tells the prefill it may free the blocks (``"<remote request id>:<readers>"``, vLLM's
    notification) and reports the request: ``finished_recving``, and ``failed_recving``
    too after any error or :data:`IMPORT_DEADLINE_S`. A report waits until no read or copy
    of the request is in flight, since vLLM may reuse its blocks right after.
+
+``CANCEL`` orders (admitted, then dropped) only notify and report failed; ``RELEASE``
+orders (aborted before admission) only notify. Rank 0 also renews the prefill's leases
+(``"HB:<ids>"``) of the requests in the metadata's heartbeats.
 
 Tensor parallelism: MLA KV is replicated over the prefill's ranks; decode rank ``r`` reads
 from prefill rank ``r % p``. A prefill rank frees a request once as many readers as the
@@ -36,7 +41,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import ImportOrder
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
 from vllm_hisparse.vllm.nixl_transport import (
     HANDSHAKE_TIMEOUT_S,
     ImportTransferError,
@@ -99,12 +104,12 @@ class _Chunk:
 class _Import:
     order: ImportOrder
     started_s: float
-    handshakes: dict[int, Future] = field(default_factory=dict)  # prefill rank -> query
-    agents: dict[int, RemoteAgent] = field(default_factory=dict)
+    agents: dict[int, RemoteAgent] = field(default_factory=dict)  # prefill rank -> agent
     device_read: Any = None
     next_page: int = 0  # next page to stage (host writer)
     chunks: list[_Chunk] = field(default_factory=list)
     error: str | None = None
+    transfer_error: bool = False  # the prefill's agent may be stale: ask again next time
     started: bool = False
 
     @property
@@ -158,8 +163,9 @@ class KVImporter:
         transport.register([*kv_tensors, *([self.staging] if self.staging is not None else [])])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hisparse-pd-handshake")
         self._imports: dict[str, _Import] = {}
-        # Prefill agents already loaded: (engine, host, port, rank, generation) -> agent.
+        # Prefill agents loaded, and side-channel queries in flight: by engine key + rank.
         self._agents: dict[tuple, RemoteAgent] = {}
+        self._handshakes: dict[tuple, Future] = {}
         self._spills: dict[int, tuple[_Import, _Chunk]] = {}
         self._next_spill_id = 0
         self._finished: set[str] = set()
@@ -167,25 +173,20 @@ class KVImporter:
         self.num_pages_staged = 0
 
     # ------------------------------------------------------------------ the step
-    def submit(self, orders: list[ImportOrder]) -> None:
-        """Start this step's orders (handshakes go to the background thread)."""
+    def submit(self, orders: list[ImportOrder], heartbeats: list[Heartbeat] = ()) -> None:
+        """Start this step's orders (side-channel queries go to the background thread);
+        renew the leases of ``heartbeats`` (rank 0)."""
         now = self._clock()
         for order in orders:
             if order.request_id in self._imports:
                 raise ValueError(f"{CONNECTOR_NAME}: import of request {order.request_id!r} "
                                  "ordered twice")
-            imp = _Import(order, now)
-            for prefill_rank in self._prefill_ranks(order):
-                known = self._agents.get(self._agent_key(order, prefill_rank))
-                if known is not None:
-                    imp.agents[prefill_rank] = known
-                    continue
-                imp.handshakes[prefill_rank] = self._pool.submit(
-                    query_prefill, order.remote.host, order.remote.port, prefill_rank,
-                    timeout_s=self.handshake_timeout_s)
-            self._imports[order.request_id] = imp
+            self._imports[order.request_id] = _Import(order, now)
         if orders:
             self._advance_all()
+        if self.rank == 0:
+            for heartbeat in heartbeats:
+                self._heartbeat(heartbeat)
 
     def poll(self) -> tuple[set[str], set[str]]:
         """Advance every import; return the requests decided since the last call:
@@ -217,15 +218,46 @@ class KVImporter:
             ranks += list(range(self.world_size, p))
         return ranks
 
-    @staticmethod
-    def _agent_key(order: ImportOrder, prefill_rank: int) -> tuple:
-        r = order.remote
-        return (r.engine_id, r.host, r.port, prefill_rank, r.generation)
+    def _agent_for(self, remote: RemotePrefill, prefill_rank: int) -> RemoteAgent | None:
+        """The prefill rank's agent: loaded, else its side channel is queried (None until
+        it answers). Raises when the query or the registration failed (the next call asks
+        again)."""
+        key = (*remote.engine_key, prefill_rank)
+        agent = self._agents.get(key)
+        if agent is not None:
+            return agent
+        future = self._handshakes.get(key)
+        if future is None:
+            self._handshakes[key] = self._pool.submit(query_prefill, remote.host, remote.port,
+                                                      prefill_rank, timeout_s=self.handshake_timeout_s)
+            return None
+        if not future.done():
+            return None
+        del self._handshakes[key]
+        agent = self.transport.add_prefill(future.result(), expected_engine_id=remote.engine_id,
+                                           tp_rank=prefill_rank)
+        self._agents[key] = agent
+        return agent
 
-    def _fail(self, imp: _Import, why: str) -> None:
+    def _heartbeat(self, heartbeat: Heartbeat) -> None:
+        """``"HB:<ids>"`` to every rank of the prefill engine (skipped while its
+        registration is being loaded; a failure is only logged: the lease is the backstop)."""
+        message = ("HB:" + ",".join(heartbeat.request_ids)).encode()
+        for prefill_rank in range(max(1, heartbeat.remote.tp_size)):
+            try:
+                agent = self._agent_for(heartbeat.remote, prefill_rank)
+            except Exception as exc:
+                logger.debug("%s: lease renewal for %s skipped: %s", CONNECTOR_NAME,
+                             heartbeat.remote.engine_id, exc)
+                continue
+            if agent is not None:
+                self.transport.notify(agent, message)
+
+    def _fail(self, imp: _Import, why: str, *, transfer: bool = True) -> None:
         if imp.error is None:
             imp.error = why
-            logger.warning("%s: host landing of request %r failed on worker %d: %s", CONNECTOR_NAME,
+            imp.transfer_error = transfer
+            logger.warning("%s: P/D import of request %r failed on worker %d: %s", CONNECTOR_NAME,
                            imp.order.request_id, self.rank, why)
 
     def _advance(self, imp: _Import) -> None:
@@ -233,10 +265,18 @@ class KVImporter:
         if imp.error is None and self._clock() - imp.started_s > self.deadline_s:
             self._fail(imp, f"not finished after {self.deadline_s:g} s")
         if imp.error is None and not imp.started:
-            self._take_handshakes(imp)
-            if imp.error is None and len(imp.agents) == len(self._prefill_ranks(order)):
-                if order.cancel:  # only to tell the prefill it may free the blocks
-                    imp.error = "cancelled by the scheduler"
+            ranks = self._prefill_ranks(order)
+            try:
+                for prefill_rank in ranks:
+                    if prefill_rank not in imp.agents:
+                        agent = self._agent_for(order.remote, prefill_rank)
+                        if agent is not None:
+                            imp.agents[prefill_rank] = agent
+            except Exception as exc:  # unreachable prefill, foreign registration, ...
+                self._fail(imp, f"handshake with the prefill: {exc}", transfer=False)
+            if imp.error is None and len(imp.agents) == len(ranks):
+                if order.action is not ImportAction.READ:  # only tell the prefill
+                    imp.error = order.action.value
                 else:
                     self._start(imp)
         if imp.error is None and imp.device_read is not None:
@@ -254,21 +294,8 @@ class KVImporter:
             return
         self._finish(imp)
 
-    def _take_handshakes(self, imp: _Import) -> None:
-        for prefill_rank, future in imp.handshakes.items():
-            if prefill_rank in imp.agents or not future.done():
-                continue
-            try:
-                agent = self.transport.add_prefill(
-                    future.result(), expected_engine_id=imp.order.remote.engine_id,
-                    tp_rank=prefill_rank)
-                imp.agents[prefill_rank] = self._agents[self._agent_key(imp.order, prefill_rank)] = agent
-            except Exception as exc:  # unreachable prefill, foreign registration, ...
-                self._fail(imp, f"handshake with prefill rank {prefill_rank}: {exc}")
-                return
-
     def _start(self, imp: _Import) -> None:
-        """Check the prefill's geometry; post the device read (indexer and tail pages)."""
+        """Check the prefill's geometry; post the device read (indexer and sparse pages)."""
         imp.started = True
         order = imp.order
         agent = imp.agents[self.rank % max(1, order.remote.tp_size)]
@@ -277,11 +304,11 @@ class KVImporter:
                 raise ImportTransferError(f"the prefill's block size is {agent.block_size}, "
                                           f"ours {self.targets.block_size}")
             local, remote = [], []
-            first_tail = order.num_pages - len(order.tail_blocks)
+            first_device = order.num_pages - len(order.device_blocks)
             for name, group, rows, stride in self.targets.sparse:
-                for i, blocks in enumerate(order.tail_blocks):
+                for i, blocks in enumerate(order.device_blocks):
                     local.append(rows.data_ptr() + blocks[group] * stride * rows.stride(0))
-                    remote.append(self._remote_page(agent, order, name, first_tail + i, self._page_bytes))
+                    remote.append(self._remote_page(agent, order, name, first_device + i, self._page_bytes))
             for g, layers in enumerate(self.targets.indexer):
                 for name, view in layers:
                     page_bytes = view.shape[1]
@@ -319,7 +346,7 @@ class KVImporter:
 
     def _stage(self, imp: _Import) -> None:
         """Host writer: post chunk reads into free staging slots; spill finished chunks."""
-        if not self.writes_host:
+        if not self.writes_host or not imp.order.host_blocks:
             return
         order = imp.order
         agent = imp.agents[self.rank % max(1, order.remote.tp_size)]
@@ -341,8 +368,9 @@ class KVImporter:
             self._spills[chunk.spill_id] = (imp, chunk)
             self._engine.spill(chunk.spill_id, chunk.slots, [order.host_blocks[p] for p in chunk.pages])
         imp.chunks = [c for c in imp.chunks if c.handle is not None or c.spill_id >= 0]
-        while imp.next_page < order.num_pages and self._free_slots:
-            n = min(self._chunk_pages, order.num_pages - imp.next_page, len(self._free_slots))
+        num_host = len(order.host_blocks)
+        while imp.next_page < num_host and self._free_slots:
+            n = min(self._chunk_pages, num_host - imp.next_page, len(self._free_slots))
             pages = list(range(imp.next_page, imp.next_page + n))
             slots, self._free_slots = self._free_slots[:n], self._free_slots[n:]
             chunk = _Chunk(pages, slots)
@@ -379,7 +407,7 @@ class KVImporter:
 
     def _drain(self, imp: _Import) -> None:
         """After an error: stop posting; wait for (or abort) the reads in flight."""
-        imp.next_page = imp.order.num_pages
+        imp.next_page = len(imp.order.host_blocks)
         if imp.device_read is not None and self.transport.state(imp.device_read) != "PROC":
             self.transport.release(imp.device_read)
             imp.device_read = None
@@ -392,7 +420,7 @@ class KVImporter:
         imp.chunks = [c for c in imp.chunks if c.handle is not None or c.spill_id >= 0]
 
     def _done(self, imp: _Import) -> bool:
-        return imp.started and (not self.writes_host or imp.next_page >= imp.order.num_pages)
+        return imp.started and (not self.writes_host or imp.next_page >= len(imp.order.host_blocks))
 
     def _finish(self, imp: _Import) -> None:
         order = imp.order
@@ -401,12 +429,13 @@ class KVImporter:
             message = f"{order.remote.request_id}:{max(readers, 1)}".encode()
             self.transport.notify(agent, message)
         del self._imports[order.request_id]
-        self._finished.add(order.request_id)
-        if imp.error is not None:
-            self._failed.add(order.request_id)
-        if imp.error is not None and not order.cancel:
+        if order.reported:
+            self._finished.add(order.request_id)
+            if imp.error is not None:
+                self._failed.add(order.request_id)
+        if imp.transfer_error:
             for prefill_rank, agent in imp.agents.items():  # ask again next time
-                if self._agents.pop(self._agent_key(order, prefill_rank), None) is not None:
+                if self._agents.pop((*order.remote.engine_key, prefill_rank), None) is not None:
                     self.transport.forget(agent)
 
 
@@ -426,7 +455,7 @@ class WorkerImports:
 
     def _bind_importer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build this worker's importer when the composition lands imports in the host tier."""
-        if not self.pd.host_landing:
+        if not self.pd.enabled:
             return
         import uuid
 
@@ -460,18 +489,20 @@ class WorkerImports:
             targets, transport, list(kv_caches.values()), rank=self.worker_rank,
             world_size=self.vllm_config.parallel_config.world_size, writes_host=self.writes_host,
             ops_backend=self.config.ops_backend, staging_pages=IMPORT_STAGING_PAGES)
-        logger.info("%s worker: P/D host landing ready (NIXL agent %s, %d staging pages of %d "
+        logger.info("%s worker: P/D imports ready (NIXL agent %s, %d staging pages of %d "
                     "layers)", CONNECTOR_NAME, transport.name, IMPORT_STAGING_PAGES,
                     len(targets.sparse))
 
-    def _submit_imports(self, orders: list[ImportOrder]) -> None:
-        if not orders:
+    def _submit_imports(self, metadata: Any) -> None:
+        orders = getattr(metadata, "imports", None) or []
+        heartbeats = getattr(metadata, "heartbeats", None) or []
+        if not orders and not heartbeats:
             return
         if self.importer is None:
             raise RuntimeError(
-                f"{CONNECTOR_NAME}: the scheduler ordered a P/D host landing but this worker "
-                f"has no importer ({self.pd.reason or 'not bound'})")
-        self.importer.submit(orders)
+                f"{CONNECTOR_NAME}: the scheduler ordered a P/D import but this worker has no "
+                f"importer ({self.pd.reason or 'not bound'})")
+        self.importer.submit(orders, heartbeats)
 
     def _poll_imports(self) -> tuple[set[str], set[str]]:
         if self.importer is None:

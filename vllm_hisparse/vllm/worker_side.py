@@ -347,7 +347,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
-        self._submit_imports(getattr(metadata, "imports", None) or [])
+        self._submit_imports(metadata)  # P/D imports and prefill lease renewals
         if self._step_indexer_pages:
             self._load_indexer_pages(cmd, metadata)
         if batch_rows is not None:
