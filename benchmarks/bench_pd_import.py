@@ -58,7 +58,8 @@ def _read(agent, name, local, remote) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=64)
@@ -143,7 +144,8 @@ def main() -> None:
         ms = statistics.median(times) * 1e3
         gbs = total / (ms / 1e3) / 1e9
         print(f"{label:<12}{descs:>12}{ms:>10.1f}{gbs:>8.2f}")
-        results.append(dict(path=label, descriptors=descs, ms=ms, gb_per_s=gbs, runs_ms=[t * 1e3 for t in times]))
+        results.append(dict(path=label, descriptors=descs, ms=ms, gb_per_s=gbs,
+                            runs_ms=[t * 1e3 for t in times]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), bytes=total, results=results), f, indent=1)

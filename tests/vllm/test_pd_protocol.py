@@ -18,12 +18,14 @@ from vllm_hisparse.vllm.kv_import import pd_composition
 from vllm_hisparse.vllm.nixl_transport import (
     ImportTransferError,
     RemotePage,
+    nixl_missing,
     query_prefill,
     remote_layer_pages,
 )
 from vllm_hisparse.vllm.worker_import import readers_of
 from tests.vllm.pd_fakes import pd_kv_transfer, remote_params
 from tests.vllm.pd_prefill import free_port
+from tests.vllm.test_worker_side import model_dir  # noqa: F401 (fixture)
 
 
 def _meta(**fields):
@@ -122,3 +124,64 @@ def test_our_side_channel_client_against_vllms_listener():
     finally:
         stop.set()
         listener.join(10)
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+@pytest.mark.parametrize("prefill_layout", ["BLHNC", "LBHNC"])
+def test_vllm_nixl_connector_cannot_read_into_our_kv_plan(model_dir, monkeypatch, prefill_layout):
+    """Why this connector reads P/D requests itself: vLLM 0.33's NixlConnector worker on the
+    decode side (our split, block-outermost plan) refuses a stock prefill's registration
+    (one KV cache group), whichever layout the prefill uses. Faked: the CPU platform's
+    NIXL support, the TP rank, the attention backend (no model is built)."""
+    import copy
+    import os
+    import types
+
+    import msgspec
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    from tests.vllm.dsa_specs import dsa_layer_specs
+    from tests.vllm.test_worker_side import LEADERS, NUM_LAYERS, allocate, planned
+    from tests.vllm.vllm_configs import make_vllm_config
+
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: None, raising=False)
+    monkeypatch.setitem(base_worker._NIXL_SUPPORTED_DEVICE, "cpu", ("cpu",))
+    monkeypatch.setattr(base_worker, "current_platform", types.SimpleNamespace(
+        device_type="cpu", get_nixl_memory_type=lambda: "DRAM", discover_numa_topology=lambda: [[0]],
+        set_device=lambda d: None, is_rocm=lambda: False))
+    monkeypatch.setattr(base_worker, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(base_worker, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(base_worker, "get_current_attn_backends", lambda *a, **k: [FlashMLASparseBackend])
+
+    def worker(config, kv_cache_config, kv, role, engine):
+        config = copy.copy(config)
+        config.kv_transfer_config = KVTransferConfig(kv_connector="NixlConnector", kv_role=role,
+                                                     engine_id=engine, kv_buffer_device="cpu")
+        w = NixlPullConnectorWorker(config, engine, kv_cache_config)
+        w.register_kv_caches(kv)
+        return w
+
+    p_config = make_vllm_config(model_dir, max_model_len=1024, kv_cache_layout=prefill_layout,
+                                kv_transfer=KVTransferConfig(kv_connector="NixlConnector",
+                                                             kv_role="kv_producer"))
+    specs = dsa_layer_specs(NUM_LAYERS, leaders=LEADERS, block_size=64)
+    p_config.cache_config.num_gpu_blocks_override = 100
+    (p_plan,) = get_kv_cache_configs(p_config, [specs], [1 << 40],
+                                     get_global_kv_cache_groups(p_config, [specs]))
+    assert len(p_plan.kv_cache_groups) == 1  # stock vLLM: sparse-MLA and indexer merged
+    prefill = worker(p_config, p_plan, compat.allocate_kv_cache(
+        p_plan, torch.device("cpu"), compat.resolved_kv_cache_layout(p_config)), "kv_producer", "p")
+    d_config, d_plan = planned(model_dir, 200)
+    assert len(d_plan.kv_cache_groups) > 1  # ours: sparse-MLA groups apart from the indexer
+    decode = worker(d_config, d_plan, allocate(d_config, d_plan), "kv_consumer", "d")
+    _, payload_type, meta_type, _ = compat.nixl_handshake_types()
+    payload = msgspec.msgpack.Decoder(payload_type).decode(
+        msgspec.msgpack.encode(prefill.xfer_handshake_metadata))
+    meta = msgspec.msgpack.Decoder(meta_type).decode(payload.agent_metadata_bytes)
+    with pytest.raises(RuntimeError, match="Packed KV block rows differ between P and D"):
+        decode.add_remote_agent(meta, 0, 1)
+    assert remote_layer_pages(meta)  # while our reader addresses every layer's pages

@@ -122,9 +122,9 @@ def _check_bytes(rig: PDRig, order: ImportOrder) -> int:
         if order.host_blocks:
             host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
             assert torch.equal(rig.role.host_pool.layers[i][host_rows][written], want[written]), name
-        tail_rows = torch.cat([torch.arange(b[lane.sparse_index] * lane.layout.block_stride_rows, b[lane.sparse_index] * lane.layout.block_stride_rows + BS)
-                               for b in order.device_blocks])
-        assert torch.equal(view[tail_rows], want[first_tail * BS:]), (name, "tail")
+        starts = [b[lane.sparse_index] * lane.layout.block_stride_rows for b in order.device_blocks]
+        device_rows = torch.cat([torch.arange(start, start + BS) for start in starts])
+        assert torch.equal(view[device_rows], want[first_tail * BS:]), (name, "device pages")
         checked += int(written.sum())
     for g, group in enumerate(rig.role.indexer_group_ids):
         for name in rig.kv_cache_config.kv_cache_groups[group].layer_names:

@@ -35,13 +35,14 @@ import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.device_pool import DevicePool
-from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted, ProtocolError
+from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
+from vllm_hisparse.core.imports import Imports
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTable, PageTables, range_mask
+from vllm_hisparse.core.page_table import PageTable, PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.stats import PolicyStats
@@ -82,6 +83,8 @@ class ResidencyPolicy:
                                                  self._leases, self._planner, device_pool, self.stats)
         self._prefixes = HostPrefixes(config.max_pages_per_request, self.tables, self._requests, self._steps,
                                       self._planner, host_pool, self.stats)
+        self._imports = Imports(config, self.tables, self._requests, self._steps, self._leases,
+                                device_pool, host_pool, self.stats)
 
     # =====================================================================================
     # Queries
@@ -442,42 +445,7 @@ class ResidencyPolicy:
         request at once, NONE, with no restore. :class:`DevicePoolExhausted` (nothing
         changed) when the pool cannot give the hot region.
         """
-        req = self._requests.get(request_id)
-        t = self.tables
-        if req.status != RequestStatus.ACTIVE or t.num_tokens[req.row] != 0:
-            raise ProtocolError(f"request {request_id!r}: import must start on an empty request")
-        num_pages = cdiv(int(num_tokens), self.block_size)
-        if num_pages > self.config.max_pages_per_request:
-            raise ProtocolError(f"import of {num_tokens} tokens exceeds max_pages_per_request")
-        tail = None
-        if tail_device_blocks is not None:
-            tail = [int(b) for b in tail_device_blocks]
-            if len(tail) != min(ACTIVE_TAIL_PAGES, num_pages):
-                raise ProtocolError(f"request {request_id!r}: {len(tail)} tail device blocks for an "
-                                    f"import of {num_pages} pages (expected {min(ACTIVE_TAIL_PAGES, num_pages)})")
-            if req.hot_blocks > self.device_pool.get_num_free_blocks():
-                self.stats.num_device_backpressure += 1
-                raise DevicePoolExhausted(f"request {request_id!r}: no room for a hot region of "
-                                          f"{req.hot_blocks} blocks", req.hot_blocks,
-                                          self.device_pool.get_num_free_blocks())
-        try:
-            host = self.host_pool.allocate(num_pages)
-        except HostPoolExhausted:
-            self.stats.num_host_backpressure += 1
-            raise
-        row = req.row
-        t.host_block[row, :num_pages] = host
-        t.num_pages[row] = num_pages
-        t.num_tokens[row] = int(num_tokens)
-        if tail is not None:
-            first = num_pages - len(tail)
-            t.device_block[row, first:num_pages] = tail
-            t.pinned[row, first:num_pages] = True
-            t.num_pinned[row] = len(tail)
-            self._leases.lease_hot(req)
-            self._requests.set_residency(req, Residency.NONE)
-        self._requests.set_status(req, RequestStatus.IMPORTING)
-        return list(host)
+        return self._imports.begin(self._requests.get(request_id), int(num_tokens), tail_device_blocks)
 
     def finish_import(self, request_id: str, success: bool) -> Outcome:
         """The external transfer into the imported host blocks finished.
@@ -488,37 +456,8 @@ class ResidencyPolicy:
         blocks are left to the engine, and the request restarts at zero tokens
         (``Outcome.RECOMPUTE``).
         """
-        req = self._requests.get(request_id)
-        if req.status != RequestStatus.IMPORTING:
-            raise ProtocolError(f"request {request_id!r} is not importing")
-        row = req.row
-        t = self.tables
-        num_pages = int(t.num_pages[row])
-        if not success:
-            self.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
-            t.host_block[row, :num_pages] = -1
-            t.device_block[row, :num_pages] = -1
-            t.pinned[row, :num_pages] = False
-            t.num_pinned[row] = 0
-            t.num_pages[row] = 0
-            t.num_tokens[row] = 0
-            self._leases.drop_hot_lease(req)
-            self._requests.set_residency(req, Residency.FULL, emit=False)
-            self._requests.set_status(req, RequestStatus.ACTIVE)
-            return Outcome.RECOMPUTE
-        engine_tail = int(t.num_pinned[row]) > 0
-        for page in range(num_pages):
-            written = t.rows_written(row, page)
-            t.host_mask[row, page] = range_mask(0, written, t.num_mask_words)
-            if written == self.block_size:
-                self._leases.mark_clean(req, page)
-            self._steps.emit_page(row, page, int(t.device_block[row, page]), int(t.host_block[row, page]))
-        if engine_tail:
-            self._requests.set_status(req, RequestStatus.ACTIVE)
-            return Outcome.OK
-        self._requests.set_status(req, RequestStatus.PARKED)
-        self._requests.set_residency(req, Residency.NONE)
-        return self.resume(request_id)
+        outcome = self._imports.finish(self._requests.get(request_id), bool(success))
+        return self.resume(request_id) if outcome is None else outcome
 
     def set_prefilling(self, request_id: str, prefilling: bool) -> Outcome:
         """Tell the policy whether the request still has prompt tokens to compute.
