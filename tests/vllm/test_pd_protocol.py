@@ -92,8 +92,9 @@ def test_composition_rules():
                                   {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
                                   {"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_consumer"}]})
     assert not pd_composition(second).enabled and "first" in pd_composition(second).reason
-    producer = KVTransferConfig(kv_connector="HiSparseResidencyConnector", kv_role="kv_producer")
-    assert not pd_composition(producer).enabled
+    for role in ("kv_producer", "kv_both"):  # kv_both: the colocated default needs no NIXL
+        alone = KVTransferConfig(kv_connector="HiSparseResidencyConnector", kv_role=role)
+        assert not pd_composition(alone).enabled
     assert not pd_composition(None).enabled
     extra = pd_kv_transfer(compose="first")
     extra.kv_connector_extra_config["connectors"][1]["kv_connector_extra_config"] = {"backends": ["UCX"]}

@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 #: (vLLM's NixlConnector: every kv_lease_duration / 6, 30 s / 6 by default).
 PD_HEARTBEAT_EVERY_S = 5.0
 
-_CONSUMER_ROLES = ("kv_consumer", "kv_both")
+#: ``kv_role`` of our entry that makes this instance a P/D decode consumer (``kv_both``, the
+#: colocated default, does not: it would need NIXL on every instance).
+_CONSUMER_ROLES = ("kv_consumer",)
 
 
 class Landing(enum.Enum):
@@ -92,7 +94,8 @@ def pd_composition(kv: Any) -> PDComposition:
         return PDComposition(False, "nested MultiConnector", {})
     ours = names.index(CONNECTOR_NAME)
     nixl = [i for i, (name, c) in enumerate(zip(names, children))
-            if name in compat.NIXL_PULL_CONNECTORS and c.get("kv_role", kv.kv_role) in _CONSUMER_ROLES]
+            if name in compat.NIXL_PULL_CONNECTORS
+            and c.get("kv_role", kv.kv_role) in ("kv_consumer", "kv_both")]
     extra = dict(children[nixl[0]].get("kv_connector_extra_config") or {}) if nixl else {}
     if nixl and nixl[0] < ours:
         raise HiSparseConfigError(
