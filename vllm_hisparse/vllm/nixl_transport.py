@@ -1,5 +1,5 @@
-"""NIXL for the host landing of P/D imports: one agent per worker, the handshake with a
-stock vLLM prefill, page reads, notifications. The only module that imports ``nixl``.
+"""NIXL for P/D imports: one agent per worker, the handshake with a stock vLLM prefill,
+page reads, notifications. The only module that imports ``nixl``.
 
 The prefill side is vLLM's NixlConnector (``kv_producer``), unchanged. It serves its
 registration on a ZMQ side channel (``remote_host:remote_port`` of the request's
@@ -80,7 +80,7 @@ def remote_layer_pages(meta: Any) -> dict[str, RemotePage]:
     names = getattr(meta, "region_names", None)
     if not names or len(names) != len(meta.kv_caches_base_addr):
         raise ImportTransferError(
-            "the prefill's NIXL registration names no layers (region_names); a host landing "
+            "the prefill's NIXL registration names no layers (region_names); this reader "
             "needs vLLM's NixlConnector of the same release on both sides")
     groups = getattr(meta, "region_group_ids", None) or [0] * len(names)
     members = getattr(meta, "region_members", None) or [[] for _ in names]
@@ -151,7 +151,8 @@ class NixlTransport:
                  check_compat: Callable[[str, str], str | None] | None = None) -> None:
         missing = nixl_missing()
         if missing:
-            raise RuntimeError(f"P/D host landing needs NIXL: {missing}")
+            raise RuntimeError(f"a P/D decode consumer (kv_role kv_consumer) reads the prefill's KV "
+                               f"with NIXL: {missing}; install it (pip install nixl)")
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = name

@@ -489,9 +489,9 @@ class WorkerImports:
             targets, transport, list(kv_caches.values()), rank=self.worker_rank,
             world_size=self.vllm_config.parallel_config.world_size, writes_host=self.writes_host,
             ops_backend=self.config.ops_backend, staging_pages=IMPORT_STAGING_PAGES)
-        logger.info("%s worker: P/D imports ready (NIXL agent %s, %d staging pages of %d "
-                    "layers)", CONNECTOR_NAME, transport.name, IMPORT_STAGING_PAGES,
-                    len(targets.sparse))
+        logger.info("%s worker: P/D imports ready (NIXL agent %s; %s)", CONNECTOR_NAME,
+                    transport.name, f"{IMPORT_STAGING_PAGES} staging pages of {len(targets.sparse)} "
+                    "layers" if self.writes_host else "device pages only: another rank writes the host pool")
 
     def _submit_imports(self, metadata: Any) -> None:
         orders = getattr(metadata, "imports", None) or []
