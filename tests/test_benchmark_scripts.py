@@ -101,3 +101,16 @@ def test_ncu_phases_sums_each_barrier_delimited_phase(tmp_path):
     assert lines[1].startswith("phase 0: static     2  executed/warp      2  samples     8")
     assert "barrier 5" in lines[1] and "wait 1" in lines[1]
     assert lines[2].startswith("phase 1: static     2  executed/warp      3  samples     2")
+
+
+@pytest.mark.slow
+def test_bench_pd_import_runs(tmp_path):
+    """Two processes over NIXL (UCX on CPU memory); skipped without the nixl package."""
+    pytest.importorskip("nixl._api")
+    out = tmp_path / "pd.json"
+    r = run("bench_pd_import.py", "--pages", "4", "--layers", "2", "--staging-pages", "2",
+            "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    results = {x["path"]: x for x in json.loads(out.read_text())["results"]}
+    assert results["direct"]["descriptors"] == 4 * 2 * 64
+    assert results["staged-read"]["descriptors"] == 4 * 2

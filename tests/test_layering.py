@@ -20,7 +20,7 @@ THIRD_PARTY = {
     "core": {"numpy"},
     "ops": {"numpy", "torch"},
     "worker": {"numpy", "torch"},
-    "vllm": {"numpy", "torch", "vllm", "msgspec", "prometheus_client"},
+    "vllm": {"numpy", "torch", "vllm", "msgspec", "prometheus_client", "zmq", "nixl"},
     "cli": None,  # the top: anything installed
 }
 

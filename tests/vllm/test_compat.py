@@ -299,3 +299,39 @@ def test_prefix_hit_and_request_accessors():
     assert RequestStatus.WAITING_FOR_REMOTE_KVS
     assert compat.is_waiting_for_remote_kvs(types.SimpleNamespace(status=RequestStatus.WAITING_FOR_REMOTE_KVS))
     assert not compat.is_waiting_for_remote_kvs(types.SimpleNamespace(status=RequestStatus.WAITING))
+
+def test_p_d_decode_consumer_internals(dsa_model_dir):
+    """What the P/D host landing relies on (kv_import.py, nixl_transport.py)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler
+
+    from tests.vllm.vllm_configs import make_vllm_config
+
+    get_meta, payload_type, meta_type, compute_hash = compat.nixl_handshake_types()
+    assert get_meta == b"get_meta_msg"
+    assert {"compatibility_hash", "agent_metadata_bytes"} <= {f.name for f in dataclasses.fields(payload_type)}
+    assert {"engine_id", "agent_metadata", "kv_caches_base_addr", "block_lens", "block_strides",
+            "block_size", "region_names", "region_group_ids", "region_mem_types", "region_members",
+            "packed_member_layouts", "attn_backend_name"} <= {f.name for f in dataclasses.fields(meta_type)}
+    assert params(compute_hash)[:2] == ["vllm_config", "attn_backend_name"]
+    for name in compat.NIXL_PULL_CONNECTORS:
+        assert compat.connector_is_registered(name), name
+    # The fields a stock prefill puts in kv_transfer_params, and the notification it waits for.
+    source = inspect.getsource(pull_scheduler)
+    for field in ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
+                  "remote_port", "tp_size", "remote_registration_generation"):
+        assert field in source, field
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
+
+    assert 'f"{remote_request_id}:{expected_consumers}"' in inspect.getsource(pull_worker)
+    # A child sees only its own entry: MultiConnector.__init__ builds its config.
+    init = inspect.getsource(MultiConnector.__init__)
+    assert "self._get_connector_classes_and_configs(" in init and "vllm_config" in params(MultiConnector.__init__)
+    config = make_vllm_config(dsa_model_dir, kv_transfer=KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_consumer", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"connectors": [{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}]}))
+    assert compat.composing_kv_transfer_config(config) is config.kv_transfer_config  # nothing on the stack
+    assert compat.kv_load_failure_policy(config) == "recompute"
+    assert compat.prefill_backoff_tokens(config) == 0
+    assert "num_prefill_lookahead_tokens" in dir(type(config))

@@ -333,18 +333,21 @@ def test_host_back_pressure_keeps_requests_waiting(small_topk_model_dir):
 
 
 def test_metadata_is_built_without_touching_scheduler_output(small_topk_model_dir):
+    """Nothing of ``scheduler_output`` changes but ``has_sync_kv_loads``, set on every step
+    that runs a forward (the worker applies the command before it: tests/vllm/test_step_order.py)."""
     harness = build(small_topk_model_dir)
     connector = harness.connector
     real = connector.build_connector_meta
     seen = []
 
     def checked(scheduler_output):
-        before = (dict(scheduler_output.num_scheduled_tokens), scheduler_output.has_sync_kv_loads,
+        before = (dict(scheduler_output.num_scheduled_tokens),
                   scheduler_output.total_num_scheduled_tokens, scheduler_output.kv_connector_metadata)
         meta = real(scheduler_output)
-        after = (dict(scheduler_output.num_scheduled_tokens), scheduler_output.has_sync_kv_loads,
+        after = (dict(scheduler_output.num_scheduled_tokens),
                  scheduler_output.total_num_scheduled_tokens, scheduler_output.kv_connector_metadata)
         assert before == after
+        assert scheduler_output.has_sync_kv_loads == bool(scheduler_output.num_scheduled_tokens)
         seen.append(meta)
         return meta
 

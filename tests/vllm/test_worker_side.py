@@ -432,7 +432,20 @@ def test_host_backed_step_without_request_ids_is_refused(model_dir):
     from vllm_hisparse.core.commands import StepCommand
 
     with pytest.raises(RuntimeError, match="request_ids"):
-        rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)))
+        rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)),
+                               scheduler_output=SimpleNamespace(num_scheduled_tokens={"x": 1}))
+
+
+def test_a_step_without_forward_is_applied_with_host_backed_requests_alive(model_dir):
+    """MRV2's no-forward step (nothing scheduled, e.g. every request waits for a KV load)
+    calls start_load_kv with no keyword argument: the command is applied, no batch mapped."""
+    rig = Rig(model_dir, num_blocks=200)
+    rig.role._tracked["x"] = 0
+    from vllm_hisparse.core.commands import StepCommand
+
+    rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)))
+    assert rig.role.step_view.ready and not rig.role.step_view.uses_residency
+    rig.role.wait_for_save()
 
 
 def test_prefill_of_host_only_context_is_refused(model_dir):

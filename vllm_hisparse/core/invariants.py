@@ -8,7 +8,8 @@
 * device and host reference counts equal the leases the pages, hot regions and open
   transactions hold (so never negative, and no block is both free and owned); a released
   block is free in the pool;
-* hot leases belong to live MIXED/NONE requests that are active or activating.
+* hot leases belong to live MIXED/NONE requests that are active, activating or importing
+  (an import into an engine's tail blocks).
 
 The device side is checked exactly against :class:`InMemoryDevicePool`, the one pool that
 exposes its reference counts; with another pool only the policy's own records are checked.
@@ -108,10 +109,12 @@ def check_invariants(
         if req.residency == Residency.FULL and req.status in (RequestStatus.ACTIVE,):
             assert t.num_pinned[row] == n, (req.request_id, "FULL request with unpinned pages")
         if req.hot_block_ids:
+            # An import landing in an engine's tail blocks holds its hot region already.
             assert req.residency != Residency.FULL and req.status in (
                 RequestStatus.ACTIVE,
                 RequestStatus.ACTIVATING,
-            ), (req.request_id, "hot lease held outside MIXED/NONE running")
+                RequestStatus.IMPORTING,
+            ), (req.request_id, "hot lease held outside MIXED/NONE running or importing")
             assert len(req.hot_block_ids) == req.hot_blocks
             for block in req.hot_block_ids:
                 add(dev_leases, block)

@@ -35,13 +35,14 @@ import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.device_pool import DevicePool
-from vllm_hisparse.core.errors import HostPoolExhausted, ProtocolError
+from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
+from vllm_hisparse.core.imports import Imports
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTable, PageTables, range_mask
+from vllm_hisparse.core.page_table import PageTable, PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.rollback import roll_back_rows
@@ -83,6 +84,8 @@ class ResidencyPolicy:
                                                  self._leases, self._planner, device_pool, self.stats)
         self._prefixes = HostPrefixes(config.max_pages_per_request, self.tables, self._requests, self._steps,
                                       self._planner, host_pool, self.stats)
+        self._imports = Imports(config, self.tables, self._requests, self._steps, self._leases,
+                                device_pool, host_pool, self.stats)
 
     # =====================================================================================
     # Queries
@@ -442,57 +445,31 @@ class ResidencyPolicy:
             return outcome
         return self._transitions.prepare_prefill(req)
 
-    def begin_import(self, request_id: str, num_tokens: int) -> list[int]:
+    def begin_import(self, request_id: str, num_tokens: int,
+                     tail_device_blocks: Sequence[int] | None = None) -> list[int]:
         """P/D import: hand out host blocks for ``num_tokens`` positions an external
-        transfer writes. Raises :class:`HostPoolExhausted` (back-pressure) if short."""
-        req = self._requests.get(request_id)
-        t = self.tables
-        if req.status != RequestStatus.ACTIVE or t.num_tokens[req.row] != 0:
-            raise ProtocolError(f"request {request_id!r}: import must start on an empty request")
-        num_pages = cdiv(int(num_tokens), self.block_size)
-        if num_pages > self.config.max_pages_per_request:
-            raise ProtocolError(f"import of {num_tokens} tokens exceeds max_pages_per_request")
-        try:
-            host = self.host_pool.allocate(num_pages)
-        except HostPoolExhausted:
-            self.stats.num_host_backpressure += 1
-            raise
-        row = req.row
-        t.host_block[row, :num_pages] = host
-        t.num_pages[row] = num_pages
-        t.num_tokens[row] = int(num_tokens)
-        self._requests.set_status(req, RequestStatus.IMPORTING)
-        return list(host)
+        transfer writes. Raises :class:`HostPoolExhausted` (back-pressure) if short.
+
+        ``tail_device_blocks``: the engine allocated (and pins) one device block for each of
+        the last ``min(ACTIVE_TAIL_PAGES, pages)`` pages, and the transfer writes those pages
+        there as well as to the host. The policy takes over one lease of each (as for
+        growth) and leases the hot region now, so that :meth:`finish_import` activates the
+        request at once, NONE, with no restore. :class:`DevicePoolExhausted` (nothing
+        changed) when the pool cannot give the hot region.
+        """
+        return self._imports.begin(self._requests.get(request_id), int(num_tokens), tail_device_blocks)
 
     def finish_import(self, request_id: str, success: bool) -> Outcome:
         """The external transfer into the imported host blocks finished.
 
         On success the pages are host-valid and the request is activated like a resume
-        (state NONE). On failure the host blocks are returned and the request restarts at
-        zero tokens (``Outcome.RECOMPUTE``).
+        (state NONE); an import begun with ``tail_device_blocks`` is ACTIVE at once (``OK``).
+        On failure the host blocks (and the hot region) are returned, the engine's tail
+        blocks are left to the engine, and the request restarts at zero tokens
+        (``Outcome.RECOMPUTE``).
         """
-        req = self._requests.get(request_id)
-        if req.status != RequestStatus.IMPORTING:
-            raise ProtocolError(f"request {request_id!r} is not importing")
-        row = req.row
-        t = self.tables
-        num_pages = int(t.num_pages[row])
-        if not success:
-            self.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
-            t.host_block[row, :num_pages] = -1
-            t.num_pages[row] = 0
-            t.num_tokens[row] = 0
-            self._requests.set_status(req, RequestStatus.ACTIVE)
-            return Outcome.RECOMPUTE
-        for page in range(num_pages):
-            written = t.rows_written(row, page)
-            t.host_mask[row, page] = range_mask(0, written, t.num_mask_words)
-            if written == self.block_size:
-                self._leases.mark_clean(req, page)
-            self._steps.emit_page(row, page, -1, int(t.host_block[row, page]))
-        self._requests.set_status(req, RequestStatus.PARKED)
-        self._requests.set_residency(req, Residency.NONE)
-        return self.resume(request_id)
+        outcome = self._imports.finish(self._requests.get(request_id), bool(success))
+        return self.resume(request_id) if outcome is None else outcome
 
     def set_prefilling(self, request_id: str, prefilling: bool) -> Outcome:
         """Tell the policy whether the request still has prompt tokens to compute.

@@ -82,6 +82,7 @@ __all__ = [
     "per_group_prefix_hits",
     "scope_offloading",
     "group_managers",
+    "composing_kv_transfer_config",
     "kv_load_failure_policy",
     "prefix_cache_geometry",
     "multi_connector_types",
@@ -313,10 +314,39 @@ def prefix_cache_geometry(kv_cache_manager: Any) -> tuple[bool, int]:
 
 
 def kv_load_failure_policy(vllm_config: VllmConfig) -> str:
-    """``kv_transfer_config.kv_load_failure_policy``: ``"fail"`` (vLLM fails a request
-    whose connector load failed) or ``"recompute"`` (vLLM rewinds its computed tokens)."""
-    kv = vllm_config.kv_transfer_config
+    """``kv_load_failure_policy`` the engine applies: ``"fail"`` (vLLM fails a request
+    whose connector load failed) or ``"recompute"`` (vLLM rewinds its computed tokens).
+    Under MultiConnector it is the top-level setting (the scheduler reads that one), not
+    the child's copy (:func:`composing_kv_transfer_config`)."""
+    kv = composing_kv_transfer_config(vllm_config)
     return str(getattr(kv, "kv_load_failure_policy", "fail")) if kv is not None else "fail"
+
+
+def composing_kv_transfer_config(vllm_config: VllmConfig) -> Any:
+    """The ``kv_transfer_config`` of the MultiConnector that is constructing this
+    connector, else ``vllm_config``'s own.
+
+    vLLM's ``MultiConnector.__init__`` builds each child with a copy of the config whose
+    ``kv_transfer_config`` is the child's entry only (``multi_connector.py:184,245``), so
+    a child cannot see its siblings, their order or the top-level settings. A child
+    constructed by a MultiConnector has that ``__init__`` frame on the stack, with the
+    whole config as its ``vllm_config`` argument; called from a connector's constructor,
+    this finds it (the innermost one, for nested MultiConnectors)."""
+    import inspect
+
+    multi_connector = multi_connector_types()[0]
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back if frame is not None else None
+        while caller is not None:
+            if caller.f_code.co_name == "__init__" and isinstance(caller.f_locals.get("self"), multi_connector):
+                parent = caller.f_locals.get("vllm_config")
+                if parent is not None and parent.kv_transfer_config is not None:
+                    return parent.kv_transfer_config
+            caller = caller.f_back
+    finally:
+        del frame
+    return vllm_config.kv_transfer_config
 
 
 def multi_connector_types() -> tuple[type, type, type]:
@@ -541,3 +571,35 @@ SIMULATOR_INTERNALS = (
     get_kv_quant_mode, ModelRunnerOutput, Request, StructuredOutputManager,
     create_metric_per_engine, KVOutputAggregator, SpeculativeConfig, DraftTokenIds,
 )
+
+
+# ======================================================================================
+# P/D decode consumer: vLLM's NixlConnector protocol (used by kv_import.py and
+# nixl_transport.py; checked in tests/vllm/test_compat.py)
+# ======================================================================================
+
+#: ``kv_connector`` names of vLLM's pull-mode NIXL connector (a decode instance READs the
+#: prefill's blocks), the only NIXL mode a host landing speaks.
+NIXL_PULL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+
+
+def nixl_handshake_types() -> tuple[bytes, type, type, Callable[..., str]]:
+    """``(GET_META_MSG, NixlHandshakePayload, NixlAgentMetadata,
+    compute_nixl_compatibility_hash)`` of vLLM's NixlConnector (``nixl/metadata.py``): the
+    side-channel query, its answer, the registration inside it, and the hash both sides
+    compare."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        GET_META_MSG,
+        NixlAgentMetadata,
+        NixlHandshakePayload,
+        compute_nixl_compatibility_hash,
+    )
+
+    return GET_META_MSG, NixlHandshakePayload, NixlAgentMetadata, compute_nixl_compatibility_hash
+
+
+def prefill_backoff_tokens(vllm_config: VllmConfig) -> int:
+    """Trailing prompt tokens a NIXL decode instance recomputes instead of loading (vLLM's
+    ``_prefill_backoff`` for models without Mamba or bounded replay, i.e. DSA models):
+    ``num_prefill_lookahead_tokens - 1``, at least 0."""
+    return max(0, int(vllm_config.num_prefill_lookahead_tokens) - 1)

@@ -85,6 +85,11 @@ class ResidencyOwner(Protocol):
         preemption). Return the ones vLLM must still return to the pool."""
         ...
 
+    def import_null_pages(self, request_id: str, num_external_tokens: int, num_local_tokens: int) -> int:
+        """Leading pages of a waiting request to leave null while vLLM allocates its
+        external tokens (a P/D import landing in the host tier: ``kv_import``)."""
+        ...
+
 
 class ResidencyAwareManager(FullAttentionManager):
     """``FullAttentionManager`` whose page leases may belong to the residency policy."""
@@ -105,6 +110,41 @@ class ResidencyAwareManager(FullAttentionManager):
     @property
     def residency_bound(self) -> bool:
         return self._owner is not None
+
+    # ------------------------------------------------------- P/D host landing
+    # A request whose imported prefix lands in the host tier gets vLLM's null block for
+    # every sparse page but its tail (``kv_import``). vLLM allocates external tokens with
+    # ``allocate_external_computed_blocks`` (rare: overridden here) after sizing the
+    # allocation with ``get_num_blocks_to_allocate`` (every request, every step: only
+    # shadowed on the instance while a host landing is being offered).
+    def track_import_offers(self, pending: bool) -> None:
+        """Count offered host landings' null pages in vLLM's allocation check, or stop."""
+        if pending:
+            self.get_num_blocks_to_allocate = self._blocks_to_allocate_with_import
+        else:
+            self.__dict__.pop("get_num_blocks_to_allocate", None)
+
+    def _blocks_to_allocate_with_import(self, request_id: str, num_tokens: int, new_computed_blocks,
+                                        total_computed_tokens: int, num_local_computed_tokens: int,
+                                        *args, **kwargs) -> int:
+        num = FullAttentionManager.get_num_blocks_to_allocate(
+            self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, *args, **kwargs)
+        if self._owner is None or request_id in self.num_cached_block:
+            return num
+        skip = self._owner.import_null_pages(request_id, total_computed_tokens - num_local_computed_tokens,
+                                             num_local_computed_tokens)
+        return max(num - skip, 0)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int, *args, **kwargs) -> None:
+        if self._owner is not None:
+            skip = self._owner.import_null_pages(request_id, num_external_computed_tokens,
+                                                 num_local_computed_tokens)
+            if skip:
+                self.req_to_blocks[request_id].extend([self._null_block] * skip)
+        super().allocate_external_computed_blocks(request_id, num_local_computed_tokens,
+                                                  num_external_computed_tokens, *args, **kwargs)
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         if self._owner is None:

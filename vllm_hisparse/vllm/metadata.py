@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from vllm_hisparse.core.commands import StepCommand, WorkerAcks
 from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder
 
 
 @dataclass
@@ -52,6 +53,11 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     #: RESTORE id -> the request whose host-prefix hit it loads (an asynchronous load:
     #: the worker reports the request in ``finished_recving`` / ``failed_recving``).
     load_requests: dict[int, str] = field(default_factory=dict)
+    #: P/D imports that start this step (``kv_import``): every worker reads its share and
+    #: reports the request in ``finished_recving``.
+    imports: list[ImportOrder] = field(default_factory=list)
+    #: Prefill leases to renew now (P/D requests waiting here or being read).
+    heartbeats: list[Heartbeat] = field(default_factory=list)
 
 
 @dataclass

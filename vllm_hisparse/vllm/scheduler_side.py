@@ -25,8 +25,9 @@ Per step: ``build_connector_meta`` feeds the step's scheduled tokens to the poli
 (one vectorised ``schedule_rows`` call; a request that crosses into new pages adopts
 vLLM's blocks through a callback), takes the policy's
 :class:`~vllm_hisparse.core.StepCommand`, applies its page losses to vLLM's block tables
-(null blocks), and returns the command as metadata. It does not modify
-``scheduler_output``. ``update_connector_output`` votes the worker acks per (transfer,
+(null blocks), and returns the command as metadata. The one field of
+``scheduler_output`` it sets is ``has_sync_kv_loads`` (the worker applies the command
+before the forward; docs/vllm-integration.md, "Step order"). ``update_connector_output`` votes the worker acks per (transfer,
 worker) and applies them (``scheduler_acks``). The work is proportional to the scheduled
 requests (one dict walk and a few numpy operations) plus what changed this step.
 
@@ -64,6 +65,7 @@ from vllm_hisparse.vllm.kv_planning import (
     sparse_group_ids,
 )
 from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
+from vllm_hisparse.vllm.kv_import import PDImports
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
@@ -90,7 +92,7 @@ _POLICY_COUNTERS = {
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
+class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
@@ -202,6 +204,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
         self._stats = HiSparseConnectorStats()
         self._policy_stats_seen = {k: 0 for k in _POLICY_COUNTERS}
         self.num_preemptions = 0  # lifetime count (tests, tools)
+        self._init_pd_imports(vllm_config)  # P/D decode consumer (kv_import)
 
     def _watermarks(self, kv_cache_config, sched, hisparse_config) -> tuple[int, int]:
         """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
@@ -261,11 +264,13 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Finish or abort (not preemption): the free that follows ends it as finished."""
         self._finishing.add(request.request_id)
+        self._pd_finished(request)  # a P/D request aborted while waiting (kv_import)
         return False, None
 
     # ==================================================================== the step
     def build_connector_meta(self, scheduler_output: Any) -> HiSparseConnectorMetadata:
-        """Feed the step to the policy; return its command (``scheduler_output`` untouched).
+        """Feed the step to the policy; return its command (of ``scheduler_output`` only
+        ``has_sync_kv_loads`` is set, on steps that run a forward).
 
         Per step: the state rows of the scheduled requests (cached while the scheduled set
         is unchanged), one vectorised ``schedule_rows`` call in which each request that
@@ -276,6 +281,11 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
         self.check_ack_deadline()
         self._roll_back_rejected()  # the previous step's drafts, if no ack came to do it
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        if scheduled:
+            # The worker must apply this step's command before the forward reads KV. MRV2
+            # calls start_load_kv before the forward only for steps with synchronous loads
+            # (after it otherwise), so every step that runs a forward asks for that order.
+            scheduler_output.has_sync_kv_loads = True
         # The admission pass of this step is over (offer).
         if self._let_through:
             self._let_through.clear()
@@ -288,6 +298,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
         new_rows: dict[str, int] = {}
         if self._loads_to_start:
             self._start_loads(new_rows)
+        imports = self._start_imports(new_rows) if self._pd_pending() else []
         if scheduled:
             n = len(scheduled)
             keys = tuple(scheduled)
@@ -333,6 +344,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command),
             indexer_pages=indexer_pages, load_requests=self._take_load_requests(),
+            imports=imports, heartbeats=self._pd_heartbeats(),
         )
 
     # ------------------------------------------------------------------ R1: prefilling
@@ -474,6 +486,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
 
     def _end_request(self, rid: str) -> None:
         policy = self._require_policy()
+        self._pd_ending(rid)
         if rid in self._finishing:
             policy.finish(rid)
         else:
@@ -488,6 +501,7 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake, DraftRoll
 
     def _forget(self, rid: str) -> None:
         self._drop_offer(rid)
+        self._pd_forget(rid)
         hit = self._host_hits.pop(rid, None)
         if hit is not None:  # freed before it was ever scheduled
             self._require_policy().release_host_prefix(hit[0])

@@ -56,11 +56,15 @@ class WorkerHostPrefix:
         ``KVConnectorTransferResults``): every decided load in ``finished_recving``, the
         failed ones also in ``failed_recving`` (vLLM then fails or recomputes the request
         alone; block-level ``invalid_block_ids`` are refused with several KV cache
-        groups). A load is decided once every sparse group's copy is (``AckVote``)."""
+        groups). A load is decided once every sparse group's copy is (``AckVote``). P/D
+        host landings (``worker_import``) are reported the same way."""
         if self.lanes:
             self._poll_acks()
         finished, self._finished_loads = self._finished_loads, set()
         failed, self._failed_loads = self._failed_loads, set()
+        imported, import_failed = self._poll_imports()  # P/D host landings (worker_import)
+        finished |= imported
+        failed |= import_failed
         return compat.KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def _decide_prefix_loads(self, acks: WorkerAcks) -> None:

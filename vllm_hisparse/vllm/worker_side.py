@@ -21,7 +21,8 @@ group the command must come with the bundle members (``metadata.bundles``: lead 
 one block id per sparse group, for every bundle new since the previous step). Ids are then
 scaled to flat-row blocks (``DeviceRowLayout``).
 
-Per step: ``start_load_kv`` (before the forward; needs ``has_sync_kv_loads``) applies the
+Per step: ``start_load_kv`` (before the forward: the scheduler role sets
+``has_sync_kv_loads`` on every step that runs one) applies the
 command to every lane (tables, leases, pre-forward transfers, fence), checks that tracked
 requests with prefill tokens have no host-only page (R1, ``docs/worker.md``) and rewrites
 their rows of the sparse groups' batch block tables, and opens the step for the attention
@@ -59,6 +60,7 @@ from vllm_hisparse.vllm.kv_planning import (host_copies_per_replica, host_page_b
                                             indexer_group_ids, sparse_group_ids)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
+from vllm_hisparse.vllm.worker_import import WorkerImports
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
@@ -85,7 +87,7 @@ class _Lane:
     bindings: list[IndexGroupResidency] = field(default_factory=list)
 
 
-class HiSparseWorkerRole(WorkerHostPrefix):
+class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
     """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
 
     Args:
@@ -159,6 +161,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._row_request: dict[int, str] = {}
         self._step_id = -1
         self._closed = False
+        self._init_imports(vllm_config)  # P/D host landings (worker_import)
 
     # ================================================================== binding
 
@@ -213,6 +216,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
         self._bind_indexer_pages(kv_caches, self._indexer_segment)
+        self._bind_importer(kv_caches)
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
         patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
         self._counter_reader = AsyncCounterReader(
@@ -341,12 +345,14 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
         self._track_residency(cmd)
         request_ids = step_inputs.get("request_ids")
-        batch_rows = self._batch_state_rows(request_ids)
+        # MRV2 passes no keyword argument at all when the step runs no forward: no batch.
+        batch_rows = self._batch_state_rows(request_ids) if step_inputs else None
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
             lane.executor.before_forward(self._lane_command(lane, cmd))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
+        self._submit_imports(metadata)  # P/D imports and prefill lease renewals
         if self._step_indexer_pages:
             self._load_indexer_pages(cmd, metadata)
         if batch_rows is not None:
@@ -455,6 +461,8 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             self.host_pool.close()
         if self.indexer_pages is not None:
             self.indexer_pages.close()
+        if self.importer is not None:
+            self.importer.close()
 
     # ================================================================== helpers
 

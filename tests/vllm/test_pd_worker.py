@@ -1,0 +1,265 @@
+"""P/D host landing, worker side, over real NIXL: a prefill process (``pd_prefill``: UCX on
+CPU memory, 127.0.0.1) and this process's worker role (vLLM-allocated CPU KV tensors, the
+real host pool, the reference ops).
+
+The worker role reads a request's pages with NIXL: sparse-MLA rows through its staging
+buffer into the host pool, indexer and tail pages into vLLM's device blocks. Every byte is
+checked, then the request decodes from the host tier and every row attention reads is
+checked against ground truth (``test_worker_side.Rig``). Failures (unreachable prefill,
+foreign engine, deadline, a prefill lost in the middle of the staging) end with the request
+in ``failed_recving``, nothing in flight and every pool whole.
+
+Skipped when ``nixl`` is not importable.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES
+from tests.vllm.pd_fakes import pd_kv_transfer
+from tests.vllm.pd_prefill import FakePrefill
+from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
+from vllm_hisparse.core import Outcome, Residency
+from vllm_hisparse.vllm import worker_import
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder, RemotePrefill
+from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
+from vllm_hisparse.vllm.nixl_transport import nixl_missing
+from vllm_hisparse.worker.synthetic import kv_rows
+
+pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+
+NUM_TOKENS = 600  # 10 pages, the last one partial
+P_BLOCKS = [30 + 2 * p for p in range(10)]  # where the prefill holds them (scattered)
+
+
+class PDRig(Rig):
+    """The worker-side Rig with the decode instance's MultiConnector config."""
+
+    def __init__(self, model_dir, **kwargs):
+        import tests.vllm.test_worker_side as tws
+
+        real = tws.kv_transfer_config
+        tws.kv_transfer_config = lambda extra: pd_kv_transfer(host_pool_gib=extra["host_pool_gib"])
+        try:
+            super().__init__(model_dir, **kwargs)
+        finally:
+            tws.kv_transfer_config = real
+
+    def layers(self):
+        """``(name, row bytes, synthetic layer id)`` of every layer the prefill holds."""
+        out = [(name, MLA_ROW_BYTES, int(name.split(".")[2]))
+               for lane in self.role.lanes for name in lane.layer_names]
+        for g in self.role.indexer_group_ids:
+            for name in self.kv_cache_config.kv_cache_groups[g].layer_names:
+                out.append((name, INDEXER_ROW_BYTES, 500 + int(name.split(".")[2])))
+        return out
+
+    def begin(self, rid: str, prefill: FakePrefill, num_tokens: int = NUM_TOKENS,
+              block_ids=None) -> ImportOrder:
+        """What the scheduler role does for a host landing: tail blocks, begin_import, the order."""
+        self.add(rid)
+        pages = -(-num_tokens // BS)
+        tail = self.policy.device_pool.get_new_blocks(min(2, pages))
+        host = self.policy.begin_import(rid, num_tokens, tail_device_blocks=tail)
+        first_free = self.M * self.num_groups + 1  # blocks no page bundle uses
+        return ImportOrder(
+            request_id=rid, remote=self.remote(prefill, rid, block_ids), num_tokens=num_tokens,
+            num_pages=pages, host_blocks=host,
+            device_blocks=[self.bundles[self.lead(b)] for b in tail],
+            indexer_blocks=[[first_free + 3 * p for p in range(pages)]
+                            for _ in self.role.indexer_group_ids])
+
+    def remote(self, prefill: FakePrefill, rid: str, block_ids=None) -> RemotePrefill:
+        return RemotePrefill(prefill.engine_id, f"p-{rid}", "127.0.0.1", prefill.port, 1,
+                             (tuple(block_ids or P_BLOCKS),))
+
+    def run_import(self, order: ImportOrder, timeout_s: float = 60.0):
+        """Hand the order to the worker with a step; poll its transfer results."""
+        cmd = shift_blocks(self.policy.build_step(), self.lead)
+        self.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=self.bundles,
+                                                          imports=[order]))
+        self.role.wait_for_save()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            results = self.role.get_transfer_results()
+            if order.request_id in results.finished_recving:
+                return order.request_id not in results.failed_recving
+            time.sleep(0.002)
+        raise AssertionError(f"import of {order.request_id!r} not reported in {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def rig(model_dir):  # noqa: F811
+    rig = PDRig(model_dir, num_blocks=200, policy_blocks=40, seed=3)
+    yield rig
+    rig.role.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prefill(rig):
+    serial = len(rig.serial) + 1  # the first request the rig adds
+    prefill = FakePrefill.start(layers=rig.layers(), blocks=P_BLOCKS, num_blocks=64, serial=serial,
+                                block_size=BS, vllm_config=rig.vllm_config)
+    yield prefill
+    prefill.stop()
+
+
+def _check_bytes(rig: PDRig, order: ImportOrder) -> int:
+    """Every imported byte: host rows of every sparse layer, tail and indexer pages."""
+    serial = rig.serial[order.request_id]
+    pages = order.num_pages
+    positions = torch.arange(pages * BS)
+    written = positions < order.num_tokens
+    first_tail = pages - len(order.device_blocks)
+    checked = 0
+    for i, (lane, name, view) in enumerate((lane, n, v) for lane in rig.role.lanes
+                                           for n, v in zip(lane.layer_names, lane.device_layers)):
+        want = kv_rows(serial, positions, int(name.split(".")[2]), MLA_ROW_BYTES)
+        if order.host_blocks:
+            host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
+            assert torch.equal(rig.role.host_pool.layers[i][host_rows][written], want[written]), name
+        starts = [b[lane.sparse_index] * lane.layout.block_stride_rows for b in order.device_blocks]
+        device_rows = torch.cat([torch.arange(start, start + BS) for start in starts])
+        assert torch.equal(view[device_rows], want[first_tail * BS:]), (name, "device pages")
+        checked += int(written.sum())
+    for g, group in enumerate(rig.role.indexer_group_ids):
+        for name in rig.kv_cache_config.kv_cache_groups[group].layer_names:
+            want = kv_rows(serial, positions, 500 + int(name.split(".")[2]), INDEXER_ROW_BYTES)
+            got = rig.kv[name][order.indexer_blocks[g]].reshape(pages * BS, -1).view(torch.uint8)
+            assert torch.equal(got, want), name
+    return checked
+
+
+def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, prefill):
+    order = rig.begin("imp", prefill, num_tokens=NUM_TOKENS - 1)  # vLLM recomputes the last
+    assert rig.run_import(order)
+    assert _check_bytes(rig, order) > 0
+    assert prefill.notifications(expect=1) == ["p-imp:1"]  # the prefill may free its blocks
+    assert rig.role.importer.num_pages_staged == len(order.host_blocks)
+    assert rig.policy.finish_import("imp", success=True) == Outcome.OK
+    assert rig.policy.residency("imp") == Residency.NONE
+    rig.step({"imp": 1})  # the recomputed last prompt token
+    for _ in range(6):
+        rig.step({"imp": 1})
+    assert rig.reads_checked > 6 * 64
+    rig.policy.finish("imp")
+    rig.drain()
+    assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
+    assert sorted(rig.role.importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
+
+
+def test_resident_landing_reads_every_page_into_vllms_blocks(rig, prefill):
+    """Every page of every layer straight into the device blocks (no staging, no host)."""
+    rig.add("res")
+    pages = 10
+    leads = rig.policy.device_pool.get_new_blocks(pages)  # stand-ins for vLLM's blocks
+    first_free = rig.M * rig.num_groups + 1
+    order = ImportOrder("res", rig.remote(prefill, "res"), num_tokens=NUM_TOKENS, num_pages=pages,
+                        device_blocks=[rig.bundles[rig.lead(b)] for b in leads],
+                        indexer_blocks=[[first_free + 3 * p + 1 for p in range(pages)]
+                                        for _ in rig.role.indexer_group_ids])
+    staged = rig.role.importer.num_pages_staged
+    rig.serial["res"] = 1  # the prefill holds request 1's KV
+    assert rig.run_import(order)
+    _check_bytes(rig, order)
+    assert rig.role.importer.num_pages_staged == staged
+    assert prefill.notifications(expect=1) == ["p-res:1"]
+    rig.policy.device_pool.free_blocks(leads)
+    rig.policy.abort("res")
+
+
+def test_leases_are_renewed_on_every_prefill_rank(rig, prefill):
+    remote = rig.remote(prefill, "hb")
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    meta = HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles,
+                                     heartbeats=[Heartbeat(remote, ("p-a", "p-b"))])
+    rig.role.start_load_kv(meta)  # the prefill's registration is loaded already (cached)
+    rig.role.wait_for_save()
+    assert prefill.notifications(expect=1) == ["HB:p-a,p-b"]
+
+
+def _fail_and_check_whole(rig: PDRig, order: ImportOrder) -> None:
+    assert rig.run_import(order) is False
+    assert rig.policy.finish_import(order.request_id, success=False) == Outcome.RECOMPUTE
+    rig.policy.device_pool.free_blocks([b - 1 for b in (blocks[0] for blocks in order.device_blocks)])
+    rig.policy.abort(order.request_id)
+    rig.drain()
+    importer = rig.role.importer
+    assert not importer._imports and not importer._spills
+    assert sorted(importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
+    assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
+    assert rig.policy.device_pool.get_num_free_blocks() == rig.M
+
+
+def test_unreachable_prefill_fails_the_request(rig, prefill, monkeypatch):
+    monkeypatch.setattr(rig.role.importer, "handshake_timeout_s", 0.5)
+    order = rig.begin("lost", prefill)
+    order.remote = RemotePrefill(prefill.engine_id, "p-lost", "127.0.0.1", prefill.port + 1, 1,
+                                 order.remote.block_ids)  # nobody listens there
+    _fail_and_check_whole(rig, order)
+
+
+def test_a_foreign_engine_fails_the_request(rig, prefill):
+    order = rig.begin("foreign", prefill)
+    order.remote = RemotePrefill("another-engine", "p-foreign", "127.0.0.1", prefill.port, 1,
+                                 order.remote.block_ids)
+    _fail_and_check_whole(rig, order)
+    assert prefill.notifications(timeout_s=0.5) == []  # never read, never told
+
+
+def test_the_deadline_fails_an_import_whose_reads_are_in_flight(rig, prefill, monkeypatch):
+    """The clock jumps past the deadline as soon as the reads are posted: the request is
+    reported failed only once no read of it is in flight, and the prefill is told."""
+    importer = rig.role.importer
+    monkeypatch.setattr(importer, "_clock", lambda: 1e9 if any(
+        i.started for i in importer._imports.values()) else 0.0)
+    order = rig.begin("late", prefill)
+    _fail_and_check_whole(rig, order)
+    assert prefill.notifications(expect=1) == ["p-late:1"]
+
+
+def test_missing_prefill_blocks_fail_before_any_read(rig, prefill):
+    order = rig.begin("short", prefill, block_ids=P_BLOCKS[:4])
+    _fail_and_check_whole(rig, order)
+
+
+@pytest.mark.slow
+def test_a_prefill_lost_in_the_middle_of_the_staging(model_dir, monkeypatch):  # noqa: F811
+    """Partial transfer: one staging page per chunk, the prefill killed after the first
+    chunks landed; the request fails, what was staged is dropped with its host blocks."""
+    monkeypatch.setattr(worker_import, "IMPORT_STAGING_PAGES", 2)
+    rig = PDRig(model_dir, num_blocks=200, policy_blocks=40, seed=4)
+    prefill = FakePrefill.start(layers=rig.layers(), blocks=P_BLOCKS, num_blocks=64, serial=1,
+                                block_size=BS, vllm_config=rig.vllm_config)
+    try:
+        order = rig.begin("cut", prefill)
+        cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+        rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles,
+                                                         imports=[order]))
+        rig.role.wait_for_save()
+        importer = rig.role.importer
+        deadline = time.monotonic() + 60
+        while importer.num_pages_staged < 2 and time.monotonic() < deadline:
+            rig.role.get_transfer_results()
+            time.sleep(0.002)
+        assert 2 <= importer.num_pages_staged < len(order.host_blocks)
+        prefill.kill()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            results = rig.role.get_transfer_results()
+            if "cut" in results.finished_recving:
+                assert "cut" in results.failed_recving
+                break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("the cut import was never reported")
+        assert rig.policy.finish_import("cut", success=False) == Outcome.RECOMPUTE
+        assert not importer._imports and not importer._spills
+        assert sorted(importer._free_slots) == [0, 1]
+    finally:
+        prefill.stop()
+        rig.role.shutdown()

@@ -1,0 +1,375 @@
+"""P/D decode consumer, scheduler side: where a prefill's KV lands on this decode instance.
+
+The prefill instance runs stock vLLM with NixlConnector (``kv_producer``). A request it
+prefilled arrives here with ``kv_transfer_params`` (``do_remote_prefill`` and where its
+blocks are). This connector loads it itself (``worker_import``, over NIXL): vLLM's own
+NixlConnector cannot read into this connector's KV plan (measured: its handshake refuses
+"Packed KV block rows differ between P and D", docs/vllm-integration.md, "P/D decode
+consumer"). The landing is decided once, when vLLM admits the request:
+
+* **resident**, when the whole prefix (and its first decode token) fits the free device
+  pool in every KV cache group: vLLM allocates every page and the workers read them into
+  those blocks; from the request's first step the policy adopts them as a FULL request
+  (computed tokens, mirrored to the host like a device prefix-cache hit);
+* **host**, otherwise: vLLM allocates the indexer pages and the sparse-MLA tail pages only
+  (``ResidencyAwareManager`` leaves the other sparse pages null, asking
+  :meth:`PDImports.import_null_pages`), the policy hands out host blocks and a hot region
+  (``ResidencyPolicy.begin_import`` with the tail blocks), and the workers read the
+  sparse-MLA rows into the host pool, the tail and indexer pages into vLLM's blocks. When
+  vLLM reports the request in ``finished_recving`` the policy activates it NONE at once
+  (``finish_import``).
+
+Either way the request waits in ``WAITING_FOR_REMOTE_KVS`` until every worker reported it
+(``finished_recving``); a failed read (``failed_recving``) ends it as vLLM's
+``kv_load_failure_policy`` says, alone. While a P/D request waits here or is being read,
+the prefill's lease on its blocks is renewed (:class:`~import_order.Heartbeat`); a request
+aborted before admission tells the prefill to free them (``ImportAction.RELEASE``).
+
+Composition: this connector alone (``kv_role`` ``kv_consumer``), or the first child of a
+MultiConnector. A NixlConnector consumer listed before it would claim P/D requests and
+fail to load them: refused at startup.
+
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`, first in
+its bases: ``offer``, ``update_state_after_alloc``, ``update_connector_output`` and
+``on_new_request`` see P/D requests first and hand everything else on; the role calls
+``_start_imports`` / ``_pd_heartbeats`` in ``build_connector_meta``, ``_pd_finished``
+from ``request_finished_all_groups`` and ``_pd_ending`` / ``_pd_forget`` when a request ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hisparse.core.errors import BackPressure
+from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between lease renewals of the prefill blocks of waiting or loading requests
+#: (vLLM's NixlConnector: every kv_lease_duration / 6, 30 s / 6 by default).
+PD_HEARTBEAT_EVERY_S = 5.0
+
+#: ``kv_role`` of our entry that makes this instance a P/D decode consumer (``kv_both``, the
+#: colocated default, does not: it would need NIXL on every instance).
+_CONSUMER_ROLES = ("kv_consumer",)
+
+
+class Landing(enum.Enum):
+    RESIDENT = "resident"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class PDComposition:
+    """Whether this connector reads P/D requests, why not, and the settings of a
+    NixlConnector child (``backends``, ``enforce_handshake_compat``), if one is composed."""
+
+    enabled: bool
+    reason: str
+    nixl_extra_config: dict
+
+
+def pd_composition(kv: Any) -> PDComposition:
+    """Read the composing ``kv_transfer_config`` (``compat.composing_kv_transfer_config``:
+    a MultiConnector child sees only its own entry). Raises :class:`HiSparseConfigError`
+    when a NixlConnector consumer is listed before this connector."""
+    if kv is None:
+        return PDComposition(False, "no kv_transfer_config", {})
+    if kv.kv_connector == CONNECTOR_NAME:
+        if kv.kv_role not in _CONSUMER_ROLES:
+            return PDComposition(False, f"kv_role={kv.kv_role!r} is not a consumer", {})
+        return PDComposition(True, "", {})
+    if kv.kv_connector != "MultiConnector":
+        return PDComposition(False, f"kv_connector={kv.kv_connector!r}", {})
+    children = list((kv.kv_connector_extra_config or {}).get("connectors") or [])
+    names = [c.get("kv_connector") for c in children]
+    if CONNECTOR_NAME not in names:
+        return PDComposition(False, "nested MultiConnector", {})
+    ours = names.index(CONNECTOR_NAME)
+    nixl = [i for i, (name, c) in enumerate(zip(names, children))
+            if name in compat.NIXL_PULL_CONNECTORS
+            and c.get("kv_role", kv.kv_role) in ("kv_consumer", "kv_both")]
+    extra = dict(children[nixl[0]].get("kv_connector_extra_config") or {}) if nixl else {}
+    if nixl and nixl[0] < ours:
+        raise HiSparseConfigError(
+            f"kv_transfer_config lists {names[nixl[0]]} (kv_consumer) before {CONNECTOR_NAME}: "
+            "vLLM lets the first child that reports tokens load a request, and NixlConnector "
+            f"cannot read into {CONNECTOR_NAME}'s KV plan (it refuses: packed KV block rows "
+            f"differ between P and D); accepted: {CONNECTOR_NAME} first, which reads P/D "
+            "requests itself (NixlConnector is then not needed on the decode instance)")
+    role = children[ours].get("kv_role", kv.kv_role)
+    if role not in _CONSUMER_ROLES:
+        return PDComposition(False, f"kv_role={role!r} is not a consumer", extra)
+    if ours != 0:
+        return PDComposition(False, f"{CONNECTOR_NAME} is not the first MultiConnector child "
+                             "(the first child that reports tokens loads a request)", extra)
+    return PDComposition(True, "", extra)
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """A landing offered to vLLM and not yet admitted."""
+
+    landing: Landing
+    num_external_tokens: int  # what this connector reported (vLLM's external tokens)
+    num_tokens: int  # computed tokens once loaded (the last prompt token is recomputed)
+    null_pages: int  # host landing: sparse pages vLLM leaves null
+    remote: RemotePrefill
+
+
+class PDImports:
+    """Landing decision and import bookkeeping (module docstring)."""
+
+    def _init_pd_imports(self, vllm_config: Any) -> None:
+        # Called from the constructor: the composing MultiConnector is on the stack.
+        self.pd = pd_composition(compat.composing_kv_transfer_config(vllm_config))
+        self._pd_backoff = compat.prefill_backoff_tokens(vllm_config)
+        self._pd_offers: dict[str, _Offer] = {}
+        self._pd_tracking = False  # managers count the host offers' null pages
+        self._pd_claimed: list[tuple[str, _Offer]] = []  # admitted, to order next build
+        self._pd_importing: dict[str, ImportOrder] = {}
+        self._pd_releases: list[ImportOrder] = []
+        self._pd_leases: dict[str, RemotePrefill] = {}  # heartbeats: waiting or loading
+        self._pd_restarting: set[str] = set()  # failed imports vLLM frees
+        self._pd_clock = time.monotonic
+        self._pd_next_heartbeat_s = 0.0
+        self.num_pd_landings = {Landing.RESIDENT: 0, Landing.HOST: 0}
+        if self.pd.enabled:
+            logger.info("%s: P/D decode consumer: requests from a NixlConnector prefill are read "
+                        "by this connector, resident when the whole prefix fits the device pool, "
+                        "else into the host tier", CONNECTOR_NAME)
+
+    def _pd_remote(self, request: Any) -> RemotePrefill | None:
+        if not self.pd.enabled:
+            return None
+        return RemotePrefill.from_params(getattr(request, "kv_transfer_params", None))
+
+    def on_new_request(self, request: Any) -> None:
+        """A P/D request arrived: renew the prefill's lease on its blocks until it is read."""
+        remote = self._pd_remote(request)
+        if remote is not None:
+            self._pd_leases[request.request_id] = remote
+
+    # ------------------------------------------------------------------ admission
+    def offer(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """P/D requests: claim them with the decided landing (``None`` keeps the request
+        waiting for room); every other request goes to the admission gate."""
+        remote = self._pd_remote(request)
+        rid = request.request_id
+        if remote is None or rid in self._requests:
+            return super().offer(request, num_computed_tokens)
+        self._pd_drop_offer(rid)
+        if self.host_pool.num_allocatable_blocks - self._host_outstanding < self._host_pages_for(request):
+            return None, False  # host back-pressure, as for every request
+        prompt = request.num_prompt_tokens
+        remote_tokens = prompt - self._pd_backoff if self._pd_backoff and prompt > self._pd_backoff else prompt
+        num_external = remote_tokens - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        landing, shortfall = self._pd_decide(request, num_computed_tokens, num_external)
+        if landing is None:
+            self._require_policy().note_device_demand(cdiv(shortfall, len(self.sparse_group_ids)))
+            self._stats.add("num_admissions_deferred", 1)
+            return None, False
+        num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
+        null_pages = max(0, cdiv(num_tokens, self.block_size) - ACTIVE_TAIL_PAGES)
+        self._pd_offers[rid] = _Offer(landing, num_external, num_tokens,
+                                      null_pages if landing == Landing.HOST else 0, remote)
+        self._pd_track_offers()
+        # Not admitted (vLLM could not allocate) is unmet device demand.
+        self._offered = (rid, cdiv(num_external + 1, self.block_size) if landing == Landing.RESIDENT
+                         else ACTIVE_TAIL_PAGES + 1 + self.hisparse_config.hot_blocks_per_request)
+        return num_external, True
+
+    def _pd_decide(self, request: Any, num_computed_tokens: int,
+                   num_external: int) -> tuple[Landing | None, int]:
+        """``(landing, 0)``, or ``(None, vLLM blocks missing)`` when neither fits now.
+
+        Blocks a landing takes now, in vLLM blocks (``G`` groups, ``S`` of them
+        sparse): resident, the prompt and its first decode token in every group; host, the
+        same in the non-sparse groups plus, in every sparse group, the tail pages (one
+        more for the first decode token) and the hot region. Both leave the running
+        requests room to grow, as the admission gate does: one page crossing in every
+        group, and a page of every running request in the groups no release can offset
+        (nothing to protect on an idle engine). A local prefix hit, or prompt tokens left
+        to prefill after the load (R1, docs/core.md), lands resident only."""
+        bs = self.block_size
+        groups = self._num_kv_groups
+        sparse = len(self.sparse_group_ids)
+        pages = cdiv(num_external + 1, bs)
+        free = self.device_pool.block_pool.get_num_free_blocks()
+        reserve = groups + len(self._requests) * (groups - sparse) if self._requests else 0
+        resident = pages * groups
+        if resident + reserve <= free:
+            return Landing.RESIDENT, 0
+        num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
+        if num_computed_tokens or request.num_tokens - num_tokens > self.max_decode_query_len:
+            return None, resident + reserve - free
+        tail = min(ACTIVE_TAIL_PAGES, cdiv(num_tokens, bs)) + 1
+        host = pages * (groups - sparse) + (tail + self.hisparse_config.hot_blocks_per_request) * sparse
+        if host + reserve <= free:
+            return Landing.HOST, 0
+        return None, host + reserve - free
+
+    def _pd_drop_offer(self, rid: str) -> _Offer | None:
+        offer = self._pd_offers.pop(rid, None)
+        if offer is not None and offer.landing == Landing.HOST:
+            self._pd_track_offers()
+        return offer
+
+    def _pd_track_offers(self) -> None:
+        """Our sparse-group managers count null pages only while a host landing is offered."""
+        pending = any(o.landing == Landing.HOST for o in self._pd_offers.values())
+        if pending != self._pd_tracking:
+            self._pd_tracking = pending
+            for manager in self._managers:
+                manager.track_import_offers(pending)
+
+    def import_null_pages(self, request_id: str, num_external_tokens: int, num_local_tokens: int) -> int:
+        """``ResidencyAwareManager`` asks, while vLLM allocates a waiting request: how many
+        leading sparse-MLA pages to leave null (a host landing reads them into the host
+        pool only). 0 for anything but a host landing this connector offered."""
+        offer = self._pd_offers.get(request_id)
+        if offer is None or num_local_tokens or num_external_tokens != offer.num_external_tokens:
+            return 0
+        return offer.null_pages
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        offer = self._pd_drop_offer(rid)
+        if offer is None:
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        if num_external_tokens != offer.num_external_tokens:
+            raise RuntimeError(
+                f"{CONNECTOR_NAME}: request {rid!r} was offered a {offer.landing.value} landing of "
+                f"{offer.num_external_tokens} tokens but allocated with {num_external_tokens} "
+                "external tokens (is another MultiConnector child listed before this one?)")
+        # Loaded here: a NixlConnector sibling must neither read it nor tell the prefill to
+        # free its blocks now (its "nothing to load" path).
+        request.kv_transfer_params["do_remote_prefill"] = False
+        super().update_state_after_alloc(request, blocks, 0)
+        if offer.landing == Landing.HOST:
+            pages = cdiv(offer.num_tokens, self.block_size)
+            taken = min(pages, self._host_remaining.get(rid, 0))
+            self._host_remaining[rid] -= taken
+            self._host_outstanding -= taken
+        self._pd_claimed.append((rid, offer))
+        self.num_pd_landings[offer.landing] += 1
+        self._stats.add(f"num_pd_{offer.landing.value}_landings", 1)
+
+    # ------------------------------------------------------------------ the step
+    def _start_imports(self, new_rows: dict[str, int]) -> list[ImportOrder]:
+        """Requests admitted since the last step get their orders (host landings enter
+        the policy: host blocks, the engine's tail pages, a hot region); releases ride along."""
+        claimed, self._pd_claimed = self._pd_claimed, []
+        orders, self._pd_releases = self._pd_releases, []
+        for rid, offer in claimed:
+            if rid not in self._requests:
+                continue  # freed before its first step
+            if offer.landing == Landing.HOST:
+                order = self._begin_host_landing(rid, offer, new_rows)
+            else:
+                pages = cdiv(offer.num_tokens, self.block_size)
+                tables = [m.req_to_blocks[rid] for m in self._managers]
+                order = ImportOrder(rid, offer.remote, offer.num_tokens, pages,
+                                    device_blocks=[[t[p].block_id for t in tables] for p in range(pages)],
+                                    indexer_blocks=self._pd_indexer_blocks(rid, pages))
+            self._pd_importing[rid] = order
+            orders.append(order)
+        return orders
+
+    def _pd_indexer_blocks(self, rid: str, pages: int) -> list[list[int]]:
+        return [[m.req_to_blocks[rid][p].block_id for p in range(pages)] for m in self._indexer_managers]
+
+    def _begin_host_landing(self, rid: str, offer: _Offer, new_rows: dict[str, int]) -> ImportOrder:
+        policy = self._require_policy()
+        new_rows[rid] = self._add_request(rid)
+        self._adopted_tokens = 0  # not scheduled this step
+        if rid in self._prefilling:  # at most max_decode_query_len tokens left (offer)
+            self._prefilling.discard(rid)
+            policy.set_prefilling(rid, False)
+        pages = cdiv(offer.num_tokens, self.block_size)
+        tables = [m.req_to_blocks[rid] for m in self._managers]
+        tail_pages = range(pages - min(ACTIVE_TAIL_PAGES, pages), pages)
+        leads = [self.device_pool.adopt([t[p] for t in tables]) for p in tail_pages]
+        order = ImportOrder(rid, offer.remote, offer.num_tokens, pages,
+                            device_blocks=[self.device_pool.bundle_block_ids(lead) for lead in leads],
+                            indexer_blocks=self._pd_indexer_blocks(rid, pages))
+        try:
+            order.host_blocks = policy.begin_import(rid, offer.num_tokens, tail_device_blocks=leads)
+        except BackPressure as exc:
+            logger.warning("%s: host landing of request %r refused (%s); vLLM fails or "
+                           "recomputes it (kv_load_failure_policy)", CONNECTOR_NAME, rid, exc)
+            order.action = ImportAction.CANCEL
+        return order
+
+    def _pd_pending(self) -> bool:
+        return bool(self._pd_claimed or self._pd_releases)
+
+    def _pd_heartbeats(self) -> list[Heartbeat]:
+        """Every ``PD_HEARTBEAT_EVERY_S``: the prefill requests to keep, per engine."""
+        if not self._pd_leases:
+            return []
+        now = self._pd_clock()
+        if now < self._pd_next_heartbeat_s:
+            return []
+        self._pd_next_heartbeat_s = now + PD_HEARTBEAT_EVERY_S
+        by_engine: dict[tuple, list[RemotePrefill]] = {}
+        for remote in self._pd_leases.values():
+            by_engine.setdefault(remote.engine_key, []).append(remote)
+        return [Heartbeat(group[0], tuple(r.request_id for r in group)) for group in by_engine.values()]
+
+    # ------------------------------------------------------------------ outcomes
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Imports the workers finished (vLLM aggregates ``finished_recving`` over every
+        worker; ``failed_recving`` when one failed): a host landing is activated NONE, or
+        gets its host blocks and hot region back (vLLM then fails or recomputes the request
+        alone). Then the acks."""
+        if self._pd_importing:
+            finished = connector_output.finished_recving or ()
+            failed = connector_output.failed_recving or set()
+            policy = self._require_policy()
+            for rid in [r for r in finished if r in self._pd_importing]:
+                order = self._pd_importing.pop(rid)
+                self._pd_leases.pop(rid, None)
+                ok = rid not in failed and order.action is ImportAction.READ
+                self._stats.add("num_pd_imported_pages" if ok else "num_pd_import_failures",
+                                order.num_pages if ok else 1)
+                if not ok:
+                    self._pd_restarting.add(rid)
+                    logger.warning("%s: P/D import of request %r failed; vLLM fails or "
+                                   "recomputes it (kv_load_failure_policy)", CONNECTOR_NAME, rid)
+                if policy.has_request(rid) and policy.status(rid).name == "IMPORTING":
+                    policy.finish_import(rid, ok)
+        super().update_connector_output(connector_output)
+
+    def _pd_finished(self, request: Any) -> None:
+        """vLLM finished a request (``request_finished_all_groups``). One that never got
+        admitted still holds the prefill's blocks: tell the prefill to free them."""
+        rid = request.request_id
+        if rid in self._requests or rid in self._pd_importing:
+            return  # admitted: its import ends it (and its lease renewals)
+        remote = self._pd_leases.pop(rid, None)
+        if remote is not None:
+            self._pd_releases.append(ImportOrder(rid, remote, 0, 0, action=ImportAction.RELEASE))
+
+    def _pd_ending(self, rid: str) -> None:
+        """vLLM frees a request (``_end_request``): a failed import it frees (and may
+        recompute) ends as finished, not as a preemption."""
+        if rid in self._pd_restarting:
+            self._pd_restarting.discard(rid)
+            self._finishing.add(rid)
+
+    def _pd_forget(self, rid: str) -> None:
+        self._pd_drop_offer(rid)
+        self._pd_restarting.discard(rid)
+        if rid not in self._pd_importing:
+            self._pd_leases.pop(rid, None)
