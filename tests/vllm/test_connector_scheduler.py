@@ -322,14 +322,31 @@ def test_as_a_multiconnector_child_next_to_offloading(small_topk_model_dir):
     assert (residency.host_pool.ref_counts == 0).all()
 
 
-def test_host_back_pressure_keeps_requests_waiting(small_topk_model_dir):
-    """A host pool that backs only a few whole requests: the rest wait, none crash."""
+def test_a_small_host_pool_runs_the_rest_unmanaged(small_topk_model_dir):
+    """A host pool that backs only a few whole requests: the policy manages that many at a
+    time; the others run unmanaged (every page on the device, as without the connector),
+    so the host pool never lowers concurrency below vLLM's own. No crash, no leak."""
+    without = run(build(small_topk_model_dir, connector=False, extra={"host_pool_gib": 0.02}))
     harness = build(small_topk_model_dir, extra={"host_pool_gib": 0.02})
-    host_blocks = harness.residency.host_pool.num_blocks
+    role = harness.residency
+    host_blocks = role.host_pool.num_blocks
     per_request = (1024 + 512) // 64
     assert host_blocks < WORKLOAD["count"] * per_request
+    real = role.build_connector_meta
+    managed, unmanaged = [], []
+
+    def counted(scheduler_output):
+        meta = real(scheduler_output)
+        managed.append(len(role._requests))
+        unmanaged.append(len(role._unmanaged))
+        return meta
+
+    role.build_connector_meta = counted
     stats = run(harness)
-    assert stats.peak_running <= host_blocks // per_request
+    assert max(managed) <= host_blocks // per_request
+    assert max(unmanaged) > 0
+    assert role._stats.data.get("num_unmanaged_admissions", 0) + sum(unmanaged) > 0
+    assert stats.peak_running >= without.peak_running
 
 
 def test_metadata_is_built_without_touching_scheduler_output(small_topk_model_dir):

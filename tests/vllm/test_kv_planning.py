@@ -240,3 +240,21 @@ def test_engine_capacity_report(configured):
     # 128 pages per 8192-token request; 6 groups -> 768 blocks without residency.
     assert report.max_concurrency_without_residency == 19_999 // 768
     assert report.max_concurrency_steady > report.max_concurrency_without_residency
+
+
+def test_the_scheduler_sees_the_host_block_the_workers_allocate(configured):
+    """The engine hands the scheduler each group collapsed to its first layer's spec
+    (``generate_scheduler_kv_cache_config``). Reading a page per group from that sized
+    the scheduler's host pool 14x too large for DeepSeek-V3.2 (5 groups of 13 layers read
+    as 13 times fewer bytes per block): the workers then failed every transfer into a host
+    block past their pool. Both forms give the same host block and the same report."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    for specs in (deepseek_v32_specs(), glm_index_share_specs()):
+        full = plan(configured, specs, num_blocks=20_000)
+        scheduler = generate_scheduler_kv_cache_config([full])
+        assert host_page_bytes(scheduler) == host_page_bytes(full)
+        config = resolve_config(configured)
+        assert engine_capacity_report(configured, scheduler, config) == \
+            engine_capacity_report(configured, full, config)
+    assert sum(host_page_bytes(scheduler)) == 78 * MLA_PAGE + 26 * INDEXER_PAGE

@@ -183,6 +183,14 @@ class ResidencyPolicy:
         """
         return self._planner.num_device_blocks_pending_release()
 
+    def num_device_blocks_saved(self) -> int:
+        """Device blocks residency spares now: pages of known requests that hold no device
+        lease (released, or host-only) minus the blocks of every hot region. What the
+        requests would hold on top of today's leases if every page were resident; negative
+        while hot regions cost more than the pages released. O(rows), numpy."""
+        t = self.tables
+        return int(t.num_pages.sum() - t.num_pinned.sum()) - self._leases.num_hot_blocks_leased
+
     def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Pages of ``block_hashes`` published in the host pool (no lease taken)."""
         return len(self._prefixes.lookup(block_hashes))

@@ -2,8 +2,9 @@
 
 Once per step (:meth:`ResidencyTransitions.apply_pressure`, from ``build_step``):
 
-* requests whose page count first crossed the admission window are demoted (a prefilling
-  one waits for its prompt to complete: R1.a);
+* requests whose page count first crossed the admission window are demoted when that
+  gains blocks (more non-tail pages than the hot region; a prefilling one waits for its
+  prompt to complete: R1.a);
 * under pressure (free device blocks below the low watermark, or unmet demand this step)
   requests are demoted in the order of :func:`pressure.demotion_candidates` until the
   deficit is covered;
@@ -143,7 +144,10 @@ class ResidencyTransitions:
                     continue
                 if req.prefilling:  # R1.a: wait for the prompt to complete
                     self._window_waiting.add(row)
-                elif req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE:
+                elif (req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE
+                      and self.tables.num_pages[row] - ACTIVE_TAIL_PAGES > req.hot_blocks):
+                    # Only when it gains blocks: a hot region as large as the request's
+                    # releasable pages would cost the pool and add host reads.
                     demoted |= self.demote(req)
             self._window_candidates.clear()
         free = self.device_pool.get_num_free_blocks()

@@ -71,11 +71,13 @@ __all__ = [
     "KVCacheSpecRegistry",
     "KVConnectorOutput",
     "RESIDENCY_GROUP_ROLE",
+    "admission_watermark_blocks",
     "assign_group_role",
     "group_managers",
     "kv_load_failure_policy",
     "prefix_cache_geometry",
     "multi_connector_types",
+    "num_allocated_pages",
     "register_residency_manager",
     "residency_manager_registered",
     "CUDAGraphMode",
@@ -109,6 +111,7 @@ __all__ = [
     "resolve_kv_cache_config_builder",
     "resolved_kv_cache_layout",
     "scheduler_classes",
+    "set_admission_watermark_blocks",
 ]
 
 #: What ``Platform.get_kv_cache_config_builder_cls`` returns in vLLM 0.33 for every
@@ -238,6 +241,27 @@ def prefix_cache_geometry(kv_cache_manager: Any) -> tuple[bool, int]:
     """``(enable_caching, hash_block_size)`` of a ``KVCacheManager``: whether requests'
     ``block_hashes`` are maintained, and how many tokens one hash covers."""
     return bool(kv_cache_manager.enable_caching), int(kv_cache_manager.block_pool.hash_block_size)
+
+
+def admission_watermark_blocks(kv_cache_manager: Any) -> int:
+    """``KVCacheManager.watermark_blocks``: free blocks that the allocation of a WAITING or
+    PREEMPTED request must leave over, while any request runs (``allocate_slots``:
+    ``v1/core/kv_cache_manager.py:518-547,583``; from ``SchedulerConfig.watermark``)."""
+    return int(kv_cache_manager.watermark_blocks)
+
+
+def set_admission_watermark_blocks(kv_cache_manager: Any, num_blocks: int) -> None:
+    """Set the watermark :func:`admission_watermark_blocks` reads. vLLM reads it at each
+    ``allocate_slots`` call, so a value set before a waiting request's allocation (in
+    ``get_num_new_matched_tokens``) gates exactly that admission; a failed allocation makes
+    the scheduler stop admitting for the step, as when the pool is full."""
+    kv_cache_manager.watermark_blocks = int(num_blocks)
+
+
+def num_allocated_pages(blocks: Any) -> int:
+    """Pages a request holds in its first KV cache group: ``KVCacheBlocks.blocks[0]`` of the
+    blocks vLLM hands ``update_state_after_alloc`` (prefix hits included)."""
+    return len(blocks.blocks[0]) if blocks is not None and blocks.blocks else 0
 
 
 def kv_load_failure_policy(vllm_config: VllmConfig) -> str:

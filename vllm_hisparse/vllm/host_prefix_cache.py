@@ -56,8 +56,14 @@ class HostPrefixCache:
         return True
 
     def _host_hit_pages(self, request: Any, local_pages: int) -> int:
-        """Published host pages of ``request`` past its first ``local_pages`` pages."""
+        """Published host pages of ``request`` past its first ``local_pages`` pages.
+
+        None when the tokens left to compute fit in one prefill chunk: a load keeps the
+        request waiting a step (``WAITING_FOR_REMOTE_KVS``) while recomputing them takes
+        that one step anyway, so the load would only delay it."""
         if not self.host_prefix_cache:
+            return 0
+        if request.num_tokens - local_pages * self.block_size <= self._max_chunk_tokens:
             return 0
         max_pages = (request.num_tokens - 1) // self.block_size  # leave a token to compute
         if max_pages <= local_pages:

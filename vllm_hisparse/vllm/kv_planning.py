@@ -402,9 +402,22 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
         return split.groups
 
 
-def host_block_bytes(sparse_groups: Iterable[KVCacheGroupSpec]) -> int:
-    """Bytes of one page of every layer of ``sparse_groups`` (any groups, summed)."""
-    return sum(group.kv_cache_spec.page_size_bytes for group in sparse_groups)
+def group_page_bytes(group: KVCacheGroupSpec) -> int:
+    """Bytes of one page of every layer of ``group``.
+
+    The engine hands the scheduler each group collapsed to its first layer's spec
+    (``generate_scheduler_kv_cache_config``); the layers of a group share one page size
+    (``UniformTypeKVCacheSpecs``), so a collapsed group is its layer count times that
+    page. The workers' config keeps the per-layer specs: the same number either way."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.page_size_bytes
+    return spec.page_size_bytes * len(group.layer_names)
+
+
+def host_block_bytes(groups: Iterable[KVCacheGroupSpec]) -> int:
+    """Bytes of one page of every layer of ``groups`` (summed)."""
+    return sum(group_page_bytes(group) for group in groups)
 
 
 def indexer_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:

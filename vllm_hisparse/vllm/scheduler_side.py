@@ -177,10 +177,17 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._cached_rows: np.ndarray | None = None
         # Unmet device demand: the last waiting request offered to us this step.
         self._offered: tuple[str, int] | None = None
-        # Device headroom gate (offer): requests let through this step (id -> pages they
-        # will need) and whether one was deferred (then later offers wait too, FCFS).
+        # Admission (admission.py): requests let through this step (id -> prompt pages
+        # still to allocate), vLLM's admission watermark as configured, the request just
+        # offered without host backing, and the admitted requests that run unmanaged.
         self._let_through: dict[str, int] = {}
-        self._admission_closed = False
+        # Requests admitted with a host-prefix load that have not run yet: id -> prompt
+        # pages still to allocate (reserved in the admission watermark).
+        self._loading: dict[str, int] = {}
+        self._kv_cache_manager: Any = None
+        self._base_watermark_blocks = 0
+        self._offered_unmanaged: str | None = None
+        self._unmanaged: set[str] = set()
         # get_kv_connector_stats: report at most every _STATS_EVERY_STEPS calls.
         self._stats_calls = 0
         # The acks: one vote per (transfer, worker rank); a transfer without every
@@ -240,6 +247,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._managers = managers
         self._indexer_managers = compat.group_managers(kv_cache_manager, self.indexer_group_ids)
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
+        self._kv_cache_manager = kv_cache_manager
+        self._base_watermark_blocks = compat.admission_watermark_blocks(kv_cache_manager)
         self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
         self.host_prefix_cache = self._host_prefix_cache_usable(kv_cache_manager)
 
@@ -267,10 +276,14 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self.check_ack_deadline()
         scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
         # The admission pass of this step is over (offer).
-        if self._let_through:
-            self._let_through.clear()
-        self._admission_closed = False
         self._note_unadmitted(scheduled)
+        self._end_admission_pass()
+        if self._unmanaged:
+            # Requests the host pool could not back run as vLLM runs them without us.
+            scheduled = {rid: n for rid, n in scheduled.items() if rid not in self._unmanaged}
+        if self._loading:
+            for rid in [rid for rid in self._loading if scheduled.get(rid)]:
+                del self._loading[rid]  # its load is done and it runs: vLLM allocated the rest
         if self._prefilling:
             self._update_prefilling(scheduled)
         new_rows: dict[str, int] = {}
@@ -481,6 +494,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self._prefilling.discard(rid)
         self._requests.pop(rid, None)
         self._finishing.discard(rid)
+        self._unmanaged.discard(rid)
+        self._loading.pop(rid, None)
         self._non_full.discard(rid)
         self._host_outstanding -= self._host_remaining.pop(rid, 0)
 
