@@ -27,8 +27,14 @@ derived from vLLM's own layout function.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.vllm.dsa_specs import dsa_layer_specs
 from tests.vllm.scheduler_harness import SchedulerHarness
@@ -165,3 +171,57 @@ def build(system: str, setup: Setup) -> SchedulerHarness:
         vllm_config.kv_transfer_config = compat.KVTransferConfig(kv_connector=NOOP_CONNECTOR,
                                                                  kv_role="kv_both")
     return SchedulerHarness(vllm_config, kv_cache_config, worker=worker)
+
+
+# ---------------------------------------------------------------------------------------
+# Child processes, timed or counted by callgrind
+# ---------------------------------------------------------------------------------------
+
+# Callgrind client requests (valgrind/callgrind.h), compiled on first use: instruction
+# counts of exactly the measured region are deterministic, unlike times on a shared VM.
+_CALLGRIND_SOURCE = """#include <valgrind/callgrind.h>
+void hs_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void hs_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+"""
+
+
+def callgrind_controls() -> tuple[Any, Any]:
+    """``(start_instrumentation, toggle_collect)`` as ctypes functions (in a process that
+    runs under ``valgrind --tool=callgrind --instr-atstart=no --collect-atstart=no``)."""
+    import ctypes
+
+    out = Path(tempfile.mkdtemp()) / "libhs_callgrind.so"
+    src = out.with_suffix(".c")
+    src.write_text(_CALLGRIND_SOURCE)
+    done = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"--instructions needs a C compiler and valgrind's callgrind.h:\n{done.stderr}")
+    lib = ctypes.CDLL(str(out))
+    return lib.hs_start, lib.hs_toggle
+
+
+def run_child(cmd: list[str], label: str, *, callgrind: bool = False) -> tuple[dict, int | None]:
+    """Run ``cmd`` (a Python child that prints one JSON line last); under callgrind also
+    return the instructions it counted (None otherwise)."""
+    env = None
+    out_file = None
+    if callgrind:
+        out_file = Path(tempfile.mkdtemp()) / "callgrind.out"
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+               f"--callgrind-out-file={out_file}", *cmd]
+        # Same string hashes in every run: dict layouts, hence instruction counts, repeat.
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{label} run failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if out_file is None:
+        return result, None
+    totals = [line for line in out_file.read_text().splitlines() if line.startswith(("totals:", "summary:"))]
+    return result, int(totals[-1].split()[1])
+
+
+def python_child(script: str, *args: str) -> list[str]:
+    """The command line that runs a benchmark script as a child."""
+    return [sys.executable, script, *args]

@@ -231,6 +231,35 @@ def test_admission_watermark_gates_waiting_requests_only():
     assert manager.watermark_blocks == 17
 
 
+def test_lockstep_coordinator_internals():
+    """What ``lockstep.py`` overrides and reads: the four per-step methods keep their
+    signatures, the managers' fast paths are the ones it answers for."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
+
+    hybrid = compat.hybrid_coordinator_class()
+    assert issubclass(hybrid, KVCacheCoordinator)
+    for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
+                 "remove_skipped_blocks"):
+        assert params(getattr(LockstepCoordinator, name)) == params(getattr(hybrid, name)), name
+    init = inspect.getsource(KVCacheCoordinator.__init__)
+    for needle in ("self.single_type_managers = tuple(", "self.drop_eagle_group_ids",
+                   "self.retention_interval"):
+        assert needle in init
+    hybrid_init = inspect.getsource(hybrid.__init__)
+    assert "self.hash_block_size = hash_block_size" in hybrid_init
+    assert "self.enable_partial_hash_hits = (" in hybrid_init
+    full = compat.FullAttentionManager
+    # The managers' own answers the lockstep fast paths reproduce.
+    assert "if request_id in self.num_cached_block:" in inspect.getsource(full.get_num_blocks_to_allocate)
+    assert "return max(num_required_blocks - num_req_blocks, 0)" in \
+        inspect.getsource(full.get_num_blocks_to_allocate)
+    assert "if num_cached_blocks >= num_full_blocks:" in inspect.getsource(full.__mro__[1].cache_blocks)
+    assert "if num_skipped_tokens <= 0:" in inspect.getsource(full.remove_skipped_blocks)
+    assert "if num_new_blocks <= 0:" in inspect.getsource(full.allocate_new_blocks)
+
+
 def test_num_allocated_pages_reads_the_first_groups_blocks():
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 

@@ -74,6 +74,8 @@ __all__ = [
     "admission_watermark_blocks",
     "assign_group_role",
     "group_managers",
+    "hybrid_coordinator_class",
+    "kv_cache_coordinator",
     "kv_load_failure_policy",
     "prefix_cache_geometry",
     "multi_connector_types",
@@ -235,6 +237,19 @@ def group_managers(kv_cache_manager: Any, group_ids: tuple[int, ...]) -> list[An
     """The single-type managers of ``group_ids`` inside a ``KVCacheManager``."""
     managers = kv_cache_manager.coordinator.single_type_managers
     return [managers[i] for i in group_ids]
+
+
+def kv_cache_coordinator(kv_cache_manager: Any) -> Any:
+    """``KVCacheManager.coordinator``: the object that runs the per-group manager calls."""
+    return kv_cache_manager.coordinator
+
+
+def hybrid_coordinator_class() -> type:
+    """``vllm.v1.core.kv_cache_coordinator.HybridKVCacheCoordinator``: the coordinator vLLM
+    builds for several KV cache groups with prefix caching on (``get_kv_cache_coordinator``)."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    return HybridKVCacheCoordinator
 
 
 def prefix_cache_geometry(kv_cache_manager: Any) -> tuple[bool, int]:

@@ -53,7 +53,7 @@ from vllm_hisparse.core.commands import Residency, StepCommand
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.admission import AdmissionGate
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
 from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
@@ -64,6 +64,7 @@ from vllm_hisparse.vllm.kv_planning import (
     sparse_group_ids,
 )
 from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
+from vllm_hisparse.vllm.lockstep import lockstep_groups
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
@@ -249,6 +250,14 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
         self._kv_cache_manager = kv_cache_manager
         self._base_watermark_blocks = compat.admission_watermark_blocks(kv_cache_manager)
+        # Our groups move in lockstep: vLLM's per-group loops answer from the first group
+        # on steps with nothing to allocate or cache (lockstep.py).
+        coordinator = compat.kv_cache_coordinator(kv_cache_manager)
+        if lockstep_groups(coordinator):
+            patches.LOCKSTEP_COORDINATOR.install(coordinator)
+        else:
+            logger.info("%s: KV cache groups not in lockstep (%s); vLLM's per-group loops run "
+                        "unchanged", CONNECTOR_NAME, type(coordinator).__name__)
         self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
         self.host_prefix_cache = self._host_prefix_cache_usable(kv_cache_manager)
 
