@@ -50,7 +50,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import vllm_baselines as baselines  # noqa: E402
-from benchmarks.vllm_baselines import NoopConnector  # noqa: E402,F401  (vLLM imports it by name)
 from tests.vllm.scheduler_harness import SchedulerHarness  # noqa: E402
 from tests.vllm.vllm_configs import write_model_dir  # noqa: E402
 from vllm_hisparse.core.units import cdiv  # noqa: E402
