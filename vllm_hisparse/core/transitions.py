@@ -3,8 +3,8 @@
 Once per step (:meth:`ResidencyTransitions.apply_pressure`, from ``build_step``):
 
 * requests whose page count first crossed the admission window are demoted when that
-  gains blocks (more non-tail pages than the hot region; a prefilling one waits for its
-  prompt to complete: R1.a);
+  gains blocks (more non-tail pages of their own, not shared with another request, than
+  the hot region; a prefilling one waits for its prompt to complete: R1.a);
 * under pressure (free device blocks below the low watermark, or unmet demand this step)
   requests are demoted in the order of :func:`pressure.demotion_candidates` until the
   deficit is covered;
@@ -26,7 +26,11 @@ from vllm_hisparse.core.outcome import Outcome
 from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
-from vllm_hisparse.core.pressure import demotion_candidates, promotion_candidates
+from vllm_hisparse.core.pressure import (
+    demotion_candidates,
+    exclusive_pinned_pages,
+    promotion_candidates,
+)
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
@@ -145,9 +149,7 @@ class ResidencyTransitions:
                 if req.prefilling:  # R1.a: wait for the prompt to complete
                     self._window_waiting.add(row)
                 elif (req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE
-                      and self.tables.num_pages[row] - ACTIVE_TAIL_PAGES > req.hot_blocks):
-                    # Only when it gains blocks: a hot region as large as the request's
-                    # releasable pages would cost the pool and add host reads.
+                      and self._window_gain(req) > 0):
                     demoted |= self.demote(req)
             self._window_candidates.clear()
         free = self.device_pool.get_num_free_blocks()
@@ -164,6 +166,14 @@ class ResidencyTransitions:
             self._next_promotion_check_step = self.steps.step_id + max(1, self.config.min_steps_between_transitions)
             self._promote_some(free)
         self.unmet_device_blocks = 0
+
+    def _window_gain(self, req: Request) -> int:
+        """Blocks a window demotion of ``req`` frees, net of its hot region: its pages that
+        no other request pins (a shared prefix frees nothing), less the tail. A hot region
+        as large as that would cost the pool and add host reads."""
+        rows = np.array([req.row], dtype=np.int64)
+        own = int(exclusive_pinned_pages(self.tables, rows, clean=False)[0])
+        return own - ACTIVE_TAIL_PAGES - req.hot_blocks
 
     def _demote_for_pressure(self, free: int) -> None:
         need = self.high_watermark_blocks + self.unmet_device_blocks - free

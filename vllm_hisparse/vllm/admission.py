@@ -120,7 +120,10 @@ class AdmissionGate:
         num_decoding = len(requests) - len(self._prefilling)
         num_decoding -= sum(1 for rid in self._let_through if rid in requests)
         headroom = pages * groups + max(num_decoding, 0) * (groups - len(self.sparse_group_ids))
-        spared = max(self._require_policy().num_device_blocks_saved(), 0) * len(self.sparse_group_ids)
+        if self._spared_blocks is None:  # once per admission pass
+            saved = self._require_policy().num_device_blocks_saved()
+            self._spared_blocks = max(saved, 0) * len(self.sparse_group_ids)
+        spared = self._spared_blocks
         # Requests resuming from a host-prefix load hold their loaded pages only; without
         # the connector they would have been admitted with every page (recomputed), so
         # the rest of theirs is reserved whatever residency spares.
@@ -153,6 +156,7 @@ class AdmissionGate:
         resume from a finished host load are allocated before the next offers, with the
         configured watermark."""
         self._let_through.clear()
+        self._spared_blocks = None
         if self._kv_cache_manager is not None:
             compat.set_admission_watermark_blocks(self._kv_cache_manager, self._base_watermark_blocks)
 

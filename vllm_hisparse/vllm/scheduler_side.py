@@ -182,6 +182,8 @@ class HiSparseSchedulerRole(AdmissionGate, HostPrefixCache, AckIntake):
         # still to allocate), vLLM's admission watermark as configured, the request just
         # offered without host backing, and the admitted requests that run unmanaged.
         self._let_through: dict[str, int] = {}
+        # Blocks residency spares, in vLLM blocks, computed at the first offer of a pass.
+        self._spared_blocks: int | None = None
         # Requests admitted with a host-prefix load that have not run yet: id -> prompt
         # pages still to allocate (reserved in the admission watermark).
         self._loading: dict[str, int] = {}
