@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vllm_hisparse.cli.main import main
-from vllm_hisparse.core.capacity import DEEPSEEK_V32_FP8, GIB, capacity, layout_for_geometry
+from vllm_hisparse.core.capacity import DEEPSEEK_V32_FP8, GIB, concurrency_report, layout_for_geometry
 
 
 def test_plan_matches_the_capacity_math_and_prints_a_pasteable_config(tmp_path, capsys):
@@ -16,7 +16,7 @@ def test_plan_matches_the_capacity_math_and_prints_a_pasteable_config(tmp_path, 
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    c = capacity(layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB,
+    c = concurrency_report(layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB,
                                      host_pool_bytes=384 * GIB, device_buffer_size_rows=4096,
                                      admission_window_tokens=8192), 32768)
     row = plan["contexts"][0]

@@ -9,7 +9,7 @@ from vllm_hisparse.core import (
     DEEPSEEK_V32_BF16,
     DEEPSEEK_V32_FP8,
     bytes_per_token,
-    capacity,
+    concurrency_report,
     choose_split,
     default_device_buffer_size_rows,
     host_memory,
@@ -63,7 +63,7 @@ def test_capacity_at_32k_worked_by_hand():
     """32K tokens = 512 pages; 6 groups; hot region 64 pages; window 8192 tokens = 128 pages."""
     layout = layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB, host_pool_bytes=384 * GIB,
                                  device_buffer_size_rows=4096, admission_window_tokens=8192)
-    c = capacity(layout, 32768)
+    c = concurrency_report(layout, 32768)
     usable = layout.device_blocks - 1
     assert c.max_concurrency_without_residency == usable // (6 * 512) == 38
     assert c.max_concurrency_steady_device == usable // (512 + 5 * (64 + ACTIVE_TAIL_PAGES)) == 140
@@ -72,7 +72,7 @@ def test_capacity_at_32k_worked_by_hand():
     assert c.max_concurrency_steady == 140
     assert c.max_concurrency_steady / c.max_concurrency_without_residency > 3  # the point
     # A short context: the hot region and window are capped at the request's own pages.
-    short = capacity(layout, 1024)
+    short = concurrency_report(layout, 1024)
     assert short.max_concurrency_steady_device == short.max_concurrency_without_residency
 
 

@@ -30,7 +30,7 @@ from vllm_hisparse.core.capacity import (
     DEEPSEEK_V32_FP8,
     EngineLayout,
     HostMemoryLimit,
-    capacity,
+    concurrency_report,
     layout_for_geometry,
 )
 from vllm_hisparse.vllm import compat
@@ -195,7 +195,7 @@ def test_unsplit_config_is_detected(unconfigured):
 
 
 def test_capacity_arithmetic():
-    report = capacity(EngineLayout(
+    report = concurrency_report(EngineLayout(
         device_blocks=10_001, bytes_per_block=545_792, num_sparse_groups=5,
         num_indexer_groups=1, num_other_groups=0, host_blocks=2_000, host_block_bytes=2_561_024,
         host_copies=2, block_size=64, hot_blocks_per_request=64,
@@ -233,7 +233,7 @@ def test_plan_and_the_startup_table_agree_to_the_request(dsa_model_dir, monkeypa
         groups = get_global_kv_cache_groups(vllm_config, [specs])
         (full,) = get_kv_cache_configs(vllm_config, [specs], [60 << 30], groups)
         engine = engine_capacity_report(vllm_config, full, resolve_config(vllm_config))
-        planned = capacity(layout_for_geometry(
+        planned = concurrency_report(layout_for_geometry(
             DEEPSEEK_V32_FP8, device_kv_bytes=60 << 30, host_pool_bytes=384 << 30,
             device_buffer_size_rows=4096, admission_window_tokens=8192), context)
         assert engine == planned

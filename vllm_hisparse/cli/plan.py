@@ -9,7 +9,7 @@ it IndexShare prefetch can at best take off the step's critical path), the recom
 
 All figures are per data-parallel replica (one attention replica: the KV it holds and the
 requests it serves). The concurrency figures come from the function behind the connector's
-startup table (``core.capacity.capacity``) over the layout vLLM's planner makes with the
+startup table (``core.capacity.concurrency_report``) over the layout vLLM's planner makes with the
 connector configured (our KV cache group split, its block size, the host block of every
 sparse-MLA and indexer layer, the admission window): for the same engine, ``plan`` and the
 startup table print the same numbers.
@@ -27,7 +27,7 @@ from vllm_hisparse.core.capacity import (
     INDEXER_ROW_BYTES,
     PRESETS,
     ModelGeometry,
-    capacity,
+    concurrency_report,
     critical_path_layers,
     default_device_buffer_size_rows,
     layout_for_geometry,
@@ -126,7 +126,7 @@ def make_plan(args) -> dict:
     exposed_layers = critical_path_layers(geo)
     rows = []
     for context in args.contexts:
-        c = capacity(layout, context)
+        c = concurrency_report(layout, context)
         pages = math.ceil(context / geo.block_size)
         host_needed_gib = c.max_concurrency_steady_device * pages * geo.host_block_bytes / GIB
         io_ms = c.max_concurrency_steady * bytes_per_decoded_token / (args.link_gbs * 1e9) * 1e3

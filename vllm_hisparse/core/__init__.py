@@ -8,7 +8,7 @@ Public API:
   :class:`RequestStatus`, :class:`AddResult`, :class:`PolicyStats`
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
   :class:`ResidencyChange`, :class:`WorkerAcks`, :class:`TransferKind`, :class:`Residency`
-* capacity: :class:`ModelGeometry`, :class:`EngineLayout`, :func:`capacity` (the one function
+* capacity: :class:`ModelGeometry`, :class:`EngineLayout`, :func:`concurrency_report` (the one function
   behind the startup table and ``plan``), :func:`layout_for_geometry`, :func:`bytes_per_token`,
   :func:`host_memory`, :func:`critical_path_layers`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
 * KV cache groups: :func:`choose_split` (``kv_layout``)
@@ -33,7 +33,7 @@ from vllm_hisparse.core.capacity import (
     HostMemory,
     ModelGeometry,
     bytes_per_token,
-    capacity,
+    concurrency_report,
     critical_path_layers,
     default_device_buffer_size_rows,
     host_memory,
@@ -109,8 +109,8 @@ __all__ = [
     "TransferSpec",
     "WorkerAcks",
     "bytes_per_token",
-    "capacity",
     "choose_split",
+    "concurrency_report",
     "critical_path_layers",
     "default_device_buffer_size_rows",
     "host_block_bytes",

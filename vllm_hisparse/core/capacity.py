@@ -7,7 +7,7 @@ sparse-MLA and indexer layer each), the hot region of a request in pages, and th
 window (``max_num_batched_tokens``). The startup table reads it off the planned engine
 (``vllm.kv_planning.engine_capacity_report``); ``plan`` derives it from a
 :class:`ModelGeometry` with the planner's own group split (:func:`layout_for_geometry`).
-Both then call :func:`capacity`, so they agree to the request.
+Both then call :func:`concurrency_report`, so they agree to the request.
 
 Per request of ``T`` tokens (``P = cdiv(T, block_size)`` pages), every group holds one
 block per page it keeps on the device. Indexer (and other) groups keep every page; the
@@ -233,7 +233,7 @@ class CapacityReport:
         return asdict(self)
 
 
-def capacity(layout: EngineLayout, context_tokens: int) -> CapacityReport:
+def concurrency_report(layout: EngineLayout, context_tokens: int) -> CapacityReport:
     """How many requests of ``context_tokens`` tokens fit ``layout``, by residency state
     (formulas in the module docstring)."""
     pages = cdiv(int(context_tokens), layout.block_size)

@@ -39,7 +39,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_hisparse.core.capacity import CapacityReport, EngineLayout, capacity
+from vllm_hisparse.core.capacity import CapacityReport, EngineLayout, concurrency_report
 from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, SplitChoice, choose_split
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import (
@@ -402,9 +402,9 @@ def engine_capacity_report(
 ) -> CapacityReport:
     """The capacity report for a planned engine at ``max_model_len`` (what the connector
     logs at startup); ``config`` is the connector's parsed config (``resolve_config``,
-    parsed once). The figures come from ``core.capacity.capacity``, the function behind
+    parsed once). The figures come from ``core.capacity.concurrency_report``, the function behind
     ``vllm-hisparse plan`` too."""
-    return capacity(engine_layout(vllm_config, kv_cache_config, config),
+    return concurrency_report(engine_layout(vllm_config, kv_cache_config, config),
                     vllm_config.model_config.max_model_len)
 
 
