@@ -129,34 +129,23 @@ def measure(model_dir: Path, mode: str, *, requests: int, context: int, steps: i
             setattr(target, name, timed)
     times, own_times = [], []
     evict = np.zeros(max(1, evict_mib * (1 << 20) // 8), dtype=np.int64)
+
+    def between_steps() -> None:
+        evict[...] += 1  # what a real engine does between two scheduler steps
+
     for i in range(warmup + steps):
         counted = toggle is not None and i >= warmup
         if start is not None and i == warmup:
             start()
         own[0] = 0.0
-        if counted:
-            toggle()
-        t0 = time.perf_counter()
-        output = scheduler.schedule()
-        t1 = time.perf_counter()
-        if counted:
-            toggle()
-        model_output = harness.fake_forward(output)  # not timed (fake model + fake worker acks)
-        if evict_mib:
-            evict += 1  # not timed: what runs between two steps in a real engine
-        if counted:
-            toggle()
-        t2 = time.perf_counter()
-        scheduler.update_from_output(output, model_output)
-        t3 = time.perf_counter()
-        if counted:
-            toggle()
+        output, ms = baselines.measured_step(harness, toggle if counted else None,
+                                             between_steps if evict_mib else None)
         if len(output.num_scheduled_tokens) != requests:
             raise RuntimeError(f"{mode}, step {i}: {len(output.num_scheduled_tokens)} of {requests} "
                                f"requests scheduled ({len(scheduler.running)} running, "
                                f"{len(scheduler.waiting)} waiting)")
         if i >= warmup:
-            times.append(((t1 - t0) + (t3 - t2)) * 1e3)
+            times.append(ms)
             own_times.append(own[0] * 1e3)
     return {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
             "own_ms": statistics.median(own_times),

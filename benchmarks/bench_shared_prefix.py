@@ -28,7 +28,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -80,22 +79,8 @@ def measure(args: argparse.Namespace, system: str, callgrind: bool = False) -> d
         if len(times) >= args.max_steps:
             raise RuntimeError(f"{system}: not finished after {args.max_steps} steps")
         lookups[0] = 0
-        if toggle:
-            toggle()
-        t0 = time.perf_counter()
-        output = scheduler.schedule()
-        t1 = time.perf_counter()
-        if toggle:
-            toggle()
-        model_output = harness.fake_forward(output)  # not measured
-        if toggle:
-            toggle()
-        t2 = time.perf_counter()
-        scheduler.update_from_output(output, model_output)
-        t3 = time.perf_counter()
-        if toggle:
-            toggle()
-        times.append(((t1 - t0) + (t3 - t2)) * 1e3)
+        output, ms = baselines.measured_step(harness, toggle)
+        times.append(ms)
         lookups_per_step.append(lookups[0])
         running.append(len(scheduler.running))
         preemptions += len(output.preempted_req_ids or ())

@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,31 @@ def run_child(cmd: list[str], label: str, *, callgrind: bool = False) -> tuple[d
         return result, None
     totals = [line for line in out_file.read_text().splitlines() if line.startswith(("totals:", "summary:"))]
     return result, int(totals[-1].split()[1])
+
+
+def measured_step(harness: SchedulerHarness, toggle: Any = None, between: Any = None) -> tuple[Any, float]:
+    """One scheduler step: ``schedule()`` and ``update_from_output()`` timed (and, with
+    callgrind's ``toggle``, counted); the fake forward and ``between()`` (work a real engine
+    does between the two) are not. Returns the ``SchedulerOutput`` and the step in ms."""
+    scheduler = harness.scheduler
+    if toggle:
+        toggle()
+    t0 = time.perf_counter()
+    output = scheduler.schedule()
+    t1 = time.perf_counter()
+    if toggle:
+        toggle()
+    model_output = harness.fake_forward(output)
+    if between is not None:
+        between()
+    if toggle:
+        toggle()
+    t2 = time.perf_counter()
+    scheduler.update_from_output(output, model_output)
+    t3 = time.perf_counter()
+    if toggle:
+        toggle()
+    return output, ((t1 - t0) + (t3 - t2)) * 1e3
 
 
 def python_child(script: str, *args: str) -> list[str]:
