@@ -67,7 +67,7 @@ def promotion_candidates(requests: RequestTable, tables: PageTables, step_id: in
     return rows[order], cost[order]
 
 
-def _pin_counts(tables: PageTables) -> np.ndarray:
+def pin_counts(tables: PageTables) -> np.ndarray:
     """Pinned pages per device block id, over every row (O(rows x pages))."""
     width = int(tables.num_pages.max(initial=0))
     held = tables.device_block[:, :width][tables.pinned[:, :width]]
@@ -77,7 +77,7 @@ def _pin_counts(tables: PageTables) -> np.ndarray:
 def exclusive_pinned_pages(tables: PageTables, rows: np.ndarray, *, clean: bool) -> np.ndarray:
     """Per row of ``rows``: its pinned pages (``clean``: pinned and clean) whose device
     block no other page pins, i.e. whose release frees a block (int64)."""
-    counts = _pin_counts(tables)
+    counts = pin_counts(tables)
     if counts.max() <= 1:  # no block pinned twice: every pinned page owns its block
         return (tables.num_clean_pinned if clean else tables.num_pinned)[rows].copy()
     width = int(tables.num_pages[rows].max(initial=0))
@@ -96,7 +96,7 @@ def blocks_spared(tables: PageTables) -> int:
     O(rows x pages)."""
     if int(tables.num_pages.sum() - tables.num_pinned.sum()) == 0:
         return 0
-    counts = _pin_counts(tables)
+    counts = pin_counts(tables)
     width = int(tables.num_pages.max(initial=0))
     unpinned = (np.arange(width) < tables.num_pages[:, None]) & ~tables.pinned[:, :width]
     blocks = tables.device_block[:, :width][unpinned]
@@ -104,3 +104,15 @@ def blocks_spared(tables: PageTables) -> int:
     pinned_elsewhere = np.count_nonzero(counts[released[released < counts.shape[0]]] > 0)
     host_only = np.unique(tables.host_block[:, :width][unpinned & (tables.device_block[:, :width] < 0)])
     return int(released.shape[0] - pinned_elsewhere + host_only.shape[0])
+
+
+def blocks_freed_by_release(tables: PageTables, row: int) -> int:
+    """Device blocks that releasing every releasable page of ``row`` now would free: clean,
+    idle (no transfer or mirror in flight), non-tail pinned pages that no other page pins."""
+    limit = int(tables.num_pages[row]) - ACTIVE_TAIL_PAGES
+    if limit <= 0:
+        return 0
+    mask = (tables.pinned[row, :limit] & tables.host_valid[row, :limit]
+            & (tables.pending[row, :limit] < 0) & (tables.mirror_inflight[row, :limit] == 0))
+    counts = pin_counts(tables)
+    return int(np.count_nonzero(mask & (counts[np.maximum(tables.device_block[row, :limit], 0)] == 1)))

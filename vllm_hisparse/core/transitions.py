@@ -27,6 +27,7 @@ from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
 from vllm_hisparse.core.pressure import (
+    blocks_freed_by_release,
     demotion_candidates,
     exclusive_pinned_pages,
     promotion_candidates,
@@ -190,14 +191,24 @@ class ResidencyTransitions:
                 gained += gain
 
     def demote(self, req: Request) -> bool:
-        """FULL → MIXED: lease a hot region and release every releasable page."""
-        if req.hot_blocks > self.device_pool.get_num_free_blocks():
+        """FULL → MIXED: lease a hot region and release every releasable page.
+
+        When the pool is too short for the hot region, which is when demotions are needed
+        most, the request's clean pages are released first if that frees enough: they are
+        on the host, so the hot region may take their blocks at once (those pages then
+        read from the host)."""
+        free = self.device_pool.get_num_free_blocks()
+        release_first = req.hot_blocks > free
+        if release_first and req.hot_blocks > free + blocks_freed_by_release(self.tables, req.row):
             self.stats.num_device_backpressure += 1
             return False
-        self.leases.lease_hot(req)
+        if not release_first:
+            self.leases.lease_hot(req)
         self.requests.set_residency(req, Residency.MIXED)
         self.stats.num_demotions += 1
         self.leases.release_all_releasable(req)
+        if release_first:
+            self.leases.lease_hot(req)
         return True
 
     def _promote_some(self, free: int) -> None:

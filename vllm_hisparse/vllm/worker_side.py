@@ -336,7 +336,7 @@ class HiSparseWorkerRole(WorkerHostPrefix):
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
         self._track_residency(cmd)
         request_ids = step_inputs.get("request_ids")
-        batch_rows = self._batch_state_rows(request_ids)
+        batch_rows = self._batch_state_rows(request_ids, cmd)
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
@@ -506,9 +506,14 @@ class HiSparseWorkerRole(WorkerHostPrefix):
             if change.residency != Residency.FULL:
                 self._tracked[change.request_id] = change.row
 
-    def _batch_state_rows(self, request_ids: Sequence[str] | None) -> list[int] | None:
+    def _batch_state_rows(self, request_ids: Sequence[str] | None, cmd: StepCommand) -> list[int] | None:
         """State row per batch row for tracked requests (-1 otherwise); None if none is."""
         if not self._tracked:
+            return None
+        if request_ids is None and not any(t.kind == TransferKind.MIRROR and t.mirror_rows
+                                           for t in cmd.transfers):
+            # A step without a forward: vLLM's no_forward() passes no step inputs (every
+            # scheduled request waits for a load); nothing reads a row.
             return None
         if request_ids is None:
             # Without the batch order no token can be mapped to its row: refuse to guess.

@@ -1,16 +1,19 @@
-"""Shared prefix pages in the selection rules (``core/pressure.py``).
+"""The selection rules (``core/pressure.py``) and demotion on a short pool.
 
 Requests that hit vLLM's prefix cache pin the same device blocks for their common prefix,
 one lease each. Releasing one lease of such a page frees nothing while another request
 pins it: a demotion gains only the request's own pages, and a hot region costs more than
 a short own suffix. Blocks residency spares count each freed block once.
+
+A demotion needs a hot region; when the pool cannot give one, the request's clean pages
+are released first and the hot region takes their blocks.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tests.core.core_harness import make_policy
+from tests.core.core_harness import Driver, make_policy
 from vllm_hisparse.core import Residency, WorkerAcks
 from vllm_hisparse.core.page_table import PageTables
 from vllm_hisparse.core.pressure import blocks_spared, exclusive_pinned_pages
@@ -79,3 +82,36 @@ def test_a_request_that_is_mostly_a_shared_prefix_is_not_demoted():
     assert policy.residency("long") == Residency.MIXED
     assert policy.residency("short") == Residency.FULL
     policy.check_invariants()
+
+
+def test_a_full_pool_demotes_by_releasing_first():
+    """One request holds every block of the pool (no room for its 2-block hot region):
+    under pressure it is demoted anyway, its clean pages released first and two of them
+    reused for the hot region; every position still reads its KV (from the host now).
+    ``simulate`` on 280 blocks with 4096-token prompts preempted twice without it (the
+    pool ran dry before a newly decoding request could be demoted)."""
+    d = Driver(make_policy(num_device_blocks=10, hot_blocks=2, low_watermark_blocks=1,
+                           high_watermark_blocks=3))
+    d.add("a")
+    d.step({"a": 9 * 4})  # 9 pages of 4 tokens; mirrored and acked: clean
+    assert d.policy.device_pool.get_num_free_blocks() == 1
+    d.step({"a": 1})  # a 10th page: the pool is empty, pressure
+    assert d.policy.residency("a") == Residency.MIXED
+    assert len(d.policy.hot_block_ids("a")) == 2
+    assert d.policy.stats.num_pages_reused >= 2  # the hot region took released blocks
+    for _ in range(6):
+        d.step({"a": 1})
+    d.flush()
+
+
+def test_a_demotion_that_cannot_free_its_hot_region_waits():
+    """Its pages are not on the host yet (mirrors unacknowledged): releasing frees nothing,
+    so the window demotion waits (back-pressure noted) and the request stays FULL."""
+    d = Driver(make_policy(num_device_blocks=6, hot_blocks=2, admission_window_pages=2,
+                           low_watermark_blocks=1, high_watermark_blocks=2))
+    d.add("a")
+    d.step({"a": 6 * 4}, ack=False)  # crosses the window; nothing clean yet
+    assert d.policy.device_pool.get_num_free_blocks() == 0
+    assert d.policy.residency("a") == Residency.FULL
+    assert d.policy.stats.num_device_backpressure > 0
+    d.ack_all()
