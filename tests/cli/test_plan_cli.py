@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vllm_hisparse.cli.main import main
-from vllm_hisparse.core.capacity import DEEPSEEK_V32_FP8, GIB, host_memory, max_concurrency
+from vllm_hisparse.core.capacity import DEEPSEEK_V32_FP8, GIB, concurrency_report, layout_for_geometry
 
 
 def test_plan_matches_the_capacity_math_and_prints_a_pasteable_config(tmp_path, capsys):
@@ -16,11 +16,14 @@ def test_plan_matches_the_capacity_math_and_prints_a_pasteable_config(tmp_path, 
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     plan = json.loads(out.read_text())
-    c = max_concurrency(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB,
-                        num_host_blocks=host_memory(384, DEEPSEEK_V32_FP8).num_host_blocks,
-                        context_tokens=32768, device_buffer_size_rows=4096)
+    c = concurrency_report(layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB,
+                                     host_pool_bytes=384 * GIB, device_buffer_size_rows=4096,
+                                     admission_window_tokens=8192), 32768)
     row = plan["contexts"][0]
-    assert (row["full_only"], row["hybrid_steady"]) == (c.full_only, c.steady_state)
+    assert (row["full_only"], row["hybrid_steady"], row["hybrid_at_admission"]) == \
+        (c.max_concurrency_without_residency, c.max_concurrency_steady, c.max_concurrency_at_admission)
+    assert (plan["num_sparse_groups"], plan["num_indexer_groups"], plan["bytes_per_block"]) == (5, 1, 545_792)
+    assert "KV cache groups: 5 sparse-MLA + 1 indexer, 118,038 blocks of 545,792 B" in text
     assert row["hybrid_steady"] >= 3 * row["full_only"]  # the point of the package
     line = next(l for l in text.splitlines() if l.startswith("--kv-transfer-config"))
     config = json.loads(line.split("'")[1])

@@ -9,21 +9,25 @@ from vllm_hisparse.core import (
     DEEPSEEK_V32_BF16,
     DEEPSEEK_V32_FP8,
     bytes_per_token,
+    concurrency_report,
+    choose_split,
     default_device_buffer_size_rows,
     host_memory,
-    max_concurrency,
+    layout_for_geometry,
 )
 
 GIB = 1 << 30
 
 
 def test_bytes_per_token_per_tier_deepseek_v32():
-    """61 layers: fp8_ds_mla 656 B + indexer 132 B per row; bf16 1152 B."""
+    """61 layers: fp8_ds_mla 656 B + indexer 132 B per row; bf16 1152 B. The host holds
+    both rows of every layer (a host-prefix hit loads the indexer page too)."""
     fp8 = bytes_per_token(DEEPSEEK_V32_FP8)
     assert fp8.device_full_bytes == 61 * (656 + 132) == 48_068
     assert fp8.device_mixed_bytes == 61 * 132 == 8_052
-    assert fp8.host_bytes == 61 * 656 == 40_016
-    assert bytes_per_token(DEEPSEEK_V32_BF16).host_bytes == 61 * 1152
+    assert fp8.host_bytes == 61 * (656 + 132) == 48_068
+    assert bytes_per_token(DEEPSEEK_V32_BF16).host_bytes == 61 * (1152 + 132)
+    assert DEEPSEEK_V32_FP8.host_block_bytes == 64 * 48_068 == 3_076_352
 
 
 def test_default_hot_region_is_top_k_times_decode_rows_plus_one():
@@ -34,7 +38,7 @@ def test_default_hot_region_is_top_k_times_decode_rows_plus_one():
 def test_host_memory_logical_vs_physical():
     """host_pool_gib is per DP replica; private TP pools multiply the physical footprint."""
     shared = host_memory(384, DEEPSEEK_V32_FP8, tp_size=8, dp_replicas_per_node=1, shared_across_tp=True)
-    block_bytes = 64 * 656 * 61
+    block_bytes = 64 * (656 + 132) * 61
     assert shared.host_block_bytes == block_bytes
     assert shared.num_host_blocks == 384 * GIB // block_bytes
     assert shared.usable_logical_gib <= 384 and shared.usable_logical_gib > 383.9
@@ -43,24 +47,47 @@ def test_host_memory_logical_vs_physical():
     assert private.physical_gib_per_node == pytest.approx(16 * private.usable_logical_gib)
 
 
-def test_max_concurrency_admission_vs_steady_state():
-    """32K context, 4096 hot rows, 60 GiB of device KV, 384 GiB host."""
-    geo = DEEPSEEK_V32_FP8
-    device = 60 * GIB
-    host_blocks = host_memory(384, geo).num_host_blocks
-    c = max_concurrency(geo, device_kv_bytes=device, num_host_blocks=host_blocks, context_tokens=32768,
-                        device_buffer_size_rows=4096, admission_window_tokens=8192)
-    assert c.device_bytes_full_request == 32768 * 48_068
-    steady = 32768 * 8_052 + (4096 + ACTIVE_TAIL_PAGES * 64) * 61 * 656
-    assert c.device_bytes_steady_request == steady
-    assert c.full_only == device // (32768 * 48_068)  # 40
-    assert c.steady_state_device == device // steady
-    assert c.steady_state_host == host_blocks // 512
-    assert c.steady_state == min(c.steady_state_device, c.steady_state_host)
-    admit = 32768 * 8_052 + 8192 * 61 * 656
-    assert c.at_admission == min(1 + (device - admit) // steady, c.steady_state_host)
-    assert c.full_only < c.at_admission <= c.steady_state_device
-    assert c.steady_state_device / c.full_only > 3  # ~3.7x: the point of the hierarchy
+def test_the_layout_plan_sizes_is_the_planners():
+    """DeepSeek-V3.2 (61 units of one layer, 61 indexer layers): 5 sparse-MLA groups of
+    13/13/13/13/9 layers + 1 indexer group at 545,792 B per block, as the planner splits it
+    (docs/vllm-integration.md, worked byte table); 60 GiB buy 118,038 such blocks."""
+    layout = layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB, host_pool_bytes=384 * GIB,
+                                 device_buffer_size_rows=4096, admission_window_tokens=8192)
+    assert (layout.num_sparse_groups, layout.num_indexer_groups, layout.bytes_per_block) == (5, 1, 545_792)
+    assert layout.device_blocks == 60 * GIB // 545_792 == 118_038
+    assert layout.host_blocks == 384 * GIB // 3_076_352
+    assert layout.hot_blocks_per_request == 64
+
+
+def test_capacity_at_32k_worked_by_hand():
+    """32K tokens = 512 pages; 6 groups; hot region 64 pages; window 8192 tokens = 128 pages."""
+    layout = layout_for_geometry(DEEPSEEK_V32_FP8, device_kv_bytes=60 * GIB, host_pool_bytes=384 * GIB,
+                                 device_buffer_size_rows=4096, admission_window_tokens=8192)
+    c = concurrency_report(layout, 32768)
+    usable = layout.device_blocks - 1
+    assert c.max_concurrency_without_residency == usable // (6 * 512) == 38
+    assert c.max_concurrency_steady_device == usable // (512 + 5 * (64 + ACTIVE_TAIL_PAGES)) == 140
+    assert c.max_concurrency_at_admission == usable // (512 + 5 * (128 + 64)) == 80
+    assert c.max_concurrency_host == layout.host_blocks // 512 == 261
+    assert c.max_concurrency_steady == 140
+    assert c.max_concurrency_steady / c.max_concurrency_without_residency > 3  # the point
+    # A short context: the hot region and window are capped at the request's own pages.
+    short = concurrency_report(layout, 1024)
+    assert short.max_concurrency_steady_device == short.max_concurrency_without_residency
+
+
+def test_choose_split_minimises_bytes_per_token_page():
+    # Two 10-byte units, one 10-byte indexer layer: 2 sparse groups + 1 indexer at 10 B
+    # (30 B/page) beats 1 + 1 at 20 B (40 B/page).
+    choice = choose_split([10, 10], [10])
+    assert (choice.sparse_parts, choice.indexer_parts, choice.bytes_per_block) == ([[0], [1]], [[0]], 10)
+    # The group budget wins over density.
+    tight = choose_split([10, 10], [10], max_groups=2)
+    assert (tight.sparse_parts, tight.bytes_per_block) == ([[0, 1]], 20)
+    # Alignment rounds the block up.
+    assert choose_split([10], [3], alignment=16).bytes_per_block == 16
+    with pytest.raises(ValueError, match="max_groups must be >= 2"):
+        choose_split([1], [1], max_groups=1)
 
 
 def test_critical_path_layers_with_index_share_prefetch():

@@ -1,5 +1,10 @@
 """Admission headroom (``HiSparseSchedulerRole.offer``) on vLLM's real Scheduler.
 
+The gate never answers ``None``: it sets vLLM's admission watermark for each offered
+request, capped by the blocks residency spares, so a refused request ends vLLM's
+admission pass (one prefix lookup per step, as without the connector) and nothing vLLM
+alone would admit is refused.
+
 Finding (``vllm-hisparse simulate --requests 8 --prompt-len 512 --output-len 128
 --device-blocks 160``): with the connector vLLM preempted 3 times against once without.
 MIXED requests release pages, vLLM admits one more request into that space, and the
@@ -69,7 +74,8 @@ def test_gate_defers_and_counts(small_topk_model_dir):
             assert harness.scheduler.waiting
         seen = deferred
         # The admission state is reset by build_connector_meta at the end of each step.
-        assert not role._let_through and not role._admission_closed
+        assert not role._let_through
+        assert harness.scheduler.kv_cache_manager.watermark_blocks == role._base_watermark_blocks
     harness.drain()
     assert deferred_steps > 0
     assert harness.stats.preemptions == 0
@@ -100,3 +106,64 @@ def test_an_idle_engine_admits_a_prompt_near_the_pool_size(small_topk_model_dir)
     stats = harness.run_to_completion(max_steps=200)
     assert stats.finished == [request.request_id]
     harness.assert_no_leaks()
+
+
+def _count_lookups(harness) -> list[int]:
+    """Per step, how many waiting requests vLLM looked up in its prefix cache."""
+    manager = harness.scheduler.kv_cache_manager
+    real = manager.get_computed_blocks
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    manager.get_computed_blocks = counted
+    return calls
+
+
+@pytest.mark.parametrize("connector", [False, True], ids=["without", "with"])
+def test_a_refused_admission_costs_one_prefix_lookup(small_topk_model_dir, connector):
+    """Every step looks up the requests it admits plus at most one it refuses: a
+    deferral stops vLLM's admission pass like a full pool (before: every waiting request
+    was skipped and looked up again, every step)."""
+    harness = SchedulerHarness.build(
+        small_topk_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+        construct_connector=connector, num_blocks=240, **CONFIG,
+    )
+    calls = _count_lookups(harness)
+    harness.add_requests(16, prompt_len=512, max_tokens=128)
+    admitted_before = 0
+    refused_steps = 0
+    while harness.scheduler.has_requests():
+        calls[0] = 0
+        harness.step()
+        admitted = len(harness.scheduler.running) + len(harness.stats.finished)
+        new = admitted - admitted_before
+        admitted_before = admitted
+        assert calls[0] <= new + 1, (harness.stats.steps, calls[0], new)
+        refused_steps += calls[0] == new + 1 and bool(harness.scheduler.waiting)
+    harness.drain()
+    assert refused_steps > 0  # the pool did turn requests away
+    harness.assert_no_leaks()
+
+
+def test_the_gate_steps_aside_when_residency_spares_nothing(small_topk_model_dir):
+    """Requests shorter than a hot region (128 + 64 tokens; hot region 4 pages): no
+    demotion can gain a block, so the gate admits exactly what vLLM admits, step by
+    step (``vllm-hisparse simulate --requests 8 --prompt-len 128 --output-len 64
+    --device-blocks 80``: 129 steps with the connector against 65 before)."""
+    workload = dict(count=12, prompt_len=128, max_tokens=64)
+    runs = []
+    for connector in (False, True):
+        harness = SchedulerHarness.build(
+            small_topk_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+            construct_connector=connector, num_blocks=81, **CONFIG,
+        )
+        harness.add_requests(**workload)
+        runs.append(harness.run_to_completion())
+        harness.assert_no_leaks()
+    without, with_connector = runs
+    assert without.preemptions > 0  # the pool is short: vLLM over-commits
+    assert with_connector.running_per_step == without.running_per_step
+    assert with_connector.preemptions == without.preemptions

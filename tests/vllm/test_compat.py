@@ -206,6 +206,69 @@ def test_prefix_cache_geometry_and_load_failure_policy():
     assert compat.prefix_cache_geometry(manager) == (True, 64)
 
 
+def test_admission_watermark_gates_waiting_requests_only():
+    """The admission gate sets ``KVCacheManager.watermark_blocks`` before each waiting
+    request's allocation: vLLM must read it per ``allocate_slots`` call, add it for WAITING
+    and PREEMPTED requests only, and only while a request runs; a failed allocation of a
+    waiting request must end the admission pass (``break``)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)" in \
+        inspect.getsource(KVCacheManager.__init__)
+    source = inspect.getsource(KVCacheManager.allocate_slots)
+    assert "if has_scheduled_reqs and request.status in (" in source
+    assert "RequestStatus.WAITING," in source and "RequestStatus.PREEMPTED," in source
+    assert "watermark_blocks = self.watermark_blocks" in source
+    assert source.count("required_blocks = num_blocks_to_allocate + watermark_blocks") == 2
+    schedule = inspect.getsource(Scheduler.schedule)
+    assert "has_scheduled_reqs=bool(self.running)," in schedule
+    failed = schedule.index("if new_blocks is None:\n                    # The request cannot be scheduled.")
+    assert "break" in schedule[failed:failed + 400]
+    manager = types.SimpleNamespace(watermark_blocks=3)
+    assert compat.admission_watermark_blocks(manager) == 3
+    compat.set_admission_watermark_blocks(manager, 17)
+    assert manager.watermark_blocks == 17
+
+
+def test_lockstep_coordinator_internals():
+    """What ``lockstep.py`` overrides and reads: the four per-step methods keep their
+    signatures, the managers' fast paths are the ones it answers for."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
+
+    hybrid = compat.hybrid_coordinator_class()
+    assert issubclass(hybrid, KVCacheCoordinator)
+    for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "cache_blocks",
+                 "remove_skipped_blocks"):
+        assert params(getattr(LockstepCoordinator, name)) == params(getattr(hybrid, name)), name
+    init = inspect.getsource(KVCacheCoordinator.__init__)
+    for needle in ("self.single_type_managers = tuple(", "self.drop_eagle_group_ids",
+                   "self.retention_interval"):
+        assert needle in init
+    hybrid_init = inspect.getsource(hybrid.__init__)
+    assert "self.hash_block_size = hash_block_size" in hybrid_init
+    assert "self.enable_partial_hash_hits = (" in hybrid_init
+    full = compat.FullAttentionManager
+    # The managers' own answers the lockstep fast paths reproduce.
+    assert "if request_id in self.num_cached_block:" in inspect.getsource(full.get_num_blocks_to_allocate)
+    assert "return max(num_required_blocks - num_req_blocks, 0)" in \
+        inspect.getsource(full.get_num_blocks_to_allocate)
+    assert "if num_cached_blocks >= num_full_blocks:" in inspect.getsource(full.__mro__[1].cache_blocks)
+    assert "if num_skipped_tokens <= 0:" in inspect.getsource(full.remove_skipped_blocks)
+    assert "if num_new_blocks <= 0:" in inspect.getsource(full.allocate_new_blocks)
+
+
+def test_num_allocated_pages_reads_the_first_groups_blocks():
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    assert "blocks" in {f.name for f in dataclasses.fields(KVCacheBlocks)}
+    blocks = KVCacheBlocks(blocks=([object()] * 3, [object()] * 3))
+    assert compat.num_allocated_pages(blocks) == 3
+    assert compat.num_allocated_pages(None) == 0
+
+
 def test_multi_connector_types_and_connector_output():
     multi, multi_meta, multi_worker_meta = compat.multi_connector_types()
     assert {f.name for f in dataclasses.fields(multi_meta)} >= {"metadata"}

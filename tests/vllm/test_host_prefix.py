@@ -6,7 +6,8 @@
   hit; vLLM allocates their blocks, and the step's command restores them (sparse-MLA rows
   and indexer pages) into exactly those blocks before the forward.
 * Preemption: a preempted request's pages are published, so it resumes from the host
-  instead of recomputing.
+  instead of recomputing (when what it would recompute takes more than one prefill chunk;
+  a shorter one is recomputed in the step a load would have waited).
 * Loads are asynchronous (vLLM holds the request in WAITING_FOR_REMOTE_KVS): a failed load
   is reported per request in ``failed_recving`` (vLLM refuses block-level
   ``invalid_block_ids`` with several KV cache groups) and fails that request alone.
@@ -94,7 +95,10 @@ def test_a_failed_prefix_load_fails_that_request_alone(dsa_model_dir, async_sche
     finish, and nothing leaks."""
     worker = FakeWorker(num_workers=num_workers, fail=lambda spec, rank: (
         spec.kind == TransferKind.RESTORE and rank == num_workers - 1))
-    h = _harness(dsa_model_dir, async_scheduling=async_scheduling, worker=worker)
+    # Prefill chunks of 128 tokens: a 391-token resume takes several steps to recompute,
+    # so the host hit is worth its load (shorter ones are recomputed).
+    h = _harness(dsa_model_dir, async_scheduling=async_scheduling, worker=worker,
+                 max_num_batched_tokens=128)
     h.residency.num_workers = num_workers
     assert len(h.kv_cache_config.kv_cache_groups) > 2 and h.residency.indexer_group_ids
     prompt = [(i * 29) % 900 + 10 for i in range(6 * BS)]
@@ -185,8 +189,10 @@ def test_simulated_resumes_read_exact_kv():
     that starts with computed tokens match the ground truth (else SimulationMismatch)."""
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationSpec
 
-    # Long outputs, so that growth forces preemptions (see the test above).
-    spec = SimulationSpec(num_requests=8, prompt_len=256, output_len=384, device_blocks=160)
+    # Long outputs, so that growth forces preemptions (see the test above); prefill chunks
+    # of 256 tokens, so that resumes take more than one chunk (else they are recomputed).
+    spec = SimulationSpec(num_requests=8, prompt_len=256, output_len=384, device_blocks=160,
+                          max_num_batched_tokens=256)
     engine = SimulationEngine(spec)
     try:
         result = engine.run(with_connector=True)
@@ -300,3 +306,20 @@ def test_indexer_pages_for_an_unknown_restore_are_refused(role_rig):
         role.start_load_kv(HiSparseConnectorMetadata(
             command=StepCommand(step_id=0),
             indexer_pages={9: IndexerPages([[1]] * ngroups, [1], to_host=False)}))
+
+
+def test_a_resume_that_fits_one_prefill_chunk_is_recomputed(dsa_model_dir):
+    """A hit shorter than one prefill chunk (391 tokens, chunks of 512) is not offered: the
+    load would hold the request a step (WAITING_FOR_REMOTE_KVS) that recomputing spends
+    anyway. With 128-token chunks the same hit is offered (test above)."""
+    h = _harness(dsa_model_dir, max_num_batched_tokens=512)
+    prompt = [(i * 29) % 900 + 10 for i in range(6 * BS)]
+    h.add_request(len(prompt), 2, prompt_token_ids=prompt)
+    h.run_to_completion()
+    assert h.scheduler.reset_prefix_cache() and h.residency.host_pool.num_cached_blocks == 6
+    b = h.add_request(len(prompt) + 7, 2, prompt_token_ids=prompt + [13] * 7)
+    out = h.step()
+    assert out.num_scheduled_tokens[b.request_id] == len(prompt) + 7
+    assert h.residency.policy.stats.num_prefix_load_pages == 0
+    h.run_to_completion()
+    h.assert_no_leaks()

@@ -26,14 +26,18 @@ from tests.vllm.dsa_specs import (
     sparse_mla_spec,
 )
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
-from vllm_hisparse.core.capacity import HostMemoryLimit
+from vllm_hisparse.core.capacity import (
+    DEEPSEEK_V32_FP8,
+    EngineLayout,
+    HostMemoryLimit,
+    concurrency_report,
+    layout_for_geometry,
+)
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm import config as config_module
 from vllm_hisparse.vllm.config import HiSparseConfigError, resolve_config
 from vllm_hisparse.vllm.kv_planning import (
     HiSparseKVCacheConfigBuilder,
-    capacity_report,
-    choose_split,
     classify_layers,
     engine_capacity_report,
     format_capacity_table,
@@ -149,20 +153,6 @@ def test_other_layers_keep_vllm_grouping(configured):
     assert split.groups[5].layer_names == ["model.layers.4.self_attn.attn"]
 
 
-def test_choose_split_minimises_bytes_per_token_page():
-    # Two 10-byte units, one 10-byte indexer layer: 2 sparse groups + 1 indexer at 10 B
-    # (30 B/page) beats 1 + 1 at 20 B (40 B/page).
-    choice = choose_split([10, 10], [10])
-    assert (choice.sparse_parts, choice.indexer_parts, choice.bytes_per_block) == ([[0], [1]], [[0]], 10)
-    # The group budget wins over density.
-    tight = choose_split([10, 10], [10], max_groups=2)
-    assert (tight.sparse_parts, tight.bytes_per_block) == ([[0, 1]], 20)
-    # Alignment rounds the block up.
-    assert choose_split([10], [3], alignment=16).bytes_per_block == 16
-    with pytest.raises(ValueError, match="max_groups must be >= 2"):
-        choose_split([1], [1], max_groups=1)
-
-
 def test_follower_without_leader_is_an_error():
     specs = dsa_layer_specs(3, leaders={1})
     with pytest.raises(HiSparseConfigError, match="no index leader precedes it"):
@@ -204,19 +194,19 @@ def test_unsplit_config_is_detected(unconfigured):
 # ---------------------------------------------------------------- startup table
 
 
-def test_capacity_report_arithmetic():
-    report = capacity_report(
+def test_capacity_arithmetic():
+    report = concurrency_report(EngineLayout(
         device_blocks=10_001, bytes_per_block=545_792, num_sparse_groups=5,
-        num_indexer_groups=1, host_blocks=2_000, host_block_bytes=2_561_024,
-        host_copies=2, max_model_len=64 * 100, block_size=64,
-        admission_window_tokens=64 * 8, hot_blocks_per_request=64,
-    )
+        num_indexer_groups=1, num_other_groups=0, host_blocks=2_000, host_block_bytes=2_561_024,
+        host_copies=2, block_size=64, hot_blocks_per_request=64,
+        admission_window_tokens=64 * 8), context_tokens=64 * 100)
     # 100 pages per request. No residency: 6 groups x 100 = 600 blocks per request.
     assert report.max_concurrency_without_residency == 10_000 // 600 == 16
     # Admission: indexer 100 + 5 x min(8 + 64, 100) = 460 blocks; host 2000 // 100 = 20.
     assert report.max_concurrency_at_admission == min(10_000 // 460, 20) == 20
     # Steady: 100 + 5 x (64 + 2) = 430 blocks -> 23, capped by the host pool at 20.
-    assert report.max_concurrency_steady == 20
+    assert report.max_concurrency_steady_device == 10_000 // 430 == 23
+    assert report.max_concurrency_host == 20 == report.max_concurrency_steady
     assert report.logical_host_gib == pytest.approx(2_000 * 2_561_024 / 2**30)
     assert report.physical_host_gib == pytest.approx(2 * report.logical_host_gib)
     table = format_capacity_table(report)
@@ -226,6 +216,29 @@ def test_capacity_report_arithmetic():
                      "hot rows per request", "4,096 per sparse-MLA layer"):
         assert fragment in table
     assert report.hot_rows_per_request == 64 * 64
+
+
+def test_plan_and_the_startup_table_agree_to_the_request(dsa_model_dir, monkeypatch):
+    """DeepSeek-V3.2, 60 GiB of KV, 384 GiB of host, vllm serve's 8192-token window: the
+    engine vLLM plans (our builder, 60 GiB of available memory) and ``vllm-hisparse plan``'s
+    layout give the same report, at 32K and 128K. Before: plan 148 / 146 (steady /
+    admission) against the startup table's 140 / 80 at 32K (no group padding, no window,
+    no indexer pages in the host block)."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # the tiny config says 64K
+    for context, expected in ((32768, (38, 140, 80)), (131072, (9, 49, 39))):
+        vllm_config = make_vllm_config(
+            dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 384}),
+            max_model_len=context, max_num_batched_tokens=8192, max_num_seqs=256)
+        specs = deepseek_v32_specs()
+        groups = get_global_kv_cache_groups(vllm_config, [specs])
+        (full,) = get_kv_cache_configs(vllm_config, [specs], [60 << 30], groups)
+        engine = engine_capacity_report(vllm_config, full, resolve_config(vllm_config))
+        planned = concurrency_report(layout_for_geometry(
+            DEEPSEEK_V32_FP8, device_kv_bytes=60 << 30, host_pool_bytes=384 << 30,
+            device_buffer_size_rows=4096, admission_window_tokens=8192), context)
+        assert engine == planned
+        assert (engine.max_concurrency_without_residency, engine.max_concurrency_steady,
+                engine.max_concurrency_at_admission) == expected
 
 
 def test_engine_capacity_report(configured):
@@ -240,3 +253,21 @@ def test_engine_capacity_report(configured):
     # 128 pages per 8192-token request; 6 groups -> 768 blocks without residency.
     assert report.max_concurrency_without_residency == 19_999 // 768
     assert report.max_concurrency_steady > report.max_concurrency_without_residency
+
+
+def test_the_scheduler_sees_the_host_block_the_workers_allocate(configured):
+    """The engine hands the scheduler each group collapsed to its first layer's spec
+    (``generate_scheduler_kv_cache_config``). Reading a page per group from that sized
+    the scheduler's host pool 14x too large for DeepSeek-V3.2 (5 groups of 13 layers read
+    as 13 times fewer bytes per block): the workers then failed every transfer into a host
+    block past their pool. Both forms give the same host block and the same report."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+
+    for specs in (deepseek_v32_specs(), glm_index_share_specs()):
+        full = plan(configured, specs, num_blocks=20_000)
+        scheduler = generate_scheduler_kv_cache_config([full])
+        assert host_page_bytes(scheduler) == host_page_bytes(full)
+        config = resolve_config(configured)
+        assert engine_capacity_report(configured, scheduler, config) == \
+            engine_capacity_report(configured, full, config)
+    assert sum(host_page_bytes(scheduler)) == 78 * MLA_PAGE + 26 * INDEXER_PAGE

@@ -49,7 +49,7 @@ def test_the_table_names_every_patch_once():
     names = [p.name for p in patches.PATCHES]
     assert names == ["planner_hook", "topk_conversion_hook", "direct_conversion_routing",
                      "layer_forward_context", "cpu_direct_conversion", "cpu_group_conversion",
-                     "config_check", "capacity_line"]
+                     "config_check", "capacity_line", "lockstep_coordinator"]
     for patch in patches.PATCHES:
         assert patch.target and patch.why and patch.installed_by and patch.install_args
         assert patches.by_name(patch.name) is patch
@@ -69,7 +69,8 @@ def test_nothing_else_patches_vllm():
         text = path.read_text()
         for needle in ("Platform.get_kv_cache_config_builder_cls =",
                        ".convert_logical_to_physical_topk =", "._convert_once =",
-                       ".forward_mqa =", "triton_convert_req_index_to_global_index ="):
+                       ".forward_mqa =", "triton_convert_req_index_to_global_index =",
+                       "coordinator.__class__ ="):
             assert needle not in text, (path, needle)
 
 
@@ -299,3 +300,35 @@ def test_capacity_line():
         patches.CAPACITY_LINE.remove()
         if was_installed:
             assert patches.CAPACITY_LINE.install(_max_concurrency)
+
+
+def test_lockstep_coordinator(dsa_model_dir):
+    """Put on the scheduler's coordinator object, seen through vLLM's KVCacheManager (its
+    per-step calls reach the override), and taken off again (vLLM's class is back)."""
+    from tests.vllm.scheduler_harness import SchedulerHarness
+    from tests.vllm.vllm_configs import kv_transfer_config
+    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
+
+    harness = SchedulerHarness.build(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+                                     num_blocks=200, max_model_len=2048, construct_connector=False)
+    manager = harness.scheduler.kv_cache_manager
+    coordinator = compat.kv_cache_coordinator(manager)
+    hybrid = compat.hybrid_coordinator_class()
+    assert type(coordinator) is hybrid and not patches.LOCKSTEP_COORDINATOR.installed(coordinator)
+    calls = []
+    real = LockstepCoordinator.remove_skipped_blocks
+    try:
+        LockstepCoordinator.remove_skipped_blocks = lambda self, *a, **k: calls.append(a)
+        assert patches.LOCKSTEP_COORDINATOR.install(coordinator)
+        assert not patches.LOCKSTEP_COORDINATOR.install(coordinator)
+        assert patches.LOCKSTEP_COORDINATOR.installed(coordinator)
+        assert compat.kv_cache_coordinator(manager) is coordinator  # the same object
+        harness.add_requests(1, prompt_len=100, max_tokens=2)
+        harness.step()
+        assert calls  # vLLM's allocate_slots reached the override
+    finally:
+        LockstepCoordinator.remove_skipped_blocks = real
+    assert patches.LOCKSTEP_COORDINATOR.remove(coordinator)
+    assert type(coordinator) is hybrid and not patches.LOCKSTEP_COORDINATOR.remove(coordinator)
+    harness.run_to_completion()
+    harness.assert_no_leaks()

@@ -112,11 +112,27 @@ def test_chunked_prefills_under_pressure_never_read_host_only_context(
     harness.assert_no_leaks()
 
 
+#: A window (8 pages) that a 1536-token prompt crosses with a net gain, on a smaller pool.
+WINDOW_WORKLOAD = dict(prompt_len=1536, max_tokens=256, chunk=512, num_blocks=300)
+
+
+def test_the_r1_monitor_passes_where_it_fires_without_the_signal(small_topk_model_dir):
+    """The workload of the next test, with the prefilling signal on: no R1 error."""
+    w = WINDOW_WORKLOAD
+    harness = build(small_topk_model_dir, max_num_batched_tokens=w["chunk"], num_blocks=w["num_blocks"])
+    monitor = R1Monitor(harness)
+    requests = harness.add_requests(8, prompt_len=w["prompt_len"], max_tokens=w["max_tokens"])
+    harness.run_to_completion()
+    assert all(r.is_finished() for r in requests) and monitor.demoted_after_prefill
+    harness.assert_no_leaks()
+
+
 def test_the_r1_monitor_is_not_vacuous(small_topk_model_dir):
-    """With the prefilling signal switched off (the old behaviour), the same workload
-    demotes requests mid-prefill, and the worker's R1 check fires."""
-    prompt_len, max_tokens, chunk = PRESSURE_WORKLOADS[1]
-    harness = build(small_topk_model_dir, max_num_batched_tokens=chunk)
+    """With the prefilling signal switched off (the old behaviour), requests are demoted
+    mid-prefill (the admission window), and the worker's R1 check fires."""
+    w = WINDOW_WORKLOAD
+    prompt_len, max_tokens = w["prompt_len"], w["max_tokens"]
+    harness = build(small_topk_model_dir, max_num_batched_tokens=w["chunk"], num_blocks=w["num_blocks"])
     monitor = R1Monitor(harness)
     harness.residency._is_prefilling = lambda request: False
     monitor.on_command_real = monitor.on_command

@@ -427,18 +427,26 @@ def test_all_full_batches_take_vllms_conversion_unchanged(model_dir):
 
 
 def test_host_backed_step_without_request_ids_is_refused(model_dir):
+    """A forward (the step's mirror writes rows) with host-backed requests needs the batch
+    order; a façade that drops vLLM's keyword arguments is refused by name."""
     rig = Rig(model_dir, num_blocks=200)
     rig.role._tracked["x"] = 0
-    from vllm_hisparse.core.commands import StepCommand
+    from vllm_hisparse.core.commands import StepCommand, TransferKind, TransferSpec
 
+    mirror = TransferSpec(transfer_id=1, kind=int(TransferKind.MIRROR), after_forward=True,
+                          mirror_rows=[0], mirror_starts=[5], mirror_ends=[6])
     with pytest.raises(RuntimeError, match="request_ids"):
+        rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0, transfers=[mirror])))
+    with pytest.raises(RuntimeError, match="request_ids"):  # step inputs without the batch order
         rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)),
                                scheduler_output=SimpleNamespace(num_scheduled_tokens={"x": 1}))
 
 
-def test_a_step_without_forward_is_applied_with_host_backed_requests_alive(model_dir):
-    """MRV2's no-forward step (nothing scheduled, e.g. every request waits for a KV load)
-    calls start_load_kv with no keyword argument: the command is applied, no batch mapped."""
+def test_a_step_without_a_forward_needs_no_request_ids(model_dir):
+    """vLLM's no_forward() (every scheduled request waits for a load) calls start_load_kv
+    with no step inputs. With host-backed requests alive that is not an error: nothing is
+    read (``vllm-hisparse simulate`` stopped on it: 16 requests of 4096 + 512 tokens on
+    280 blocks with a small host pool)."""
     rig = Rig(model_dir, num_blocks=200)
     rig.role._tracked["x"] = 0
     from vllm_hisparse.core.commands import StepCommand

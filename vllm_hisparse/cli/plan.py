@@ -8,7 +8,11 @@ it IndexShare prefetch can at best take off the step's critical path), the recom
 ``device_buffer_size`` and ``host_pool_gib``, and the ``--kv-transfer-config`` to paste.
 
 All figures are per data-parallel replica (one attention replica: the KV it holds and the
-requests it serves).
+requests it serves). The concurrency figures come from the function behind the connector's
+startup table (``core.capacity.concurrency_report``) over the layout vLLM's planner makes with the
+connector configured (our KV cache group split, its block size, the host block of every
+sparse-MLA and indexer layer, the admission window): for the same engine, ``plan`` and the
+startup table print the same numbers.
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from vllm_hisparse.core.capacity import (
     INDEXER_ROW_BYTES,
     PRESETS,
     ModelGeometry,
+    concurrency_report,
     critical_path_layers,
     default_device_buffer_size_rows,
-    host_memory,
-    max_concurrency,
+    layout_for_geometry,
 )
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB
 
@@ -57,6 +61,9 @@ def add_parser(sub) -> None:
                    help="host RAM the pool may pin per replica (default: %(default)s)")
     p.add_argument("--contexts", type=positive_int, nargs="+", default=[8192, 32768, 131072],
                    metavar="TOKENS", help="context lengths to plan for (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, metavar="TOKENS",
+                   help="vLLM's max_num_batched_tokens, the prefill in flight per request at "
+                        "admission (default: %(default)s, vllm serve's on an H100/H200)")
     p.add_argument("--spec-tokens", type=nonneg_int, default=0,
                    help="speculative tokens per step (MTP); sizes the hot region")
     p.add_argument("--device-buffer-size", type=positive_int,
@@ -110,36 +117,38 @@ def make_plan(args) -> dict:
     if hot_rows > 32768:
         raise ValueError(f"the hot region would be {hot_rows} rows; at most 32768 are supported "
                          f"(int16 LRU)")
-    host = host_memory(args.host_gib, geo)
-    kv_bytes = int(args.kv_gib * GIB)
+    layout = layout_for_geometry(geo, device_kv_bytes=int(args.kv_gib * GIB),
+                                 host_pool_bytes=int(args.host_gib * GIB),
+                                 device_buffer_size_rows=hot_rows,
+                                 admission_window_tokens=args.max_num_batched_tokens)
     bytes_per_decoded_token = (args.spec_tokens + 1) * geo.top_k * args.miss_rate * \
         geo.num_sparse_layers * geo.row_bytes
     exposed_layers = critical_path_layers(geo)
     rows = []
     for context in args.contexts:
-        c = max_concurrency(geo, device_kv_bytes=kv_bytes, num_host_blocks=host.num_host_blocks,
-                            context_tokens=context, device_buffer_size_rows=hot_rows)
+        c = concurrency_report(layout, context)
         pages = math.ceil(context / geo.block_size)
-        host_needed_gib = c.steady_state_device * pages * geo.mla_page_bytes / GIB
-        io_ms = c.steady_state * bytes_per_decoded_token / (args.link_gbs * 1e9) * 1e3
+        host_needed_gib = c.max_concurrency_steady_device * pages * geo.host_block_bytes / GIB
+        io_ms = c.max_concurrency_steady * bytes_per_decoded_token / (args.link_gbs * 1e9) * 1e3
+        full_only = c.max_concurrency_without_residency
         rows.append(dict(
-            context_tokens=context, full_only=c.full_only, hybrid_steady=c.steady_state,
-            hybrid_at_admission=c.at_admission, steady_limited_by=(
-                "host" if c.steady_state_host < c.steady_state_device else "device"),
-            gain=(c.steady_state / c.full_only) if c.full_only else None,
+            context_tokens=context, full_only=full_only, hybrid_steady=c.max_concurrency_steady,
+            hybrid_at_admission=c.max_concurrency_at_admission, steady_limited_by=(
+                "host" if c.max_concurrency_host < c.max_concurrency_steady_device else "device"),
+            gain=(c.max_concurrency_steady / full_only) if full_only else None,
             host_gib_for_device_limit=host_needed_gib,
             io_ms_per_step_at_steady=io_ms,
             io_ms_per_step_critical_path_at_best=io_ms * exposed_layers / geo.num_sparse_layers,
         ))
         rows[-1]["not_recommended_because"] = _why_not(rows[-1], c, args, geo, hot_rows,
-                                                       pages * geo.mla_page_bytes / GIB)
+                                                       pages * geo.host_block_bytes / GIB)
     winners = [r for r in rows if r["not_recommended_because"] is None]
     recommended_host_gib = kv_transfer_config = None
     if winners:  # sized for the longest context where the connector pays
         worst = max(winners, key=lambda r: r["context_tokens"])
         recommended_host_gib = math.ceil(min(args.host_gib, max(
             worst["host_gib_for_device_limit"],
-            worst["context_tokens"] * geo.host_bytes_per_token / GIB)))
+            math.ceil(worst["context_tokens"] / geo.block_size) * geo.host_block_bytes / GIB)))
         extra = {"host_pool_gib": recommended_host_gib}
         if args.device_buffer_size is not None or args.spec_tokens:
             extra["device_buffer_size"] = hot_rows
@@ -148,8 +157,11 @@ def make_plan(args) -> dict:
     return dict(
         model=geo.name, layers=geo.num_sparse_layers, indexer_layers=geo.indexer_layers,
         row_bytes=geo.row_bytes, block_size=geo.block_size, top_k=geo.top_k,
-        kv_gib=args.kv_gib, host_gib=args.host_gib, host_blocks=host.num_host_blocks,
-        device_buffer_size=hot_rows,
+        kv_gib=args.kv_gib, host_gib=args.host_gib, host_blocks=layout.host_blocks,
+        host_block_bytes=layout.host_block_bytes, device_blocks=layout.device_blocks,
+        bytes_per_block=layout.bytes_per_block, num_sparse_groups=layout.num_sparse_groups,
+        num_indexer_groups=layout.num_indexer_groups,
+        max_num_batched_tokens=args.max_num_batched_tokens, device_buffer_size=hot_rows,
         device_bytes_per_token_full=geo.device_full_bytes_per_token,
         device_bytes_per_token_hybrid=geo.device_indexer_bytes_per_token,
         host_bytes_per_token=geo.host_bytes_per_token,
@@ -168,7 +180,7 @@ def _why_not(row: dict, c, args, geo: ModelGeometry, hot_rows: int,
     """Why the connector does not pay at this context (None: it does)."""
     context = row["context_tokens"]
     if row["hybrid_steady"] == 0:
-        if c.steady_state_device == 0:
+        if c.max_concurrency_steady_device == 0:
             return (f"no {context}-token request fits in --kv-gib {args.kv_gib:g}, even with "
                     f"hybrid residency")
         return (f"--host-gib {args.host_gib:g} holds no whole {context}-token request "
@@ -192,9 +204,12 @@ def run(args) -> int:
           f"indexer), {plan['row_bytes']} B rows, block {plan['block_size']}, top-k "
           f"{plan['top_k']}; KV {plan['kv_gib']:g} GiB HBM, host {plan['host_gib']:g} GiB "
           f"({plan['host_blocks']} blocks); hot region {plan['device_buffer_size']} rows")
+    print(f"KV cache groups: {plan['num_sparse_groups']} sparse-MLA + {plan['num_indexer_groups']} "
+          f"indexer, {plan['device_blocks']:,} blocks of {plan['bytes_per_block']:,} B; admission "
+          f"window {plan['max_num_batched_tokens']} tokens")
     print(f"per token: device {plan['device_bytes_per_token_full']} B full, "
           f"{plan['device_bytes_per_token_hybrid']} B hybrid (indexer keys); host "
-          f"{plan['host_bytes_per_token']} B")
+          f"{plan['host_bytes_per_token']} B (sparse-MLA and indexer rows)")
     print()
     print("| context | full residency | hybrid, steady | hybrid, at admission | limited by "
           "| gain | host GiB for device limit | I/O ms/step at steady "

@@ -8,8 +8,10 @@ Public API:
   :class:`RequestStatus`, :class:`AddResult`, :class:`PolicyStats`
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
   :class:`ResidencyChange`, :class:`WorkerAcks`, :class:`TransferKind`, :class:`Residency`
-* capacity: :class:`ModelGeometry`, :func:`bytes_per_token`, :func:`max_concurrency`,
+* capacity: :class:`ModelGeometry`, :class:`EngineLayout`, :func:`concurrency_report` (the one function
+  behind the startup table and ``plan``), :func:`layout_for_geometry`, :func:`bytes_per_token`,
   :func:`host_memory`, :func:`critical_path_layers`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
+* KV cache groups: :func:`choose_split` (``kv_layout``)
 * errors: :class:`BackPressure`, :class:`HostPoolExhausted`, :class:`DevicePoolExhausted`,
   :class:`ProtocolError`
 """
@@ -26,14 +28,16 @@ from vllm_hisparse.core.capacity import (
     ROW_BYTES_BF16,
     ROW_BYTES_FP8_DS_MLA,
     BytesPerToken,
-    Concurrency,
+    CapacityReport,
+    EngineLayout,
     HostMemory,
     ModelGeometry,
     bytes_per_token,
+    concurrency_report,
     critical_path_layers,
     default_device_buffer_size_rows,
     host_memory,
-    max_concurrency,
+    layout_for_geometry,
 )
 from vllm_hisparse.core.commands import (
     HotLease,
@@ -53,6 +57,7 @@ from vllm_hisparse.core.errors import (
     ProtocolError,
 )
 from vllm_hisparse.core.host_blocks import HostBlockPool, host_block_bytes
+from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, SplitChoice, choose_split
 from vllm_hisparse.core.page_table import PageTable, PageTables
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.policy import ResidencyPolicy
@@ -66,7 +71,7 @@ __all__ = [
     "AddResult",
     "BackPressure",
     "BytesPerToken",
-    "Concurrency",
+    "CapacityReport",
     "DEEPSEEK_V32_BF16",
     "DEEPSEEK_V32_FP8",
     "DevicePool",
@@ -76,6 +81,7 @@ __all__ = [
     "PRESETS",
     "PREFETCH_FIRST_LAUNCH_LAYERS",
     "DevicePoolExhausted",
+    "EngineLayout",
     "HiSparseCoreError",
     "HostBlockPool",
     "HostMemory",
@@ -83,6 +89,7 @@ __all__ = [
     "HotLease",
     "INDEXER_ROW_BYTES",
     "InMemoryDevicePool",
+    "MAX_SPLIT_GROUPS",
     "ModelGeometry",
     "Outcome",
     "PageTable",
@@ -96,14 +103,17 @@ __all__ = [
     "Residency",
     "ResidencyChange",
     "ResidencyPolicy",
+    "SplitChoice",
     "StepCommand",
     "TransferKind",
     "TransferSpec",
     "WorkerAcks",
     "bytes_per_token",
+    "choose_split",
+    "concurrency_report",
     "critical_path_layers",
     "default_device_buffer_size_rows",
     "host_block_bytes",
     "host_memory",
-    "max_concurrency",
+    "layout_for_geometry",
 ]

@@ -1,24 +1,25 @@
-"""Capacity math for the startup table and ``vllm-hisparse plan``.
+"""Capacity math: the one function behind the startup table and ``vllm-hisparse plan``.
 
-Tiers and what each holds per token of context (``L`` sparse layers):
+An engine's KV layout (:class:`EngineLayout`) is what the planner made of the model: a pool
+of ``device_blocks`` blocks of ``bytes_per_block`` bytes shared by the sparse-MLA, indexer
+and other KV cache groups, a host pool of ``host_blocks`` blocks (one page of every
+sparse-MLA and indexer layer each), the hot region of a request in pages, and the admission
+window (``max_num_batched_tokens``). The startup table reads it off the planned engine
+(``vllm.kv_planning.engine_capacity_report``); ``plan`` derives it from a
+:class:`ModelGeometry` with the planner's own group split (:func:`layout_for_geometry`).
+Both then call :func:`concurrency_report`, so they agree to the request.
 
-* **device, FULL** request: the MLA row of every layer and the indexer row of every
-  indexer layer (``I`` of them; ``I = L`` without IndexShare),
-  ``L * row_bytes + I * indexer_row_bytes``;
-* **device, MIXED/NONE** request: the indexer rows of every position stay on the device
-  (the indexer scores all positions every step), plus a fixed part per request: the hot
-  region and the ``ACTIVE_TAIL_PAGES`` tail pages of MLA rows;
-* **host**: the MLA row of every layer, ``L * row_bytes``; one host block = one page.
+Per request of ``T`` tokens (``P = cdiv(T, block_size)`` pages), every group holds one
+block per page it keeps on the device. Indexer (and other) groups keep every page; the
+sparse-MLA groups keep:
 
-Concurrency at a context of ``T`` tokens (``P = cdiv(T, block_size)`` pages):
+* without residency (vLLM alone): every page;
+* at admission: the admission window (prefill in flight, not yet on the host) plus the
+  hot region, at most ``P``;
+* in steady state (MIXED): the hot region plus ``ACTIVE_TAIL_PAGES``, at most ``P``.
 
-* FULL only (no hierarchy): ``floor(device_bytes / (P * bs * (L * row + I * idx)))``;
-* steady state (everyone MIXED): per request
-  ``P * bs * I * idx + (hot_rows + ACTIVE_TAIL_PAGES * bs) * L * row`` device bytes, and
-  ``P`` host blocks; the minimum of the two quotients;
-* at admission (the newcomer is FULL up to its admission window ``W`` pages while everyone
-  else is steady): ``1 + floor((device_bytes - admit_bytes) / steady_bytes)`` with
-  ``admit_bytes = P * bs * I * idx + min(P, W) * bs * L * row``; also capped by the host.
+Each figure is ``(device_blocks - 1) // blocks_per_request`` (vLLM keeps a null block),
+and the hierarchical ones are also capped by the host pool (``host_blocks // P``).
 
 Host memory: ``host_pool_gib`` is *logical* and per data-parallel replica (the KV of the
 requests one replica serves). *Physical* pinned memory per node multiplies it by the
@@ -32,7 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from vllm_hisparse.core.host_blocks import host_block_bytes
+from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, geometry_split, index_unit_layers
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB, cdiv
 
 ROW_BYTES_FP8_DS_MLA = 656
@@ -77,13 +78,19 @@ class ModelGeometry:
 
     @property
     def host_bytes_per_token(self) -> int:
-        """Host bytes per token (MLA rows of all layers)."""
-        return self.num_sparse_layers * self.row_bytes
+        """Host bytes per token: the MLA row of every layer and the indexer row of every
+        indexer layer (a host-prefix hit loads both)."""
+        return self.num_sparse_layers * self.row_bytes + self.device_indexer_bytes_per_token
 
     @property
     def mla_page_bytes(self) -> int:
-        """Bytes of one page of MLA rows over all layers (one device or host block)."""
+        """Bytes of one page of MLA rows over all layers."""
         return self.block_size * self.num_sparse_layers * self.row_bytes
+
+    @property
+    def host_block_bytes(self) -> int:
+        """Bytes of one host block (one page of tokens, :attr:`host_bytes_per_token` each)."""
+        return self.block_size * self.host_bytes_per_token
 
 
 DEEPSEEK_V32_FP8 = ModelGeometry("deepseek-v3.2-fp8_ds_mla", 61, 64, ROW_BYTES_FP8_DS_MLA, INDEXER_ROW_BYTES, 2048)
@@ -149,12 +156,9 @@ def host_memory(
     tp_size: int = 1,
     dp_replicas_per_node: int = 1,
     shared_across_tp: bool = True,
-    block_alignment_bytes: int = 1,
 ) -> HostMemory:
     """Blocks and pinned memory behind ``host_pool_gib`` (logical, per DP replica)."""
-    block_bytes = host_block_bytes(
-        geometry.block_size, geometry.row_bytes, geometry.num_sparse_layers, block_alignment_bytes
-    )
+    block_bytes = geometry.host_block_bytes
     copies = dp_replicas_per_node * (1 if shared_across_tp else tp_size)
     # Blocks are per replica: the copies multiply the physical memory, not divide the budget.
     num_blocks = host_blocks_for_budget(int(host_pool_gib * GIB), block_bytes, 1)
@@ -169,68 +173,125 @@ def host_memory(
 
 
 @dataclass(frozen=True)
-class Concurrency:
-    """Maximum concurrent requests at one context length."""
+class EngineLayout:
+    """What the KV planner made of a model, per engine (data-parallel replica)."""
+
+    device_blocks: int
+    """Blocks of the device pool, vLLM's null block included."""
+    bytes_per_block: int
+    num_sparse_groups: int
+    num_indexer_groups: int
+    num_other_groups: int
+    host_blocks: int
+    host_block_bytes: int
+    """One page of every sparse-MLA and indexer layer: what one host block holds."""
+    host_copies: int
+    """Ranks of the replica that each pin a copy of the host pool."""
+    block_size: int
+    hot_blocks_per_request: int
+    """Pages of one request's hot region (in every sparse-MLA group)."""
+    admission_window_tokens: int
+    """Prefill tokens in flight per request at admission (``max_num_batched_tokens``)."""
+
+
+@dataclass(frozen=True)
+class CapacityReport:
+    """Concurrency of requests of ``context_tokens`` tokens on one engine: the startup
+    table and each row of ``vllm-hisparse plan``."""
 
     context_tokens: int
-    full_only: int
-    steady_state_device: int
-    steady_state_host: int
-    steady_state: int
-    at_admission: int
-    device_bytes_full_request: int
-    device_bytes_steady_request: int
+    device_blocks: int
+    bytes_per_block: int
+    num_sparse_groups: int
+    num_indexer_groups: int
+    host_blocks: int
+    host_block_bytes: int
+    host_copies: int
+    max_concurrency_without_residency: int
+    """Full residency (every page of every group on the device): vLLM without us."""
+    max_concurrency_at_admission: int
+    """Every request holding its admission window plus its hot region (a burst)."""
+    max_concurrency_steady: int
+    """Hybrid residency in steady state (hot region + tail on the device), host-capped."""
+    max_concurrency_steady_device: int
+    """The steady state on the device alone (what a larger host pool would allow)."""
+    max_concurrency_host: int
+    """Requests of ``context_tokens`` tokens the host pool backs at once."""
+    hot_rows_per_request: int
+    """Device rows one request's hot region holds per sparse-MLA layer."""
+
+    @property
+    def logical_host_gib(self) -> float:
+        return self.host_blocks * self.host_block_bytes / GIB
+
+    @property
+    def physical_host_gib(self) -> float:
+        return self.logical_host_gib * self.host_copies
 
     def to_dict(self) -> dict:
         """JSON-able form."""
         return asdict(self)
 
 
-def max_concurrency(
+def concurrency_report(layout: EngineLayout, context_tokens: int) -> CapacityReport:
+    """How many requests of ``context_tokens`` tokens fit ``layout``, by residency state
+    (formulas in the module docstring)."""
+    pages = cdiv(int(context_tokens), layout.block_size)
+    always_resident = (layout.num_indexer_groups + layout.num_other_groups) * pages
+    usable = max(layout.device_blocks - 1, 0)
+
+    def fit(sparse_pages: int) -> int:
+        per_request = always_resident + layout.num_sparse_groups * min(sparse_pages, pages)
+        return usable // per_request if per_request else 0
+
+    host_fit = layout.host_blocks // pages if pages else 0
+    window_pages = cdiv(layout.admission_window_tokens, layout.block_size)
+    steady_device = fit(layout.hot_blocks_per_request + ACTIVE_TAIL_PAGES)
+    return CapacityReport(
+        context_tokens=int(context_tokens),
+        device_blocks=layout.device_blocks,
+        bytes_per_block=layout.bytes_per_block,
+        num_sparse_groups=layout.num_sparse_groups,
+        num_indexer_groups=layout.num_indexer_groups,
+        host_blocks=layout.host_blocks,
+        host_block_bytes=layout.host_block_bytes,
+        host_copies=layout.host_copies,
+        max_concurrency_without_residency=fit(pages),
+        max_concurrency_at_admission=min(fit(window_pages + layout.hot_blocks_per_request), host_fit),
+        max_concurrency_steady=min(steady_device, host_fit),
+        max_concurrency_steady_device=steady_device,
+        max_concurrency_host=host_fit,
+        hot_rows_per_request=layout.hot_blocks_per_request * layout.block_size,
+    )
+
+
+def layout_for_geometry(
     geometry: ModelGeometry,
     *,
     device_kv_bytes: int,
-    num_host_blocks: int,
-    context_tokens: int,
+    host_pool_bytes: int,
     device_buffer_size_rows: int,
-    admission_window_tokens: int | None = None,
-) -> Concurrency:
-    """Concurrency with and without the hierarchy (formulas in the module docstring).
-
-    Args:
-        device_kv_bytes: HBM given to KV (MLA + indexer), per replica.
-        num_host_blocks: host pool blocks (one page each), per replica.
-        context_tokens: context length of every request.
-        device_buffer_size_rows: hot rows per request.
-        admission_window_tokens: tokens a newcomer keeps FULL at admission (default: all).
-    """
-    bs = geometry.block_size
-    layers = geometry.num_sparse_layers
-    pages = cdiv(int(context_tokens), bs)
-    padded_tokens = pages * bs
-    full_bytes = padded_tokens * geometry.device_full_bytes_per_token
-    steady_bytes = padded_tokens * geometry.device_indexer_bytes_per_token + (
-        device_buffer_size_rows + ACTIVE_TAIL_PAGES * bs
-    ) * layers * geometry.row_bytes
-    window_pages = pages if admission_window_tokens is None else min(pages, cdiv(admission_window_tokens, bs))
-    admit_bytes = padded_tokens * geometry.device_indexer_bytes_per_token + window_pages * bs * layers * geometry.row_bytes
-    full_only = device_kv_bytes // full_bytes
-    steady_device = device_kv_bytes // steady_bytes
-    steady_host = num_host_blocks // pages
-    steady = min(steady_device, steady_host)
-    if device_kv_bytes >= admit_bytes:
-        admission_device = 1 + (device_kv_bytes - admit_bytes) // steady_bytes
-    else:
-        admission_device = 0
-    return Concurrency(
-        context_tokens=int(context_tokens),
-        full_only=int(full_only),
-        steady_state_device=int(steady_device),
-        steady_state_host=int(steady_host),
-        steady_state=int(steady),
-        at_admission=int(min(admission_device, steady_host)),
-        device_bytes_full_request=int(full_bytes),
-        device_bytes_steady_request=int(steady_bytes),
+    admission_window_tokens: int,
+    host_copies: int = 1,
+    max_groups: int = MAX_SPLIT_GROUPS,
+) -> EngineLayout:
+    """The layout vLLM's planner makes with the connector configured: our group split of
+    ``geometry`` (:func:`~vllm_hisparse.core.kv_layout.geometry_split`), ``device_kv_bytes``
+    of HBM cut into blocks of that split's size, the host budget cut into host blocks."""
+    choice = geometry_split(geometry.num_sparse_layers, geometry.indexer_layers, geometry.block_size,
+                            geometry.row_bytes, geometry.indexer_row_bytes, max_groups=max_groups)
+    return EngineLayout(
+        device_blocks=int(device_kv_bytes) // choice.bytes_per_block,
+        bytes_per_block=choice.bytes_per_block,
+        num_sparse_groups=len(choice.sparse_parts),
+        num_indexer_groups=len(choice.indexer_parts),
+        num_other_groups=0,
+        host_blocks=host_blocks_for_budget(host_pool_bytes, geometry.host_block_bytes, host_copies),
+        host_block_bytes=geometry.host_block_bytes,
+        host_copies=host_copies,
+        block_size=geometry.block_size,
+        hot_blocks_per_request=cdiv(device_buffer_size_rows, geometry.block_size),
+        admission_window_tokens=int(admission_window_tokens),
     )
 
 
@@ -255,9 +316,7 @@ def critical_path_layers(geometry: ModelGeometry,
     layers, groups = geometry.num_sparse_layers, geometry.indexer_layers
     if not 1 <= groups <= layers:
         raise ValueError(f"{geometry.name}: {groups} index groups for {layers} sparse layers")
-    small, larger = divmod(layers, groups)  # `larger` groups of small + 1, the rest of small
-    return (larger * min(first_launch_layers, small + 1)
-            + (groups - larger) * min(first_launch_layers, small))
+    return sum(min(first_launch_layers, n) for n in index_unit_layers(layers, groups))
 
 
 # --------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 * each request's record agrees with the request table's row vectors; free rows are clean;
 * device and host reference counts equal the leases the pages, hot regions and open
   transactions hold (so never negative, and no block is both free and owned); a released
-  block is free in the pool;
+  block is free in the pool, or still pinned by another request (a shared prefix page);
 * hot leases belong to live MIXED/NONE requests that are active, activating or importing
   (an import into an engine's tail blocks).
 
@@ -97,7 +97,10 @@ def check_invariants(
                 owners = released_owner.get(block, [])
                 assert (row, req.serial, page) in owners, (req.request_id, page, "released page not tracked")
                 if in_memory:
-                    assert device_pool.is_free(block), (req.request_id, page, "released block re-owned")
+                    # Free, or still pinned by another request (a shared prefix page).
+                    assert device_pool.is_free(block) or bool(
+                        np.any(t.pinned & (t.device_block == block))), (
+                        req.request_id, page, "released block re-owned")
             if t.host_valid[row, page]:
                 assert np.all(t.host_mask[row, page] == t.full_mask)
             if req.status == RequestStatus.IMPORTING:

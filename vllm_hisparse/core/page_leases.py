@@ -43,6 +43,8 @@ class PageLeases:
         self.block_size = tables.block_size
         self.released_owner: dict[int, list[tuple[int, int, int]]] = {}
         """Released device block -> ``[(row, serial, page)]`` whose copy it still holds."""
+        self.num_hot_blocks_leased = 0
+        """Device blocks every hot region lease holds together."""
 
     # -- growth -----------------------------------------------------------------------
     def add_pages(self, req: Request, num_new_pages: int, device_block_ids) -> Outcome:
@@ -194,11 +196,13 @@ class PageLeases:
     def lease_hot(self, req: Request) -> None:
         """Lease the request's hot region (``req.hot_blocks`` device blocks)."""
         req.hot_block_ids = self.device_pool.get_new_blocks(req.hot_blocks)
+        self.num_hot_blocks_leased += len(req.hot_block_ids)
         self.steps.emit_hot_lease(req.row, list(req.hot_block_ids))
 
     def drop_hot_lease(self, req: Request) -> None:
         if req.hot_block_ids:
             self.device_pool.free_blocks(req.hot_block_ids)
+            self.num_hot_blocks_leased -= len(req.hot_block_ids)
             req.hot_block_ids = []
             self.steps.emit_hot_lease(req.row, [])
 

@@ -44,6 +44,7 @@ from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTable, PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.pressure import blocks_spared
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.rollback import roll_back_rows
 from vllm_hisparse.core.stats import PolicyStats
@@ -186,6 +187,15 @@ class ResidencyPolicy:
         moment an allocation failed (vLLM's ``has_pending_block_frees``), not every step.
         """
         return self._planner.num_device_blocks_pending_release()
+
+    def num_device_blocks_saved(self) -> int:
+        """Device blocks residency spares now: blocks the known requests' released and
+        host-only pages free (a released page of a prefix another request still pins frees
+        nothing), minus the blocks of every hot region. What the requests would hold on top
+        of today's leases if every page were resident; negative while hot regions cost more
+        than the pages released. O(rows) while every page is pinned, else O(rows x pages)
+        (``pressure.blocks_spared``)."""
+        return blocks_spared(self.tables) - self._leases.num_hot_blocks_leased
 
     def lookup_host_prefix(self, block_hashes: Sequence[Hashable]) -> int:
         """Pages of ``block_hashes`` published in the host pool (no lease taken)."""

@@ -3,11 +3,19 @@
 **FULL → MIXED under pressure** (:func:`demotion_candidates`): among ACTIVE FULL requests
 that are not prefilling (R1.a) and have not changed state in the last
 ``min_steps_between_transitions`` steps, score each by ``reclaimable / hot_blocks`` where
-``reclaimable = num_clean_pinned - ACTIVE_TAIL_PAGES`` (clean pages that could be released
-at once; the tail estimate is conservative), keep only those with ``reclaimable >
-hot_blocks`` (a net gain), best score first. The caller takes them in that order until the
-summed net gain reaches ``high_watermark - free (+ unmet demand)``: never every request,
-and never one whose move would cost blocks.
+``reclaimable`` = its clean pinned pages that no other request pins, minus
+``ACTIVE_TAIL_PAGES`` (pages whose release frees a block at once; the tail estimate is
+conservative), keep only those with ``reclaimable > hot_blocks`` (a net gain), best score
+first. The caller takes them in that order until the summed net gain reaches
+``high_watermark - free (+ unmet demand)``: never every request, and never one whose move
+would cost blocks.
+
+**Shared pages.** Requests that hit vLLM's prefix cache hold the same device blocks for
+their common prefix, each with its own lease. Releasing one lease of such a page frees
+nothing while another request pins it, so a request whose context is mostly a shared
+prefix gains only its own suffix from a demotion, and a hot region costs more than that
+(:func:`exclusive_pinned_pages`). Blocks residency actually spares count each block once
+(:func:`blocks_spared`).
 
 **MIXED/NONE → FULL** (:func:`promotion_candidates`): ACTIVE non-FULL requests past their
 cooldown, cheapest first (``num_pages - num_pinned`` blocks to re-pin or restore). The
@@ -36,7 +44,7 @@ def demotion_candidates(requests: RequestTable, tables: PageTables, step_id: int
     )[0]
     if candidates.shape[0] == 0:
         return candidates, candidates
-    reclaimable = np.maximum(tables.num_clean_pinned[candidates] - ACTIVE_TAIL_PAGES, 0)
+    reclaimable = np.maximum(exclusive_pinned_pages(tables, candidates, clean=True) - ACTIVE_TAIL_PAGES, 0)
     hot = requests.hot_blocks[candidates]
     net = reclaimable - hot
     ok = net > 0
@@ -57,3 +65,54 @@ def promotion_candidates(requests: RequestTable, tables: PageTables, step_id: in
     cost = tables.num_pages[rows] - tables.num_pinned[rows]
     order = np.argsort(cost, kind="stable")
     return rows[order], cost[order]
+
+
+def pin_counts(tables: PageTables) -> np.ndarray:
+    """Pinned pages per device block id, over every row (O(rows x pages))."""
+    width = int(tables.num_pages.max(initial=0))
+    held = tables.device_block[:, :width][tables.pinned[:, :width]]
+    return np.bincount(held) if held.shape[0] else np.zeros(1, dtype=np.int64)
+
+
+def exclusive_pinned_pages(tables: PageTables, rows: np.ndarray, *, clean: bool) -> np.ndarray:
+    """Per row of ``rows``: its pinned pages (``clean``: pinned and clean) whose device
+    block no other page pins, i.e. whose release frees a block (int64)."""
+    counts = pin_counts(tables)
+    if counts.max() <= 1:  # no block pinned twice: every pinned page owns its block
+        return (tables.num_clean_pinned if clean else tables.num_pinned)[rows].copy()
+    width = int(tables.num_pages[rows].max(initial=0))
+    mask = tables.pinned[rows, :width]
+    if clean:
+        mask = mask & tables.host_valid[rows, :width]
+    blocks = np.maximum(tables.device_block[rows, :width], 0)
+    return np.count_nonzero(mask & (counts[blocks] == 1), axis=1).astype(np.int64)
+
+
+def blocks_spared(tables: PageTables) -> int:
+    """Device blocks the known requests' unpinned pages free: every distinct block of a
+    released page that no page still pins (a prefix another request pins frees nothing;
+    two requests releasing one shared block free it once), and every distinct host block of
+    a page that is only on the host. O(rows) while every page is pinned, else
+    O(rows x pages)."""
+    if int(tables.num_pages.sum() - tables.num_pinned.sum()) == 0:
+        return 0
+    counts = pin_counts(tables)
+    width = int(tables.num_pages.max(initial=0))
+    unpinned = (np.arange(width) < tables.num_pages[:, None]) & ~tables.pinned[:, :width]
+    blocks = tables.device_block[:, :width][unpinned]
+    released = np.unique(blocks[blocks >= 0])
+    pinned_elsewhere = np.count_nonzero(counts[released[released < counts.shape[0]]] > 0)
+    host_only = np.unique(tables.host_block[:, :width][unpinned & (tables.device_block[:, :width] < 0)])
+    return int(released.shape[0] - pinned_elsewhere + host_only.shape[0])
+
+
+def blocks_freed_by_release(tables: PageTables, row: int) -> int:
+    """Device blocks that releasing every releasable page of ``row`` now would free: clean,
+    idle (no transfer or mirror in flight), non-tail pinned pages that no other page pins."""
+    limit = int(tables.num_pages[row]) - ACTIVE_TAIL_PAGES
+    if limit <= 0:
+        return 0
+    mask = (tables.pinned[row, :limit] & tables.host_valid[row, :limit]
+            & (tables.pending[row, :limit] < 0) & (tables.mirror_inflight[row, :limit] == 0))
+    counts = pin_counts(tables)
+    return int(np.count_nonzero(mask & (counts[np.maximum(tables.device_block[row, :limit], 0)] == 1)))

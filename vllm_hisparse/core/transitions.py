@@ -2,8 +2,9 @@
 
 Once per step (:meth:`ResidencyTransitions.apply_pressure`, from ``build_step``):
 
-* requests whose page count first crossed the admission window are demoted (a prefilling
-  one waits for its prompt to complete: R1.a);
+* requests whose page count first crossed the admission window are demoted when that
+  gains blocks (more non-tail pages of their own, not shared with another request, than
+  the hot region; a prefilling one waits for its prompt to complete: R1.a);
 * under pressure (free device blocks below the low watermark, or unmet demand this step)
   requests are demoted in the order of :func:`pressure.demotion_candidates` until the
   deficit is covered;
@@ -25,7 +26,12 @@ from vllm_hisparse.core.outcome import Outcome
 from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTables
 from vllm_hisparse.core.policy_config import PolicyConfig
-from vllm_hisparse.core.pressure import demotion_candidates, promotion_candidates
+from vllm_hisparse.core.pressure import (
+    blocks_freed_by_release,
+    demotion_candidates,
+    exclusive_pinned_pages,
+    promotion_candidates,
+)
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
@@ -143,7 +149,8 @@ class ResidencyTransitions:
                     continue
                 if req.prefilling:  # R1.a: wait for the prompt to complete
                     self._window_waiting.add(row)
-                elif req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE:
+                elif (req.residency == Residency.FULL and req.status == RequestStatus.ACTIVE
+                      and self._window_gain(req) > 0):
                     demoted |= self.demote(req)
             self._window_candidates.clear()
         free = self.device_pool.get_num_free_blocks()
@@ -161,6 +168,14 @@ class ResidencyTransitions:
             self._promote_some(free)
         self.unmet_device_blocks = 0
 
+    def _window_gain(self, req: Request) -> int:
+        """Blocks a window demotion of ``req`` frees, net of its hot region: its pages that
+        no other request pins (a shared prefix frees nothing), less the tail. A hot region
+        as large as that would cost the pool and add host reads."""
+        rows = np.array([req.row], dtype=np.int64)
+        own = int(exclusive_pinned_pages(self.tables, rows, clean=False)[0])
+        return own - ACTIVE_TAIL_PAGES - req.hot_blocks
+
     def _demote_for_pressure(self, free: int) -> None:
         need = self.high_watermark_blocks + self.unmet_device_blocks - free
         if need <= 0:
@@ -176,14 +191,24 @@ class ResidencyTransitions:
                 gained += gain
 
     def demote(self, req: Request) -> bool:
-        """FULL → MIXED: lease a hot region and release every releasable page."""
-        if req.hot_blocks > self.device_pool.get_num_free_blocks():
+        """FULL → MIXED: lease a hot region and release every releasable page.
+
+        When the pool is too short for the hot region, which is when demotions are needed
+        most, the request's clean pages are released first if that frees enough: they are
+        on the host, so the hot region may take their blocks at once (those pages then
+        read from the host)."""
+        free = self.device_pool.get_num_free_blocks()
+        release_first = req.hot_blocks > free
+        if release_first and req.hot_blocks > free + blocks_freed_by_release(self.tables, req.row):
             self.stats.num_device_backpressure += 1
             return False
-        self.leases.lease_hot(req)
+        if not release_first:
+            self.leases.lease_hot(req)
         self.requests.set_residency(req, Residency.MIXED)
         self.stats.num_demotions += 1
         self.leases.release_all_releasable(req)
+        if release_first:
+            self.leases.lease_hot(req)
         return True
 
     def _promote_some(self, free: int) -> None:

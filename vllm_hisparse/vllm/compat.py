@@ -75,6 +75,7 @@ __all__ = [
     "MAX_CONCURRENCY_NAME",
     "OFFLOADED_GROUP_ROLE",
     "RESIDENCY_GROUP_ROLE",
+    "admission_watermark_blocks",
     "assign_group_role",
     "block_is_cached",
     "is_waiting_for_remote_kvs",
@@ -83,9 +84,12 @@ __all__ = [
     "scope_offloading",
     "group_managers",
     "composing_kv_transfer_config",
+    "hybrid_coordinator_class",
+    "kv_cache_coordinator",
     "kv_load_failure_policy",
     "prefix_cache_geometry",
     "multi_connector_types",
+    "num_allocated_pages",
     "register_residency_manager",
     "residency_manager_registered",
     "CUDAGraphMode",
@@ -119,6 +123,7 @@ __all__ = [
     "resolve_kv_cache_config_builder",
     "resolved_kv_cache_layout",
     "scheduler_classes",
+    "set_admission_watermark_blocks",
 ]
 
 #: What ``Platform.get_kv_cache_config_builder_cls`` returns in vLLM 0.33 for every
@@ -307,10 +312,44 @@ def group_managers(kv_cache_manager: Any, group_ids: tuple[int, ...]) -> list[An
     return [managers[i] for i in group_ids]
 
 
+def kv_cache_coordinator(kv_cache_manager: Any) -> Any:
+    """``KVCacheManager.coordinator``: the object that runs the per-group manager calls."""
+    return kv_cache_manager.coordinator
+
+
+def hybrid_coordinator_class() -> type:
+    """``vllm.v1.core.kv_cache_coordinator.HybridKVCacheCoordinator``: the coordinator vLLM
+    builds for several KV cache groups with prefix caching on (``get_kv_cache_coordinator``)."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    return HybridKVCacheCoordinator
+
+
 def prefix_cache_geometry(kv_cache_manager: Any) -> tuple[bool, int]:
     """``(enable_caching, hash_block_size)`` of a ``KVCacheManager``: whether requests'
     ``block_hashes`` are maintained, and how many tokens one hash covers."""
     return bool(kv_cache_manager.enable_caching), int(kv_cache_manager.block_pool.hash_block_size)
+
+
+def admission_watermark_blocks(kv_cache_manager: Any) -> int:
+    """``KVCacheManager.watermark_blocks``: free blocks that the allocation of a WAITING or
+    PREEMPTED request must leave over, while any request runs (``allocate_slots``:
+    ``v1/core/kv_cache_manager.py:518-547,583``; from ``SchedulerConfig.watermark``)."""
+    return int(kv_cache_manager.watermark_blocks)
+
+
+def set_admission_watermark_blocks(kv_cache_manager: Any, num_blocks: int) -> None:
+    """Set the watermark :func:`admission_watermark_blocks` reads. vLLM reads it at each
+    ``allocate_slots`` call, so a value set before a waiting request's allocation (in
+    ``get_num_new_matched_tokens``) gates exactly that admission; a failed allocation makes
+    the scheduler stop admitting for the step, as when the pool is full."""
+    kv_cache_manager.watermark_blocks = int(num_blocks)
+
+
+def num_allocated_pages(blocks: Any) -> int:
+    """Pages a request holds in its first KV cache group: ``KVCacheBlocks.blocks[0]`` of the
+    blocks vLLM hands ``update_state_after_alloc`` (prefix hits included)."""
+    return len(blocks.blocks[0]) if blocks is not None and blocks.blocks else 0
 
 
 def kv_load_failure_policy(vllm_config: VllmConfig) -> str:

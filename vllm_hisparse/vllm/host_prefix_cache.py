@@ -62,11 +62,16 @@ class HostPrefixCache:
     def _host_hit_pages(self, request: Any, local_pages: int) -> int:
         """Published host pages of ``request`` past its first ``local_pages`` pages.
 
-        None when the sparse-MLA groups still hold every one of those pages on the device
-        (only their indexer pages are gone): a load would restore no sparse-MLA row, so it
-        is left to ``OffloadingConnector`` (which loads the indexer groups up to the
-        sparse groups' own hit) or recomputed."""
+        None when the tokens left to compute fit in one prefill chunk: a load keeps the
+        request waiting a step (``WAITING_FOR_REMOTE_KVS``) while recomputing them takes
+        that one step anyway, so the load would only delay it. None, too, when the
+        sparse-MLA groups still hold every one of those pages on the device (only their
+        indexer pages are gone): a load would restore no sparse-MLA row, so it is left to
+        ``OffloadingConnector`` (which loads the indexer groups up to the sparse groups' own
+        hit) or recomputed."""
         if not self.host_prefix_cache:
+            return 0
+        if request.num_tokens - local_pages * self.block_size <= self._max_chunk_tokens:
             return 0
         max_pages = (request.num_tokens - 1) // self.block_size  # leave a token to compute
         if max_pages <= local_pages:

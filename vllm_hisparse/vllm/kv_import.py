@@ -166,6 +166,7 @@ class PDImports:
         if remote is None or rid in self._requests:
             return super().offer(request, num_computed_tokens)
         self._pd_drop_offer(rid)
+        self._reset_admission_watermark()  # the landing decision below leaves the headroom
         if self.host_pool.num_allocatable_blocks - self._host_outstanding < self._host_pages_for(request):
             return None, False  # host back-pressure, as for every request
         prompt = request.num_prompt_tokens

@@ -39,7 +39,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB, cdiv
+from vllm_hisparse.core.capacity import CapacityReport, EngineLayout, concurrency_report
+from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, SplitChoice, choose_split
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import (
     DefaultKVCacheConfigBuilder,
@@ -62,10 +63,6 @@ from vllm_hisparse.vllm.config import (
     is_connector_configured,
     resolve_config,
 )
-
-#: Most KV cache groups the split may create for the sparse-MLA + indexer layers.
-#: Each group is one more block table and one more manager call per request per step.
-MAX_SPLIT_GROUPS = 8
 
 #: Qualified name the planner hook hands to vLLM.
 BUILDER_QUALNAME = "vllm_hisparse.vllm.kv_planning.HiSparseKVCacheConfigBuilder"
@@ -153,108 +150,6 @@ def index_units(sparse: dict[str, MLAAttentionSpec]) -> list[list[str]]:
 
 
 # --------------------------------------------------------------------------------------
-# Choosing the split
-# --------------------------------------------------------------------------------------
-
-
-def _greedy_parts(sizes: Sequence[int], cap: int) -> list[list[int]] | None:
-    """Contiguous packing of ``sizes`` into parts of sum <= cap; None if one is too big."""
-    parts: list[list[int]] = []
-    total = cap + 1
-    for index, size in enumerate(sizes):
-        if size > cap:
-            return None
-        if total + size > cap:
-            parts.append([])
-            total = 0
-        parts[-1].append(index)
-        total += size
-    return parts
-
-
-def _min_cap_for_parts(sizes: Sequence[int], num_parts: int) -> int:
-    """Smallest cap for which contiguous greedy packing needs <= num_parts parts."""
-    low, high = max(sizes), sum(sizes)
-    while low < high:
-        mid = (low + high) // 2
-        parts = _greedy_parts(sizes, mid)
-        if parts is not None and len(parts) <= num_parts:
-            high = mid
-        else:
-            low = mid + 1
-    return low
-
-
-@dataclass(frozen=True)
-class SplitChoice:
-    """Which units / indexer layers go together, and what one block then costs."""
-
-    sparse_parts: list[list[int]]
-    """Indices into the unit list, one list per sparse-MLA group."""
-    indexer_parts: list[list[int]]
-    """Indices into the indexer layer list, one list per indexer group."""
-    bytes_per_block: int
-    """Pool block size the split needs (largest group page sum, aligned)."""
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.sparse_parts) + len(self.indexer_parts)
-
-    @property
-    def bytes_per_token_page(self) -> int:
-        """Device bytes one page of tokens costs a request across these groups."""
-        return self.num_groups * self.bytes_per_block
-
-
-def choose_split(
-    unit_bytes: Sequence[int],
-    indexer_bytes: Sequence[int],
-    *,
-    alignment: int = 1,
-    max_groups: int = MAX_SPLIT_GROUPS,
-) -> SplitChoice:
-    """The contiguous split minimising ``num_groups * bytes_per_block``.
-
-    ``unit_bytes[i]`` is the summed page bytes of index unit i, ``indexer_bytes[j]`` the
-    page bytes of indexer layer j. Candidates: for every group count of one kind, the
-    tightest cap it allows, and the fewest groups of the other kind under that cap.
-    Ties go to fewer groups (less scheduler work per step).
-    """
-    if not unit_bytes or not indexer_bytes:
-        raise ValueError("choose_split needs at least one unit and one indexer layer")
-    if max_groups < 2:
-        raise ValueError("max_groups must be >= 2 (one sparse and one indexer group)")
-    best: SplitChoice | None = None
-    caps = {
-        _min_cap_for_parts(unit_bytes, n) for n in range(1, len(unit_bytes) + 1)
-    } | {_min_cap_for_parts(indexer_bytes, m) for m in range(1, len(indexer_bytes) + 1)}
-    for cap in sorted(caps):
-        sparse_parts = _greedy_parts(unit_bytes, cap)
-        indexer_parts = _greedy_parts(indexer_bytes, cap)
-        if sparse_parts is None or indexer_parts is None:
-            continue
-        if len(sparse_parts) + len(indexer_parts) > max_groups:
-            continue
-        largest = max(
-            max(sum(unit_bytes[i] for i in part) for part in sparse_parts),
-            max(sum(indexer_bytes[i] for i in part) for part in indexer_parts),
-        )
-        choice = SplitChoice(sparse_parts, indexer_parts, -(-largest // alignment) * alignment)
-        if best is None or (choice.bytes_per_token_page, choice.num_groups) < (
-            best.bytes_per_token_page,
-            best.num_groups,
-        ):
-            best = choice
-    if best is None:
-        raise HiSparseConfigError(
-            f"{CONNECTOR_NAME}: cannot split {len(unit_bytes)} index units and "
-            f"{len(indexer_bytes)} indexer layers into at most {max_groups} KV cache "
-            "groups; accepted: models whose layers fit that many groups."
-        )
-    return best
-
-
-# --------------------------------------------------------------------------------------
 # Building the groups
 # --------------------------------------------------------------------------------------
 
@@ -301,12 +196,15 @@ def split_kv_cache_groups(
     alignment = math.lcm(
         *(s.get_block_stride_alignment() for s in (*classes.sparse.values(), *classes.indexer.values()))
     )
-    choice = choose_split(
-        [sum(classes.sparse[n].page_size_bytes for n in unit) for unit in units],
-        [classes.indexer[n].page_size_bytes for n in indexer_names],
-        alignment=alignment,
-        max_groups=max_groups,
-    )
+    try:
+        choice = choose_split(
+            [sum(classes.sparse[n].page_size_bytes for n in unit) for unit in units],
+            [classes.indexer[n].page_size_bytes for n in indexer_names],
+            alignment=alignment,
+            max_groups=max_groups,
+        )
+    except ValueError as exc:
+        raise HiSparseConfigError(f"{CONNECTOR_NAME}: {exc}") from None
     groups = [
         _uniform_group([n for u in part for n in units[u]], classes.sparse)
         for part in choice.sparse_parts
@@ -416,19 +314,22 @@ class HiSparseKVCacheConfigBuilder(DefaultKVCacheConfigBuilder):
         return config
 
 
-def host_block_bytes(sparse_groups: Iterable[KVCacheGroupSpec]) -> int:
-    """Bytes of one page of every layer of ``sparse_groups`` (any groups, summed).
+def group_page_bytes(group: KVCacheGroupSpec) -> int:
+    """Bytes of one page of every layer of ``group``.
 
-    A worker's plan keeps each group's per-layer specs (``UniformTypeKVCacheSpecs``, whose
-    page size is the layers' sum); the scheduler's keeps only the first layer's spec
-    (``generate_scheduler_kv_cache_config``), whose page is one layer's: both count every
-    layer."""
-    total = 0
-    for group in sparse_groups:
-        spec = group.kv_cache_spec
-        layers = 1 if isinstance(spec, UniformTypeKVCacheSpecs) else len(group.layer_names)
-        total += spec.page_size_bytes * layers
-    return total
+    The engine hands the scheduler each group collapsed to its first layer's spec
+    (``generate_scheduler_kv_cache_config``); the layers of a group share one page size
+    (``UniformTypeKVCacheSpecs``), so a collapsed group is its layer count times that
+    page. The workers' config keeps the per-layer specs: the same number either way."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.page_size_bytes
+    return spec.page_size_bytes * len(group.layer_names)
+
+
+def host_block_bytes(groups: Iterable[KVCacheGroupSpec]) -> int:
+    """Bytes of one page of every layer of ``groups`` (summed)."""
+    return sum(group_page_bytes(group) for group in groups)
 
 
 def indexer_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
@@ -481,93 +382,6 @@ def select_builder(vllm_config: VllmConfig) -> str | None:
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CapacityReport:
-    """Numbers the startup table prints (all per engine, i.e. per DP replica)."""
-
-    device_blocks: int
-    bytes_per_block: int
-    num_sparse_groups: int
-    num_indexer_groups: int
-    host_blocks: int
-    host_block_bytes: int
-    """One page of every sparse-MLA layer: what one host block holds."""
-    host_copies: int
-    """Ranks of the replica that each pin a copy of the host pool."""
-    max_concurrency_without_residency: int
-    """Full residency (every page of every group on the device): vLLM without us."""
-    max_concurrency_at_admission: int
-    max_concurrency_steady: int
-    """Hybrid residency in steady state (hot region + tail on the device, the rest on host)."""
-    hot_rows_per_request: int
-    """Device rows one request's hot region holds per sparse-MLA layer."""
-
-    @property
-    def logical_host_gib(self) -> float:
-        return self.host_blocks * self.host_block_bytes / GIB
-
-    @property
-    def physical_host_gib(self) -> float:
-        return self.logical_host_gib * self.host_copies
-
-
-def capacity_report(
-    *,
-    device_blocks: int,
-    bytes_per_block: int,
-    num_sparse_groups: int,
-    num_indexer_groups: int,
-    num_other_groups: int = 0,
-    host_blocks: int,
-    host_block_bytes: int,
-    host_copies: int,
-    max_model_len: int,
-    block_size: int,
-    admission_window_tokens: int,
-    hot_blocks_per_request: int,
-) -> CapacityReport:
-    """How many ``max_model_len`` requests fit, by residency state.
-
-    Per request and per page of tokens, every group holds one block. Indexer (and
-    other) groups always hold every page. Sparse-MLA groups hold:
-
-    * without residency: every page;
-    * at admission: the pages of the admission window (the prefill in flight, whose
-      host copies are not complete yet) plus the hot region;
-    * in steady state (Mixed): the hot region plus ``ACTIVE_TAIL_PAGES``.
-
-    Each request also needs its whole length in host blocks. The null block is not
-    usable, hence ``device_blocks - 1``.
-    """
-    pages = cdiv(max_model_len, block_size)
-    always_resident = (num_indexer_groups + num_other_groups) * pages
-    usable = max(device_blocks - 1, 0)
-
-    def fit(sparse_pages: int) -> int:
-        per_request = always_resident + num_sparse_groups * sparse_pages
-        return usable // per_request if per_request else 0
-
-    host_fit = host_blocks // pages
-    window_pages = min(cdiv(admission_window_tokens, block_size), pages)
-    return CapacityReport(
-        device_blocks=device_blocks,
-        bytes_per_block=bytes_per_block,
-        num_sparse_groups=num_sparse_groups,
-        num_indexer_groups=num_indexer_groups,
-        host_blocks=host_blocks,
-        host_block_bytes=host_block_bytes,
-        host_copies=host_copies,
-        max_concurrency_without_residency=fit(pages),
-        max_concurrency_at_admission=min(
-            fit(min(window_pages + hot_blocks_per_request, pages)), host_fit
-        ),
-        max_concurrency_steady=min(
-            fit(min(hot_blocks_per_request + ACTIVE_TAIL_PAGES, pages)), host_fit
-        ),
-        hot_rows_per_request=hot_blocks_per_request * block_size,
-    )
-
-
 def format_capacity_table(report: CapacityReport) -> str:
     """The startup table logged once per engine (plain text, one row per quantity)."""
     rows = [
@@ -600,20 +414,30 @@ def format_capacity_table(report: CapacityReport) -> str:
 def engine_capacity_report(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: HiSparseResidencyConfig
 ) -> CapacityReport:
-    """The capacity report for a planned engine (what the connector logs at startup);
-    ``config`` is the connector's parsed config (``resolve_config``, parsed once)."""
+    """The capacity report for a planned engine at ``max_model_len`` (what the connector
+    logs at startup); ``config`` is the connector's parsed config (``resolve_config``,
+    parsed once). The figures come from ``core.capacity.concurrency_report``, the function behind
+    ``vllm-hisparse plan`` too."""
+    return concurrency_report(engine_layout(vllm_config, kv_cache_config, config),
+                    vllm_config.model_config.max_model_len)
+
+
+def engine_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: HiSparseResidencyConfig
+) -> EngineLayout:
+    """The planned engine's KV layout (device pool, groups, host pool, hot region, window)."""
     groups = kv_cache_config.kv_cache_groups
     sparse_ids = sparse_group_ids(kv_cache_config)
     indexer_ids = indexer_group_ids(kv_cache_config)
     block_bytes = sum(host_page_bytes(kv_cache_config))
     copies = host_copies_per_replica(vllm_config)
-    max_model_len = vllm_config.model_config.max_model_len
     host_blocks = check_host_pool_holds_one_request(
-        config, host_block_bytes=block_bytes, host_copies=copies, max_model_len=max_model_len
+        config, host_block_bytes=block_bytes, host_copies=copies,
+        max_model_len=vllm_config.model_config.max_model_len,
     )
     device_tensors = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
     bytes_per_block = device_tensors[0].size // kv_cache_config.num_blocks if device_tensors else 0
-    return capacity_report(
+    return EngineLayout(
         device_blocks=kv_cache_config.num_blocks,
         bytes_per_block=bytes_per_block,
         num_sparse_groups=len(sparse_ids),
@@ -622,10 +446,9 @@ def engine_capacity_report(
         host_blocks=host_blocks,
         host_block_bytes=block_bytes,
         host_copies=copies,
-        max_model_len=max_model_len,
         block_size=config.block_size,
-        admission_window_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         hot_blocks_per_request=config.hot_blocks_per_request,
+        admission_window_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
     )
 
 

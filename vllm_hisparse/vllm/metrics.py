@@ -39,6 +39,7 @@ SCHEDULER_COUNTERS = (
     "num_preemptions_avoided",
     "num_admissions_deferred",
     "num_rolled_back_tokens",
+    "num_unmanaged_admissions",
 )
 
 #: Scheduler-side gauges (level at report time; the later report wins).
@@ -74,8 +75,13 @@ PROMETHEUS_METRICS: dict[str, tuple[str, str, str]] = {
                                 "Allocation failures answered by waiting for in-flight "
                                 "transfers that free device blocks instead of preempting."),
     "num_admissions_deferred": ("vllm:hisparse_residency_admissions_deferred", "counter",
-                                "Offers of waiting requests deferred because admitting them "
-                                "would leave running requests no free blocks to grow into."),
+                                "Steps whose admission stopped at a waiting request because "
+                                "admitting it would leave running requests no free blocks to "
+                                "grow into (or the pool was full)."),
+    "num_unmanaged_admissions": ("vllm:hisparse_residency_unmanaged_admissions", "counter",
+                                 "Requests admitted without residency (all pages on the "
+                                 "device, no host copy) because the host pool could not "
+                                 "back them."),
     "num_rolled_back_tokens": ("vllm:hisparse_residency_rolled_back_tokens", "counter",
                                "Positions written by a step and then discarded (rejected "
                                "draft tokens): their host copies stop counting as valid."),

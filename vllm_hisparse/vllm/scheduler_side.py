@@ -54,7 +54,7 @@ from vllm_hisparse.core.commands import Residency, StepCommand
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.admission import AdmissionGate
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
 from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
@@ -66,6 +66,7 @@ from vllm_hisparse.vllm.kv_planning import (
 )
 from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
 from vllm_hisparse.vllm.kv_import import PDImports
+from vllm_hisparse.vllm.lockstep import lockstep_groups
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
@@ -187,10 +188,19 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._cached_rows: np.ndarray | None = None
         # Unmet device demand: the last waiting request offered to us this step.
         self._offered: tuple[str, int] | None = None
-        # Device headroom gate (offer): requests let through this step (id -> pages they
-        # will need) and whether one was deferred (then later offers wait too, FCFS).
+        # Admission (admission.py): requests let through this step (id -> prompt pages
+        # still to allocate), vLLM's admission watermark as configured, the request just
+        # offered without host backing, and the admitted requests that run unmanaged.
         self._let_through: dict[str, int] = {}
-        self._admission_closed = False
+        # Blocks residency spares, in vLLM blocks, computed at the first offer of a pass.
+        self._spared_blocks: int | None = None
+        # Requests admitted with a host-prefix load that have not run yet: id -> prompt
+        # pages still to allocate (reserved in the admission watermark).
+        self._loading: dict[str, int] = {}
+        self._kv_cache_manager: Any = None
+        self._base_watermark_blocks = 0
+        self._offered_unmanaged: str | None = None
+        self._unmanaged: set[str] = set()
         # get_kv_connector_stats: report at most every _STATS_EVERY_STEPS calls.
         self._stats_calls = 0
         # The acks: one vote per (transfer, worker rank); a transfer without every
@@ -252,6 +262,16 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._indexer_managers = compat.group_managers(kv_cache_manager, self.indexer_group_ids)
         self._kv_cache_manager = kv_cache_manager
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
+        self._kv_cache_manager = kv_cache_manager
+        self._base_watermark_blocks = compat.admission_watermark_blocks(kv_cache_manager)
+        # Our groups move in lockstep: vLLM's per-group loops answer from the first group
+        # on steps with nothing to allocate or cache (lockstep.py).
+        coordinator = compat.kv_cache_coordinator(kv_cache_manager)
+        if lockstep_groups(coordinator):
+            patches.LOCKSTEP_COORDINATOR.install(coordinator)
+        else:
+            logger.info("%s: KV cache groups not in lockstep (%s); vLLM's per-group loops run "
+                        "unchanged", CONNECTOR_NAME, type(coordinator).__name__)
         self.policy = ResidencyPolicy(self.policy_config, self.device_pool, self.host_pool)
         self.host_prefix_cache = self._host_prefix_cache_usable(kv_cache_manager)
 
@@ -287,12 +307,16 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
             # (after it otherwise), so every step that runs a forward asks for that order.
             scheduler_output.has_sync_kv_loads = True
         # The admission pass of this step is over (offer).
-        if self._let_through:
-            self._let_through.clear()
-        self._admission_closed = False
         self._note_unadmitted(scheduled)
         if self._offered_hits:
             self._drop_stale_offers()
+        self._end_admission_pass()
+        if self._unmanaged:
+            # Requests the host pool could not back run as vLLM runs them without us.
+            scheduled = {rid: n for rid, n in scheduled.items() if rid not in self._unmanaged}
+        if self._loading:
+            for rid in [rid for rid in self._loading if scheduled.get(rid)]:
+                del self._loading[rid]  # its load is done and it runs: vLLM allocated the rest
         if self._prefilling:
             self._update_prefilling(scheduled)
         new_rows: dict[str, int] = {}
@@ -509,6 +533,8 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._prefilling.discard(rid)
         self._requests.pop(rid, None)
         self._finishing.discard(rid)
+        self._unmanaged.discard(rid)
+        self._loading.pop(rid, None)
         self._non_full.discard(rid)
         self._host_outstanding -= self._host_remaining.pop(rid, 0)
 

@@ -345,8 +345,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         self._apply_bundles(getattr(metadata, "bundles", None) or {})
         self._track_residency(cmd)
         request_ids = step_inputs.get("request_ids")
-        # MRV2 passes no keyword argument at all when the step runs no forward: no batch.
-        batch_rows = self._batch_state_rows(request_ids) if step_inputs else None
+        batch_rows = self._batch_state_rows(request_ids, cmd, bool(step_inputs))
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
@@ -535,9 +534,15 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
             num_tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         return None if num_tokens is None else int(num_tokens)
 
-    def _batch_state_rows(self, request_ids: Sequence[str] | None) -> list[int] | None:
+    def _batch_state_rows(self, request_ids: Sequence[str] | None, cmd: StepCommand,
+                          has_step_inputs: bool) -> list[int] | None:
         """State row per batch row for tracked requests (-1 otherwise); None if none is."""
         if not self._tracked:
+            return None
+        if request_ids is None and not has_step_inputs and not any(
+                t.kind == TransferKind.MIRROR and t.mirror_rows for t in cmd.transfers):
+            # A step without a forward: vLLM's no_forward() passes no step inputs (every
+            # scheduled request waits for a load); nothing reads or writes a row.
             return None
         if request_ids is None:
             # Without the batch order no token can be mapped to its row: refuse to guess.
