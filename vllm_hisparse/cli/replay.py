@@ -21,7 +21,7 @@ import numpy as np
 from vllm_hisparse.cli.args import nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_file, write_json
 from vllm_hisparse.cli.plots import replay_plot
-from vllm_hisparse.core.capacity import PRESETS, max_concurrency
+from vllm_hisparse.core.capacity import PRESETS, concurrency_report, layout_for_geometry
 from vllm_hisparse.core.hot_sizing import compare_sizing
 from vllm_hisparse.core.replacement import POLICIES, gap_closed, replay
 from vllm_hisparse.core.trace import (PAPER_MISS_RATES, SelectionTrace, mixed_trace,
@@ -112,9 +112,10 @@ def run_adaptive(args) -> int:
 
     def concurrency(blocks: float) -> int:
         hot_rows = int(round(blocks)) * geometry.block_size
-        return max_concurrency(geometry, device_kv_bytes=_CONCURRENCY_KV_GIB * GIB,
-                               num_host_blocks=1 << 30, context_tokens=_CONCURRENCY_CONTEXT,
-                               device_buffer_size_rows=hot_rows).steady_state_device
+        layout = layout_for_geometry(geometry, device_kv_bytes=_CONCURRENCY_KV_GIB * GIB,
+                                     host_pool_bytes=0, device_buffer_size_rows=hot_rows,
+                                     admission_window_tokens=_CONCURRENCY_CONTEXT)
+        return concurrency_report(layout, _CONCURRENCY_CONTEXT).max_concurrency_steady_device
 
     print(f"| hot region | target miss rate | miss rate | worst request | hot blocks / request "
           f"| fixed blocks for the same worst request | requests at "
