@@ -83,12 +83,14 @@ class ComposedWorker(FakeWorker):
         return self._offload_metadata
 
 
-def build(model_dir, *, offloading_first=False, num_blocks=400, async_scheduling=False):
+def build(model_dir, *, offloading_first=False, num_blocks=400, async_scheduling=False,
+          max_num_batched_tokens=1024):
     worker = ComposedWorker(multi_index=1 if offloading_first else 0)
     worker.offload_index = 0 if offloading_first else 1
     return SchedulerHarness.build(model_dir, kv_transfer=composed(offloading_first), worker=worker,
                                   num_blocks=num_blocks, max_model_len=2048,
-                                  max_num_batched_tokens=1024, async_scheduling=async_scheduling)
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  async_scheduling=async_scheduling)
 
 
 def settle(harness, steps=4):
@@ -221,8 +223,10 @@ def test_our_host_prefix_longer_than_the_device(small_topk_model_dir, async_sche
     pages 6, 7 into fresh blocks (pages 3..5 keep A's cached blocks), the indexer pages
     3..7 ride with it; OffloadingConnector loads nothing. Under async scheduling vLLM
     defers ``update_state_after_alloc`` of the load by a step (``defer_async_loads``, on
-    because ``hisparse_host_num_blocks`` is set): the offered prefix stays leased."""
-    harness = build(small_topk_model_dir, async_scheduling=async_scheduling)
+    because ``hisparse_host_num_blocks`` is set): the offered prefix stays leased.
+    Prefill chunks of 256 tokens: the 340 tokens B would recompute take two, so the host
+    load saves a step and is offered (one chunk's worth would be recomputed)."""
+    harness = build(small_topk_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=256)
     assert harness.scheduler.defer_async_loads == async_scheduling
     config = harness.kv_cache_config
     sparse, indexer = sparse_group_ids(config), indexer_group_ids(config)

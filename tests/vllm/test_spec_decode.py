@@ -22,13 +22,14 @@ from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.spec_decode import DraftRollback
 
 
-def build(model_dir, *, k, block_size=64, num_blocks=400, delay=0, num_draft_layers=0, **kw):
+def build(model_dir, *, k, block_size=64, num_blocks=400, delay=0, num_draft_layers=0,
+          max_model_len=2048, extra=None, **kw):
     return SchedulerHarness.build(
         model_dir,
-        kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
+        kv_transfer=kv_transfer_config({"host_pool_gib": 1, **(extra or {})}),
         worker=FakeWorker(delay_steps=delay),
         num_blocks=num_blocks,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         max_num_batched_tokens=512,
         block_size=block_size,
         num_speculative_tokens=k,
@@ -102,11 +103,17 @@ def test_drafts_accepted_and_rejected_under_pressure(small_topk_model_dir, patte
 @pytest.mark.parametrize("k,block_size", [(7, 16), (15, 16)], ids=["k7b16", "k15b16"])
 def test_large_k_with_small_blocks(small_topk_model_dir, k, block_size):
     """B7: one step's drafts span more pages than the always-resident tail (k + 1 >= a
-    page), rejected in full or in part, acks two steps late, pool under pressure."""
-    harness = build(small_topk_model_dir, k=k, block_size=block_size, num_blocks=1200, delay=2)
+    page), rejected in full or in part, acks two steps late, pool under pressure.
+
+    The hot region is the smallest one step allows, ``(k + 1) * top_k`` rows, and requests
+    are longer than it by a margin: a demotion needs a net gain (a request no longer than
+    its hot region stays resident), and without demotions nothing would be released."""
+    hot_rows = (k + 1) * 128
+    harness = build(small_topk_model_dir, k=k, block_size=block_size, num_blocks=1600, delay=2,
+                    max_model_len=4096, extra={"device_buffer_size": hot_rows})
     rng = random.Random(k)
     harness.accept = lambda request, n: rng.choice([0, 0, 1, n // 2, n])
-    run_checked(harness, count=8, prompt_len=512, max_tokens=192)
+    run_checked(harness, count=8, prompt_len=hot_rows + 768, max_tokens=192)
     stats = harness.residency.policy.stats
     assert stats.num_rolled_back_tokens > 0 and stats.num_pages_released > 0
 

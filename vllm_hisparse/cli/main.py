@@ -47,8 +47,21 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return SUBCOMMANDS[args.command].run(args)
         except (CliError, ValueError, OSError) as exc:
-            message = " ".join(str(exc).split())  # one line, whatever raised it
+            message = " ".join(_message(exc).split())  # one line, whatever raised it
             parser.exit(2, f"vllm-hisparse {args.command}: error: {message}\n")
+
+
+def _message(exc: BaseException) -> str:
+    """What went wrong: a pydantic ``ValidationError`` (vLLM's config classes wrap the
+    errors their checks raise, ours included) gives its errors' own messages, not its
+    report of the model's whole input."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and type(exc).__name__ == "ValidationError":
+        try:
+            return "; ".join(str(e.get("msg", "")).removeprefix("Value error, ") for e in errors())
+        except (TypeError, AttributeError):
+            pass
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ def add_parser(sub) -> None:
                    "%(default)s)")
     m.add_argument("--ops-backend", choices=("auto", "cuda", "reference"), default="auto",
                    help="the connector's ops_backend (default: %(default)s)")
+    m.add_argument("--connector-config", metavar="PATH", default=None,
+                   help="a --kv-transfer-config JSON file (alone or MultiConnector, as in "
+                   "examples/): the connector runs with its extra-config keys; host_pool_gib "
+                   "and ops_backend stay the simulator's (--host-pool-gib, --ops-backend) and "
+                   "the other connectors of a composition are not simulated")
     m.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch CPU threads (default: %(default)s; the per-step tensors are "
                    "small, more threads mostly spin)")
@@ -126,8 +131,38 @@ def _spec(args):
         arrival=args.arrival, arrival_rate=args.arrival_rate,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
         tensor_parallel_size=args.tensor_parallel_size,
-        attention=args.attention,
+        attention=args.attention, connector_extra=_connector_extra(args.connector_config),
         max_steps=args.max_steps)
+
+
+#: Extra-config keys of a --connector-config file the simulator sets itself.
+_SIMULATOR_KEYS = ("host_pool_gib", "ops_backend")
+
+
+def _connector_extra(path: str | None) -> dict | None:
+    """Our connector's ``kv_connector_extra_config`` from a ``--kv-transfer-config`` JSON
+    file (top level or a MultiConnector child), without the keys the simulator sets; None
+    without a file. A file that is not such a config, or names no HiSparseResidencyConnector,
+    is a ValueError naming the option."""
+    if path is None:
+        return None
+    import json
+    import types
+
+    from vllm.config import KVTransferConfig
+
+    from vllm_hisparse.vllm.config import CONNECTOR_NAME, find_connector_extra_config
+
+    try:
+        with open(path) as f:
+            kv_transfer_config = KVTransferConfig(**json.load(f))
+    except (OSError, TypeError, ValueError) as exc:
+        raise ValueError(f"--connector-config={path} is invalid: {exc}".splitlines()[0]) from None
+    extra = find_connector_extra_config(types.SimpleNamespace(kv_transfer_config=kv_transfer_config))
+    if extra is None:
+        raise ValueError(f"--connector-config={path} is invalid: it names no {CONNECTOR_NAME} "
+                         "(top level or a MultiConnector child)")
+    return {k: v for k, v in extra.items() if k not in _SIMULATOR_KEYS}
 
 
 class ProgressBar:

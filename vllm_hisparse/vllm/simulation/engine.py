@@ -225,7 +225,7 @@ class SimulationEngine:
 
     def _config(self, host_gib: float):
         spec = self.spec
-        extra: dict[str, Any] = {"host_pool_gib": host_gib,
+        extra: dict[str, Any] = {**(spec.connector_extra or {}), "host_pool_gib": host_gib,
                                  "ops_backend": spec.ops_backend}
         if spec.device_buffer_size is not None:
             extra["device_buffer_size"] = spec.device_buffer_size

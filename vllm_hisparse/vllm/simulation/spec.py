@@ -55,6 +55,7 @@ class SimulationSpec:
     ops_backend: str = "auto"
     attention: str = "direct"  # see ATTENTION_PATHS
     check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
+    connector_extra: dict | None = None  # further extra-config keys of the connector
     max_steps: int = 20_000
 
     def validate(self) -> None:

@@ -1,0 +1,102 @@
+"""``examples/``: every deployment's JSON goes through vLLM's config validation and this
+package's parser, and the ones that can run on a CPU run through ``vllm-hisparse simulate``.
+The plan-sizing example's config is the one ``vllm-hisparse plan`` prints for its command."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+
+from tests.vllm.vllm_configs import make_vllm_config  # noqa: E402
+from vllm_hisparse.cli.main import main  # noqa: E402
+from vllm_hisparse.core.capacity import HostMemoryLimit  # noqa: E402
+from vllm_hisparse.vllm import config as config_module  # noqa: E402
+from vllm_hisparse.vllm.config import find_connector_extra_config, resolve_config  # noqa: E402
+from vllm_hisparse.vllm.plugin import register  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CONFIGS = sorted(EXAMPLES.glob("*/*.json"))
+# Runnable here through the simulator (our connector's part of the composition).
+SIMULATED = ["colocated/kv_transfer_config.json", "colocated-offloading/kv_transfer_config.json"]
+TINY = ["--requests", "6", "--prompt-len", "384", "--output-len", "48", "--device-blocks", "120",
+        "--layers", "2", "--runs", "with", "--quiet"]
+
+
+@pytest.fixture
+def big_host(monkeypatch):
+    """A deployment host: 2 TiB of RAM, so the examples' 384 GiB pools are accepted."""
+    monkeypatch.setattr(config_module, "host_memory_limit",
+                        lambda: HostMemoryLimit(2048 << 30, None, None))
+
+
+def test_every_deployment_has_its_folder():
+    folders = {p.name for p in EXAMPLES.iterdir() if p.is_dir()}
+    assert folders == {"colocated", "colocated-offloading", "pd-nixl", "plan-sizing"}
+    for folder in folders:
+        readme = (EXAMPLES / folder / "README.md").read_text()
+        assert "```bash" in readme and "What the logs show" in readme, folder
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_config_passes_vllm_validation_and_our_parser(path, big_host, dsa_model_dir):
+    register()  # the plugin, as vLLM loads it: registers the connector and the config check
+    raw = json.loads(path.read_text())
+    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=KVTransferConfig(**raw))
+    extra = find_connector_extra_config(vllm_config)
+    if path.name == "prefill_kv_transfer_config.json":
+        # The prefill node is stock vLLM: nothing of this package is configured there.
+        assert extra is None and raw["kv_role"] == "kv_producer"
+        return
+    config = resolve_config(vllm_config)
+    assert config.host_pool_gib == extra["host_pool_gib"] > 0
+    if path.parent.name == "pd-nixl":
+        assert vllm_config.kv_transfer_config.kv_role == "kv_consumer"
+
+
+@pytest.mark.parametrize("name", SIMULATED)
+def test_runnable_examples_run_exact_through_simulate(name, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--connector-config", str(EXAMPLES / name), "--json", str(out)]
+                + TINY) == 0
+    assert re.search(r"exact: all [\d,]+ rows read", capsys.readouterr().out)
+    report = json.loads(out.read_text())
+    assert report["status"] == "ok"
+    assert report["spec"]["connector_extra"] == {}  # host_pool_gib is the simulator's own
+
+
+def test_connector_config_keys_reach_the_connector(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kv_connector": "HiSparseResidencyConnector", "kv_role": "kv_both",
+                               "kv_connector_extra_config": {"host_pool_gib": 1,
+                                                             "device_buffer_rows": 512}}))
+    with pytest.raises(SystemExit) as exited:
+        main(["simulate", "--connector-config", str(bad)] + TINY)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown kv_connector_extra_config key 'device_buffer_rows'" in err
+    assert "ArgsKwargs" not in err  # our message, not pydantic's report of the whole input
+
+
+def test_connector_config_without_our_connector_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["simulate", "--connector-config",
+              str(EXAMPLES / "pd-nixl/prefill_kv_transfer_config.json")] + TINY)
+    assert exited.value.code == 2
+    assert "names no HiSparseResidencyConnector" in capsys.readouterr().err
+
+
+def test_plan_sizing_config_is_what_plan_prints(capsys):
+    readme = (EXAMPLES / "plan-sizing" / "README.md").read_text()
+    command = re.search(r"^vllm-hisparse (plan .*)$", readme, re.M).group(1)
+    assert main(shlex.split(command)) == 0
+    printed = re.search(r"--kv-transfer-config '(.*)'", capsys.readouterr().out).group(1)
+    expected = json.loads((EXAMPLES / "plan-sizing" / "kv_transfer_config.json").read_text())
+    assert json.loads(printed) == expected
