@@ -8,7 +8,8 @@ Worker contract for one :class:`StepCommand`, in order:
 
 1. apply ``cleared_rows`` (every page of those rows: not resident, no host block, hot
    state reset), then ``page_updates`` to its ``residency`` / ``host_blocks`` tables, then
-   ``hot_leases`` (a new lease resets that row's hot slots);
+   ``hot_leases`` (a new lease resets that row's hot slots; a resize keeps the slots of the
+   blocks it keeps and empties the others);
 2. launch transfers with ``after_forward == False`` before the step's forward;
 3. run the forward;
 4. launch transfers with ``after_forward == True`` (page spills of pages the forward
@@ -65,10 +66,17 @@ class TransferSpec:
 
 @dataclass
 class HotLease:
-    """A row's hot region changed: ``block_ids`` leased (empty list = lease released)."""
+    """A row's hot region changed: ``block_ids`` leased (empty list = lease released).
+
+    ``resize=False``: a new region, every slot empty. ``resize=True``: the same region grown
+    or shrunk in whole blocks (``block_ids`` keeps the old list as a prefix, or is a prefix
+    of it); slots of the kept blocks keep their positions, slots past ``block_ids`` are
+    emptied and their table entries set to -1 (``resolve`` never takes them).
+    """
 
     row: int
     block_ids: list[int]
+    resize: bool = False
 
 
 @dataclass

@@ -9,7 +9,8 @@
   transactions hold (so never negative, and no block is both free and owned); a released
   block is free in the pool, or still pinned by another request (a shared prefix page);
 * hot leases belong to live MIXED/NONE requests that are active, activating or importing
-  (an import into an engine's tail blocks).
+  (an import into an engine's tail blocks); a lease's size agrees with the request's
+  record, names distinct blocks and, with adaptive sizing, stays within the table width.
 
 The device side is checked exactly against :class:`InMemoryDevicePool`, the one pool that
 exposes its reference counts; with another pool only the policy's own records are checked.
@@ -49,6 +50,7 @@ def check_invariants(
     """
     t = tables
     in_memory = isinstance(device_pool, InMemoryDevicePool)
+    sizing = transitions.config.hot_sizing
     dev_leases: dict[int, int] = {}
     host_leases: dict[int, int] = {}
 
@@ -118,7 +120,13 @@ def check_invariants(
                 RequestStatus.ACTIVATING,
                 RequestStatus.IMPORTING,
             ), (req.request_id, "hot lease held outside MIXED/NONE running or importing")
-            assert len(req.hot_block_ids) == req.hot_blocks
+            assert len(req.hot_block_ids) == req.hot_blocks == int(requests.hot_blocks[row]), (
+                req.request_id, "hot lease size disagrees with the request's record")
+            assert len(set(req.hot_block_ids)) == len(req.hot_block_ids), (
+                req.request_id, "hot lease names a block twice")
+            if sizing is not None:  # the worker's hot tables are max_blocks wide
+                assert 1 <= req.hot_blocks <= sizing.max_blocks, (
+                    req.request_id, "hot lease resized past the sizing bounds")
             for block in req.hot_block_ids:
                 add(dev_leases, block)
         elif req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:

@@ -199,6 +199,23 @@ class PageLeases:
         self.num_hot_blocks_leased += len(req.hot_block_ids)
         self.steps.emit_hot_lease(req.row, list(req.hot_block_ids))
 
+    def resize_hot(self, req: Request, num_blocks: int) -> None:
+        """Grow (new blocks from the pool, appended) or shrink (the last blocks given back)
+        the request's hot region to ``num_blocks`` blocks; the worker keeps the slots of
+        the blocks kept. A grow needs the blocks free (``DevicePoolExhausted`` otherwise)."""
+        old = req.hot_block_ids
+        if num_blocks > len(old):
+            ids = old + self.device_pool.get_new_blocks(num_blocks - len(old))
+            self.stats.num_hot_grows += 1
+        else:
+            self.device_pool.free_blocks(old[num_blocks:])
+            ids = old[:num_blocks]
+            self.stats.num_hot_shrinks += 1
+        self.num_hot_blocks_leased += len(ids) - len(old)
+        req.hot_block_ids = ids
+        self.requests.set_hot_blocks(req, num_blocks)
+        self.steps.emit_hot_lease(req.row, list(ids), resize=True)
+
     def drop_hot_lease(self, req: Request) -> None:
         if req.hot_block_ids:
             self.device_pool.free_blocks(req.hot_block_ids)

@@ -29,7 +29,7 @@ requests that change state.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Callable, Hashable, Iterable, Sequence
+from typing import AbstractSet, Callable, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
+from vllm_hisparse.core.hot_regions import HotRegionSizer
 from vllm_hisparse.core.imports import Imports
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
@@ -87,6 +88,8 @@ class ResidencyPolicy:
                                       self._planner, host_pool, self.stats)
         self._imports = Imports(config, self.tables, self._requests, self._steps, self._leases,
                                 device_pool, host_pool, self.stats)
+        self._hot_sizer = (None if config.hot_sizing is None else HotRegionSizer(
+            config.hot_sizing, self._requests, self._leases, device_pool))
 
     # =====================================================================================
     # Queries
@@ -162,30 +165,15 @@ class ResidencyPolicy:
 
     @property
     def non_full_rows(self) -> AbstractSet[int]:
-        """State rows whose request is MIXED or NONE (any status), as a live read-only view.
-
-        No copy is made: the view follows the policy's changes, so take ``set(...)`` of it
-        before iterating across calls that may change residency.
-        """
+        """State rows whose request is MIXED or NONE (any status), as a live read-only view
+        (no copy: take ``set(...)`` of it before iterating across calls that change residency)."""
         return self._requests.non_full_rows
     def num_device_blocks_pending_release(self) -> int:
-        """Device blocks the policy will give back once the transfers now in flight are
-        acknowledged (successfully), with no other event in between.
-
-        Two sources:
-
-        * pages released on completion: a pinned page that is not clean and has a spill or
-          a (not failed) mirror in flight, where the completion makes it releasable:
-          a sealed non-tail page of a running MIXED/NONE request that is not being
-          promoted, or any page of a PARKED request;
-        * leases that transfers hold for requests that ended meanwhile (mirrors and spills
-          still reading a finished request's blocks, restores into an aborted request).
-
-        Counted in the policy's device blocks (one per page). A block another holder also
-        leases (a device prefix shared outside the policy) is counted although it does not
-        become free. Cost: O(non-FULL rows x pages + open transfers); meant for the rare
-        moment an allocation failed (vLLM's ``has_pending_block_frees``), not every step.
-        """
+        """Device blocks the policy gives back once the transfers now in flight are
+        acknowledged successfully (pages released on completion, and leases transfers hold
+        for ended requests), in policy blocks. O(non-FULL rows x pages + open transfers):
+        for the rare failed allocation (vLLM's ``has_pending_block_frees``); docs/core.md,
+        "Engine hooks and queries", gives the exact rules."""
         return self._planner.num_device_blocks_pending_release()
 
     def num_device_blocks_saved(self) -> int:
@@ -221,20 +209,13 @@ class ResidencyPolicy:
         host_block_ids: Sequence[int],
         first_load_page: int,
     ) -> int:
-        """A new request starts with ``n = len(device_block_ids)`` full pages of host prefix.
-
-        The engine allocated (and pins) ``device_block_ids[p]`` for page ``p``; the policy
-        takes over one lease of each, as for growth. ``host_block_ids`` are the pages'
-        published host blocks, leased by :meth:`acquire_host_prefix` (the leases pass to
-        the request). Pages ``[0, first_load_page)`` already hold their KV on the device
-        (the engine's own prefix cache); pages ``[first_load_page, n)`` are loaded by one
-        RESTORE into their pinned blocks, planned before this step's forward, which reads
-        them (the worker fences the forward behind it). The request is FULL at once, and
-        every page is clean, so nothing is mirrored.
-
-        Call it on a request just added, before it is scheduled. Returns the RESTORE's
-        transfer id (-1 when every page is already on the device).
-        """
+        """A new request starts with ``n = len(device_block_ids)`` full pages of host
+        prefix, in blocks the engine allocated (the policy takes over one lease of each)
+        and host blocks leased by :meth:`acquire_host_prefix`. Pages ``[first_load_page,
+        n)`` are loaded by one RESTORE before this step's forward; the request is FULL and
+        clean. Call it on a request just added, before it is scheduled. Returns the
+        RESTORE's transfer id (-1 when every page is already on the device); docs/core.md,
+        "Engine hooks and queries"."""
         req = self._requests.get(request_id)
         return self._prefixes.adopt(req, device_block_ids, host_block_ids, first_load_page)
 
@@ -541,10 +522,22 @@ class ResidencyPolicy:
         self._planner.check_acks(acks)
         self._planner.apply_acks(acks)
 
+    def observe_hot_counts(self, counts: Mapping[int, tuple[int, int]]) -> None:
+        """The worker's ``{state row: (misses, host-backed references)}`` since its last
+        report; with ``config.hot_sizing`` they resize hot regions in the next
+        ``build_step`` (:mod:`~vllm_hisparse.core.hot_regions`), else they are ignored."""
+        if self._hot_sizer is not None:
+            self._hot_sizer.observe(counts)
+
     def build_step(self) -> StepCommand:
-        """Plan mirrors, spills, demotions and promotions; return the worker's command."""
+        """Plan mirrors, spills, demotions, promotions and hot-region resizes; return the
+        worker's command."""
+        tr = self._transitions
+        pressure = tr.unmet_device_blocks > 0 or self.device_pool.get_num_free_blocks() < tr.low_watermark_blocks
         self._planner.plan_step()
-        self._transitions.apply_pressure()
+        tr.apply_pressure()
+        if self._hot_sizer is not None:
+            self._hot_sizer.apply(tr.low_watermark_blocks, pressure)
         return self._steps.build()
 
     # =====================================================================================
@@ -587,6 +580,8 @@ class ResidencyPolicy:
         self.tables.reset_row(req.row)
         self._transitions.forget_row(req.row)
         self._planner.forget_row(req.row)
+        if self._hot_sizer is not None:
+            self._hot_sizer.forget_row(req.row)
         self._requests.remove(req)
 
     def check_invariants(self, extra_device_leases: Iterable[int] = (), extra_host_leases: Iterable[int] = ()) -> None:

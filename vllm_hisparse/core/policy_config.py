@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import cdiv
 
 
@@ -28,6 +29,9 @@ class PolicyConfig:
         max_promotions_per_step: promotions started per step.
         min_steps_between_transitions: a request that changed residency waits this many
             steps before it may change again (second half of the hysteresis).
+        hot_sizing: adaptive hot regions (``core/hot_regions.py``): each MIXED/NONE
+            request's lease is resized from the miss counts the worker reports; None = every
+            region keeps its size.
     """
 
     block_size: int
@@ -42,6 +46,7 @@ class PolicyConfig:
     max_restore_pages_per_step: int = 1024
     max_promotions_per_step: int = 4
     min_steps_between_transitions: int = 8
+    hot_sizing: HotSizingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device_buffer_size_rows <= 0 or self.device_buffer_size_rows % self.block_size:
@@ -49,6 +54,9 @@ class PolicyConfig:
                 f"device_buffer_size_rows={self.device_buffer_size_rows} must be a positive "
                 f"multiple of block_size={self.block_size}"
             )
+        if self.hot_sizing is not None and self.hot_sizing.block_size != self.block_size:
+            raise ValueError(f"hot_sizing.block_size={self.hot_sizing.block_size} differs from "
+                             f"block_size={self.block_size}")
 
     @property
     def hot_blocks_per_request(self) -> int:

@@ -203,6 +203,11 @@ class RequestTable:
         self.gate[row] = False
         return req
 
+    def set_hot_blocks(self, req: Request, num_blocks: int) -> None:
+        """The request's hot region is resized to ``num_blocks`` device blocks."""
+        req._hot_blocks = int(num_blocks)
+        self.hot_blocks[req.row] = int(num_blocks)
+
     def remove(self, req: Request) -> None:
         """Forget an ended request and free its row."""
         row = req.row

@@ -24,3 +24,5 @@ class PolicyStats:
     num_prefix_load_pages: int = 0
     num_failed_prefix_load_pages: int = 0
     num_rolled_back_tokens: int = 0
+    num_hot_grows: int = 0
+    num_hot_shrinks: int = 0

@@ -87,9 +87,10 @@ class StepBuilder:
         buf.page_device.append(int(device_block))
         buf.page_host.append(int(host_block))
 
-    def emit_hot_lease(self, row: int, block_ids: list[int]) -> None:
-        """A new hot region for ``row`` (``[]`` = released)."""
-        self._buf.hot_leases.append(HotLease(row=row, block_ids=block_ids))
+    def emit_hot_lease(self, row: int, block_ids: list[int], resize: bool = False) -> None:
+        """A new hot region for ``row`` (``[]`` = released), or with ``resize`` the same
+        region grown or shrunk to ``block_ids``."""
+        self._buf.hot_leases.append(HotLease(row=row, block_ids=block_ids, resize=resize))
 
     def emit_residency(self, request_id: str, row: int, residency: Residency) -> None:
         self._buf.residency_changes.append(ResidencyChange(request_id=request_id, row=row, residency=int(residency)))
