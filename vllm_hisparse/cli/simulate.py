@@ -102,6 +102,12 @@ def add_parser(sub) -> None:
                    "examples/): the connector runs with its extra-config keys; host_pool_gib "
                    "and ops_backend stay the simulator's (--host-pool-gib, --ops-backend) and "
                    "the other connectors of a composition are not simulated")
+    m.add_argument("--adaptive-hot-region", action="store_true",
+                   help="the connector's adaptive_hot_region: each host-backed request's hot "
+                   "region sized from its miss rate (default: fixed regions)")
+    m.add_argument("--hot-region-target-miss-rate", type=float, default=None, metavar="F",
+                   help="the connector's hot_region_target_miss_rate (with "
+                   "--adaptive-hot-region; default: the connector's)")
     m.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch CPU threads (default: %(default)s; the per-step tensors are "
                    "small, more threads mostly spin)")
@@ -131,8 +137,17 @@ def _spec(args):
         arrival=args.arrival, arrival_rate=args.arrival_rate,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
         tensor_parallel_size=args.tensor_parallel_size,
-        attention=args.attention, connector_extra=_connector_extra(args.connector_config),
-        max_steps=args.max_steps)
+        attention=args.attention, connector_extra=_extra_keys(args), max_steps=args.max_steps)
+
+
+def _extra_keys(args) -> dict | None:
+    """Extra-config keys from --connector-config, then the options that set one."""
+    extra = _connector_extra(args.connector_config)
+    if args.adaptive_hot_region:
+        extra = {**(extra or {}), "adaptive_hot_region": True}
+    if args.hot_region_target_miss_rate is not None:
+        extra = {**(extra or {}), "hot_region_target_miss_rate": args.hot_region_target_miss_rate}
+    return extra
 
 
 #: Extra-config keys of a --connector-config file the simulator sets itself.
@@ -234,6 +249,10 @@ def format_table(results: dict) -> str:
          lambda r: f"{r.host_prefix_hit_tokens:,}" if r.with_connector else "-"),
         ("demotions / promotions",
          lambda r: f"{r.demotions} / {r.promotions}" if r.with_connector else "-"),
+        ("hot blocks per MIXED/NONE request (mean)",
+         lambda r: f"{r.mean_hot_blocks:.2f}" if r.hot_request_steps else "-"),
+        ("hot region grows / shrinks",
+         lambda r: f"{r.hot_grows} / {r.hot_shrinks}" if r.with_connector else "-"),
         ("peak device blocks in use", lambda r: f"{r.peak_blocks_in_use:,}"),
         ("peak device blocks saved", lambda r: f"{r.peak_blocks_saved:,}" if r.with_connector
          else "-"),

@@ -30,6 +30,13 @@ key                       meaning                                               
 ``ack_deadline_s``        seconds a transfer may wait for every worker's final    ``60``
                           ack; past it the engine stops with ``WorkerSilentError``
                           (docs/core.md, "Failure semantics")
+``adaptive_hot_region``   size each MIXED/NONE request's hot region from its      ``false``
+                          miss rate, between ``q * top_k`` rows and twice
+                          ``device_buffer_size`` (docs/core.md, "Per-request
+                          hot size"); false: every region is fixed (LRU)
+``hot_region_target_``    the miss rate (misses / host-backed selections) the     ``0.1``
+``miss_rate``             adaptive regions aim at, in (0, 1); needs
+                          ``adaptive_hot_region``
 ========================  =====================================================  =====================
 
 ``q`` is the decode query length: 1 plus the number of speculative tokens.
@@ -45,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hisparse.core.capacity import host_blocks_for_budget, host_memory_limit
+from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
 # The default grid cap of the followers' copies (its docstring says why 16).
@@ -72,7 +80,13 @@ ACCEPTED_KEYS = (
     "index_share_prefetch",
     "prefetch_max_ctas",
     "ack_deadline_s",
+    "adaptive_hot_region",
+    "hot_region_target_miss_rate",
 )
+
+#: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
+#: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
+DEFAULT_HOT_REGION_TARGET_MISS_RATE = 0.1
 
 #: Upper bound of ``prefetch_max_ctas``: larger grids than this are never useful.
 MAX_PREFETCH_CTAS = 4096
@@ -115,6 +129,9 @@ class HiSparseResidencyConfig:
     """Query tokens of one request in a decode step: 1 + speculative tokens."""
     ack_deadline_s: float = DEFAULT_ACK_DEADLINE_S
     """Seconds a transfer may stay without every worker's final ack."""
+    adaptive_hot_region: bool = False
+    """Per-request hot sizes from the miss rate (``core/hot_regions.py``)."""
+    hot_region_target_miss_rate: float = DEFAULT_HOT_REGION_TARGET_MISS_RATE
 
     @property
     def host_pool_bytes(self) -> int:
@@ -124,6 +141,27 @@ class HiSparseResidencyConfig:
     def hot_blocks_per_request(self) -> int:
         """Device blocks one request's hot region leases in each sparse-MLA group."""
         return self.device_buffer_size // self.block_size
+
+    @property
+    def hot_table_rows(self) -> int:
+        """Width D of the worker's hot tables: the largest region a request may hold
+        (``device_buffer_size``; twice that, capped, with ``adaptive_hot_region``)."""
+        if not self.adaptive_hot_region:
+            return self.device_buffer_size
+        cap = MAX_DEVICE_BUFFER_ROWS // self.block_size * self.block_size
+        return max(self.device_buffer_size, min(2 * self.device_buffer_size, cap))
+
+    def hot_sizing(self) -> HotSizingConfig | None:
+        """The adaptive sizing rule, or None without ``adaptive_hot_region``: regions of
+        ``ceil(q * top_k / block_size)`` blocks (one step's selections must fit) to
+        ``hot_table_rows`` rows."""
+        if not self.adaptive_hot_region:
+            return None
+        return HotSizingConfig(
+            block_size=self.block_size,
+            min_blocks=max(1, cdiv(self.max_decode_query_len * self.top_k, self.block_size)),
+            max_blocks=self.hot_table_rows // self.block_size,
+            target_miss_rate=self.hot_region_target_miss_rate)
 
 
 # --------------------------------------------------------------------------------------
@@ -410,6 +448,7 @@ def _check_standalone(extra: Any) -> None:
     _parse_bool(extra, "index_share_prefetch", True)
     _parse_prefetch_max_ctas(extra)
     _parse_ack_deadline_s(extra)
+    _parse_hot_region(extra)
 
 
 def check_extra_config(vllm_config: VllmConfig) -> None:
@@ -434,6 +473,21 @@ def _parse_ack_deadline_s(extra: Mapping[str, Any]) -> float:
     return float(value)
 
 
+def _parse_hot_region(extra: Mapping[str, Any]) -> tuple[bool, float]:
+    adaptive = _parse_bool(extra, "adaptive_hot_region", False)
+    value = extra.get("hot_region_target_miss_rate", DEFAULT_HOT_REGION_TARGET_MISS_RATE)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or not 0 < value < 1):
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: hot_region_target_miss_rate={value!r} is invalid; accepted: "
+            "a number greater than 0 and less than 1 (misses per host-backed selection).")
+    if "hot_region_target_miss_rate" in extra and not adaptive:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: hot_region_target_miss_rate is set but adaptive_hot_region "
+            "is false; accepted: set adaptive_hot_region to true, or leave the target out.")
+    return adaptive, float(value)
+
+
 def parse_extra_config(
     extra: Mapping[str, Any], *, top_k: int, block_size: int, max_decode_query_len: int
 ) -> HiSparseResidencyConfig:
@@ -444,6 +498,7 @@ def parse_extra_config(
             f"got {type(extra).__name__}."
         )
     _reject_unknown_keys(extra)
+    adaptive, target = _parse_hot_region(extra)
     return HiSparseResidencyConfig(
         host_pool_gib=_parse_host_pool_gib(extra),
         device_buffer_size=_parse_device_buffer_size(
@@ -458,6 +513,8 @@ def parse_extra_config(
         block_size=block_size,
         max_decode_query_len=max_decode_query_len,
         ack_deadline_s=_parse_ack_deadline_s(extra),
+        adaptive_hot_region=adaptive,
+        hot_region_target_miss_rate=target,
     )
 
 

@@ -6,7 +6,8 @@
   :class:`~vllm_hisparse.core.WorkerAcks` observed since the previous step, with the
   worker's rank. With several workers (tensor parallel) vLLM aggregates them; the
   scheduler votes per (transfer, worker): completed once every worker completed it,
-  failed once every worker reported it and one failed (``core.ack_vote``).
+  failed once every worker reported it and one failed (``core.ack_vote``). With adaptive
+  hot regions it also carries the per-row miss counts of rank 0 (``hot_counts``).
 """
 
 from __future__ import annotations
@@ -78,13 +79,18 @@ class HiSparseWorkerMetadata(KVConnectorWorkerMetadata):
     #: Reports of the other workers folded in by :meth:`aggregate` (their own ``peers``
     #: empty).
     peers: list["HiSparseWorkerMetadata"] = field(default_factory=list)
+    #: Adaptive hot regions: ``{state row: (misses, host-backed references)}`` since the
+    #: last report. Only rank 0 fills it: tensor-parallel ranks resolve the same
+    #: selections, so one rank's counts stand for the replica (a sum would double them).
+    hot_counts: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def aggregate(self, other: "HiSparseWorkerMetadata") -> "HiSparseWorkerMetadata":
         """Both workers' reports, each under its rank (nothing is counted here)."""
         return HiSparseWorkerMetadata(
             acks=self.acks, worker_rank=self.worker_rank,
             failed_indexer_saves=self.failed_indexer_saves + other.failed_indexer_saves,
-            peers=[*self.peers, other.solo(), *other.peers])
+            peers=[*self.peers, other.solo(), *other.peers],
+            hot_counts=self.hot_counts or other.hot_counts)
 
     def solo(self) -> "HiSparseWorkerMetadata":
         """This worker's own report, without peers."""

@@ -52,6 +52,8 @@ class AckIntake:
         # than its own completion of the mirror.
         for tid in meta.failed_indexer_saves:
             self._revoke_identities(tid)
+        if meta.hot_counts:  # adaptive hot regions: sized in the next build_step
+            self._require_policy().observe_hot_counts(meta.hot_counts)
         acks = self._vote.vote(meta.reports())
         self._note_duplicates()
         if acks.is_empty():

@@ -137,6 +137,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
             eager_host_mirror=hisparse_config.eager_host_mirror,
             low_watermark_blocks=low,
             high_watermark_blocks=high,
+            hot_sizing=hisparse_config.hot_sizing(),
         )
         # Every rank of the replica runs a worker role that acks each transfer.
         num_workers = max(1, vllm_config.parallel_config.world_size)

@@ -64,6 +64,7 @@ from vllm_hisparse.vllm.worker_import import WorkerImports
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
+from vllm_hisparse.worker.hot_counts import RowHotCounts
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore
 
@@ -151,6 +152,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         # new block; vLLM's worker table is append-only), even after it is FULL again.
         self._tracked: dict[str, int] = {}
         self._counter_reader: AsyncCounterReader | None = None
+        self._hot_counts: RowHotCounts | None = None
         self._in_step = False
         self._stats = HiSparseWorkerStats()
         self._reported_counters = np.zeros(0, dtype=np.int64)
@@ -209,6 +211,9 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         self.step_view = StepView(
             self.max_num_seqs, device,
             max_num_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
+        # Adaptive hot regions: every resolve counts its misses per state row here.
+        self._hot_counts = (RowHotCounts(self.num_state_rows, device)
+                            if self.config.adaptive_hot_region else None)
         first_host_layer = 0
         for sparse_index, (group_id, names, units, layout, views) in enumerate(per_group):
             host_layers = self.host_pool.layers[first_host_layer:first_host_layer + len(names)]
@@ -248,9 +253,11 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         engine = TransferEngine(views, host_layers, self.block_size,
                                 ops_backend=self.config.ops_backend,
                                 fail_transfer=self._fail_transfer, writes_host=self.writes_host)
-        hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.device_buffer_size,
+        hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.hot_table_rows,
                                self.block_size, device, ops_backend=self.config.ops_backend)
                       for _ in units]
+        for state in hot_states:
+            state.row_counts = self._hot_counts
         # A page is resident in every layer of a group or in none: the unit states of one
         # lane share one residency / host-block table (saves (units - 1) copies of [R, P]).
         for state in hot_states[1:]:
@@ -398,10 +405,13 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
                           completed=[t for a in parts for t in a.completed],
                           failed=[t for a in parts for t in a.failed])
         failed_saves, self._failed_indexer_saves = self._failed_indexer_saves, []
-        if acks.is_empty() and not failed_saves:
+        # TP ranks resolve the same selections: rank 0's counts stand for the replica.
+        hot_counts = (self._hot_counts.poll()
+                      if self._hot_counts is not None and self.worker_rank == 0 else {})
+        if acks.is_empty() and not failed_saves and not hot_counts:
             return None
         return HiSparseWorkerMetadata(acks=acks, worker_rank=self.worker_rank,
-                                      failed_indexer_saves=failed_saves)
+                                      failed_indexer_saves=failed_saves, hot_counts=hot_counts)
 
     def _poll_acks(self) -> None:
         """Merge the lanes' acks into the pending report; note failed host-prefix loads."""
@@ -495,7 +505,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         if len(self.lanes) > 1 and lane.sparse_index > 0:
             import dataclasses
 
-            from vllm_hisparse.core.commands import HotLease, TransferKind
+            from vllm_hisparse.core.commands import TransferKind
 
             def member(blocks):
                 return [self._member_block(lane, b) for b in blocks]
@@ -503,7 +513,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
             cmd = dataclasses.replace(
                 cmd,
                 page_device_blocks=member(cmd.page_device_blocks),
-                hot_leases=[HotLease(l.row, member(l.block_ids)) for l in cmd.hot_leases],
+                hot_leases=[dataclasses.replace(l, block_ids=member(l.block_ids))
+                            for l in cmd.hot_leases],
                 transfers=[t if TransferKind(t.kind) is TransferKind.MIRROR
                            else dataclasses.replace(t, device_blocks=member(t.device_blocks))
                            for t in cmd.transfers])

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_hisparse.core.commands import HotLease, StepCommand, TransferKind, TransferSpec
+from vllm_hisparse.core.commands import StepCommand, TransferKind, TransferSpec
 
 
 def flat_row_view(layer_cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
@@ -121,7 +121,7 @@ class DeviceRowLayout:
         return dataclasses.replace(
             cmd,
             page_device_blocks=self.scale_blocks(cmd.page_device_blocks),
-            hot_leases=[HotLease(row=l.row, block_ids=self.scale_blocks(l.block_ids))
+            hot_leases=[dataclasses.replace(l, block_ids=self.scale_blocks(l.block_ids))
                         for l in cmd.hot_leases],
             transfers=[self._scale_transfer(t) for t in cmd.transfers],
         )

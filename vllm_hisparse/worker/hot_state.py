@@ -31,6 +31,7 @@ import torch
 
 from vllm_hisparse import ops
 from vllm_hisparse.core.capacity import PREFETCH_FIRST_LAUNCH_LAYERS
+from vllm_hisparse.worker.hot_counts import RowHotCounts
 
 #: ``"side"``: leader's layer on the current stream, followers' on a side stream (one ready
 #: event per follower layer). ``"single"``: every layer in one launch on the current stream.
@@ -112,7 +113,8 @@ class HotState:
     Args:
         num_state_rows: R, the number of request-state rows (vLLM ``max_num_seqs``).
         max_pages: P, pages of the longest request (``ceil(max_model_len / block_size)``).
-        hot_slots: D, hot rows per request, a multiple of ``block_size`` and at most 32768.
+        hot_slots: D, the widest hot region (rows), a multiple of ``block_size`` and at most
+            32768; a lease may hold fewer blocks (adaptive hot regions).
         block_size: rows per page.
         device: where the tables live (the GPU in production, CPU in tests).
         ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"``, or an :class:`ops.Backend`
@@ -141,6 +143,8 @@ class HotState:
         self.lru = torch.arange(hot_slots, dtype=torch.int16,
                                 device=self.device).repeat(num_state_rows, 1)
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
+        #: Per-row miss counts for adaptive hot regions (shared by a worker's states), or None.
+        self.row_counts: RowHotCounts | None = None
         # resolve's outputs: views of the rows of one storage, sized by the largest batch so
         # far (vLLM warms up and captures its CUDA graphs largest batch first, so one storage
         # serves them all). A storage outgrown later is kept: graphs captured while it was
@@ -170,14 +174,30 @@ class HotState:
             self.host_blocks.index_put_((self._ids(rows), self._ids(pages)),
                                         self._ids(host_blocks).to(torch.int32))
 
+    def _region(self, row: int, device_blocks: Sequence[int]) -> int:
+        """``hot_blocks[row]`` = ``device_blocks`` then -1 (unleased); returns their number."""
+        n = len(device_blocks)
+        if not 0 < n <= self.hot_blocks_per_request:
+            raise ValueError(f"HotState: a hot region is 1 to {self.hot_blocks_per_request} "
+                             f"blocks, got {n} for state row {row}")
+        self.hot_blocks[row, :n] = self._ids(device_blocks).to(torch.int32)
+        self.hot_blocks[row, n:] = -1
+        return n
+
     def lease_hot_region(self, row: int, device_blocks: Sequence[int]) -> None:
-        """Give ``row`` a fresh hot region: all slots empty, LRU in slot order."""
-        if len(device_blocks) != self.hot_blocks_per_request:
-            raise ValueError(f"HotState: a hot region is {self.hot_blocks_per_request} blocks, "
-                             f"got {len(device_blocks)} for state row {row}")
-        self.hot_blocks[row] = self._ids(device_blocks).to(torch.int32)
+        """Give ``row`` a fresh hot region of ``device_blocks`` (1 to D / bs blocks; the
+        slots past them unleased): all slots empty, LRU in slot order."""
+        self._region(row, device_blocks)
         self.slot_pos[row] = -1
         self.lru[row] = torch.arange(self.hot_slots, dtype=torch.int16, device=self.device)
+
+    def resize_hot_region(self, row: int, device_blocks: Sequence[int]) -> None:
+        """Grow or shrink ``row``'s region to ``device_blocks`` (the old blocks as a prefix,
+        or a prefix of them): the kept blocks' slots keep their positions, the slots past
+        the new region are emptied (``resolve`` never takes an unleased slot and puts it
+        first in the LRU order, so a later grow fills those slots first)."""
+        n = self._region(row, device_blocks)
+        self.slot_pos[row, n * self.block_size:] = -1
 
     def release_hot_region(self, row: int) -> None:
         """Drop ``row``'s hot region (its blocks go back to the scheduler's pool)."""
@@ -230,6 +250,8 @@ class HotState:
         self._ops.resolve(topk, token_rows, self.residency, self.host_blocks, self.hot_blocks,
                           self.slot_pos, self.lru, self.block_size, res.out_rows, res.miss_src,
                           res.miss_dst, res.miss_count, self.stats)
+        if self.row_counts is not None:
+            self.row_counts.add(topk, token_rows, self.residency, res.miss_count, self.block_size)
         return res
 
     def gather(self, result: ResolveResult, host_layers: Sequence[torch.Tensor],

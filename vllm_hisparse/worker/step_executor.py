@@ -54,7 +54,8 @@ class StepExecutor:
     # ---------------------------------------------------------------- 1. tables
 
     def apply_tables(self, cmd: StepCommand) -> None:
-        """Cleared rows, page updates and hot leases, in that order."""
+        """Cleared rows, page updates and hot leases (new regions, resizes, releases), in
+        that order."""
         # Gathers of the last step still on a side stream write hot rows of blocks this
         # command may hand to someone else (and the transfers below may overwrite).
         for state in self.hot_states:
@@ -77,7 +78,9 @@ class StepExecutor:
                 state.set_host_blocks(cmd.page_rows, cmd.page_indices, cmd.page_host_blocks)
         for lease in cmd.hot_leases:
             for state in self.hot_states:
-                if lease.block_ids:
+                if lease.resize:
+                    state.resize_hot_region(lease.row, lease.block_ids)
+                elif lease.block_ids:
                     state.lease_hot_region(lease.row, lease.block_ids)
                 else:
                     state.release_hot_region(lease.row)

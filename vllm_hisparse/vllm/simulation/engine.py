@@ -123,6 +123,11 @@ class RunResult:
     host_prefix_hit_tokens: int = 0  # loaded from the host tier (prefix hits, resumes)
     published_pages: int = 0
     indexer_rows_checked: int = 0
+    # Sums over steps of the hot blocks leased and of the requests holding them.
+    hot_block_steps: int = 0
+    hot_request_steps: int = 0
+    hot_grows: int = 0
+    hot_shrinks: int = 0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     #: With --tensor-parallel-size > 1: each rank's figures and host memory (``.ranks``);
@@ -140,8 +145,15 @@ class RunResult:
         total = self.resident + self.hot_hits + self.misses
         return self.misses / total if total else 0.0
 
+    @property
+    def mean_hot_blocks(self) -> float:
+        """Hot blocks per request holding a hot region, averaged over steps (policy
+        blocks: one per sparse-MLA group)."""
+        return self.hot_block_steps / self.hot_request_steps if self.hot_request_steps else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["mean_hot_blocks"] = self.mean_hot_blocks
         out["hot_hit_rate"] = self.hot_hit_rate
         out["miss_rate"] = self.miss_rate
         return out
@@ -609,6 +621,11 @@ class _Run:
         r.bytes_d2h += int(d["bytes_to_host"])
 
     def _account_blocks(self) -> None:
+        if self.worker is not None:
+            policy = self.residency.policy
+            held = [n for n in map(len, map(policy.hot_block_ids, policy.request_ids())) if n]
+            self.result.hot_block_steps += sum(held)
+            self.result.hot_request_steps += len(held)
         pool = self.scheduler.kv_cache_manager.block_pool
         in_use = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
         r = self.result
@@ -627,6 +644,7 @@ class _Run:
         r.released_pages = int(s.num_pages_released)
         r.host_prefix_hit_tokens = int(s.num_prefix_load_pages) * self.block_size
         r.published_pages = int(s.num_published_pages)
+        r.hot_grows, r.hot_shrinks = int(s.num_hot_grows), int(s.num_hot_shrinks)
 
     def _check_no_leaks(self) -> None:
         sched = self.scheduler
