@@ -109,7 +109,7 @@ class Rig:
     """Policy + worker role + fake forward over vLLM-allocated CPU KV tensors."""
 
     def __init__(self, model_dir, *, num_blocks=200, policy_blocks=None, fail=None, seed=0,
-                 extra=None, pad_to=None, num_speculative_tokens=0):
+                 extra=None, pad_to=None, num_speculative_tokens=0, hot_sizing=None):
         # pad_to: decode batches padded to this many tokens as a FULL CUDA graph pads them
         # (padding tokens map to batch row 0, the metadata counts them as actual tokens).
         self.pad_to = pad_to
@@ -127,7 +127,7 @@ class Rig:
         cfg = PolicyConfig(block_size=BS, max_num_rows=self.role.num_state_rows,
                            max_pages_per_request=self.role.max_pages,
                            device_buffer_size_rows=self.hs_config.device_buffer_size,
-                           min_steps_between_transitions=0)
+                           min_steps_between_transitions=0, hot_sizing=hot_sizing)
         self.policy = ResidencyPolicy(cfg, InMemoryDevicePool(self.M),
                                       HostBlockPool(self.role.host_num_blocks))
         self.bundles = {b + 1: [b + 1 + g * self.M for g in range(self.num_groups)]
@@ -244,6 +244,8 @@ class Rig:
         meta = self.role.build_worker_meta()
         if meta is not None:
             self.held_acks.append(meta.acks)
+            if meta.hot_counts:
+                self.policy.observe_hot_counts(meta.hot_counts)
         # Out of order: deliver a random subset of the held reports, each list shuffled.
         keep = []
         for acks in self.held_acks:
@@ -268,12 +270,13 @@ class Rig:
 def shift_blocks(cmd, lead):
     import dataclasses
 
-    from vllm_hisparse.core.commands import HotLease, TransferKind
+    from vllm_hisparse.core.commands import TransferKind
 
     return dataclasses.replace(
         cmd,
         page_device_blocks=[lead(b) for b in cmd.page_device_blocks],
-        hot_leases=[HotLease(l.row, [lead(b) for b in l.block_ids]) for l in cmd.hot_leases],
+        hot_leases=[dataclasses.replace(l, block_ids=[lead(b) for b in l.block_ids])
+                    for l in cmd.hot_leases],
         transfers=[t if TransferKind(t.kind) is TransferKind.MIRROR
                    else dataclasses.replace(t, device_blocks=[lead(b) for b in t.device_blocks])
                    for t in cmd.transfers])
