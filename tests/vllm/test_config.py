@@ -212,6 +212,38 @@ def test_prefetch_max_ctas_bad_values(value):
         parse({"host_pool_gib": 1, "index_share_prefetch": 1})
 
 
+def test_adaptive_hot_region_keys():
+    fixed = parse({"host_pool_gib": 1})
+    assert fixed.adaptive_hot_region is False and fixed.hot_sizing() is None
+    assert fixed.hot_table_rows == fixed.device_buffer_size == 4096
+    config = parse({"host_pool_gib": 1, "adaptive_hot_region": True,
+                    "hot_region_target_miss_rate": 0.2})
+    sizing = config.hot_sizing()
+    # One step's selections (2048 rows) up to twice the default region (2 * 4096 rows).
+    assert (sizing.min_blocks, sizing.max_blocks, sizing.target_miss_rate) == (32, 128, 0.2)
+    assert config.hot_table_rows == 8192
+    capped = parse({"host_pool_gib": 1, "adaptive_hot_region": True,
+                    "device_buffer_size": 20480})
+    assert capped.hot_table_rows == MAX_DEVICE_BUFFER_ROWS
+    assert parse({"host_pool_gib": 1, "adaptive_hot_region": True},
+                 max_decode_query_len=2).hot_sizing().min_blocks == 64
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"adaptive_hot_region": "true"}, "adaptive_hot_region='true'.*true or false"),
+    ({"adaptive_hot_region": True, "hot_region_target_miss_rate": 0},
+     "hot_region_target_miss_rate=0 is invalid.*greater than 0 and less than 1"),
+    ({"adaptive_hot_region": True, "hot_region_target_miss_rate": 1.5},
+     "hot_region_target_miss_rate=1.5 is invalid"),
+    ({"adaptive_hot_region": True, "hot_region_target_miss_rate": True},
+     "hot_region_target_miss_rate=True is invalid"),
+    ({"hot_region_target_miss_rate": 0.1}, "adaptive_hot_region is false"),
+])
+def test_adaptive_hot_region_bad_values(extra, message):
+    with pytest.raises(HiSparseConfigError, match=message):
+        parse({"host_pool_gib": 1, **extra})
+
+
 def test_extra_config_must_be_a_mapping():
     with pytest.raises(HiSparseConfigError, match="must be a JSON object"):
         parse([("host_pool_gib", 1)])
