@@ -127,3 +127,15 @@ def test_simulate_adaptive_hot_region_is_exact():
     assert result.finished == 10 and result.rows_checked > 0
     assert result.demotions > 0 and result.hot_request_steps > 0
     assert result.hot_grows + result.hot_shrinks > 0
+
+
+def test_aggregated_worker_metadata_keeps_rank_0_counts():
+    from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata
+
+    rank0 = HiSparseWorkerMetadata(worker_rank=0, hot_counts={3: (1, 4)})
+    rank1 = HiSparseWorkerMetadata(worker_rank=1)
+    rank2 = HiSparseWorkerMetadata(worker_rank=2)
+    for folded in (rank1.aggregate(rank0).aggregate(rank2), rank0.aggregate(rank1)):
+        assert folded.hot_counts == {3: (1, 4)}
+        assert sorted(r for r, _ in folded.reports()) == sorted(
+            {0, 1, 2} if len(folded.peers) == 2 else {0, 1})

@@ -54,6 +54,10 @@ def add_parser(sub) -> None:
                    "1/--arrival-rate steps (default: %(default)s)")
     w.add_argument("--arrival-rate", type=float, default=0.5, metavar="R",
                    help="poisson: requests per step (default: %(default)s)")
+    w.add_argument("--topk-drift", choices=("uniform", "mixed"), default="uniform",
+                   help="decode selections: uniform, every request drifts alike; mixed, "
+                   "requests from stable to wandering (TOPK_DRIFTS in simulation/spec.py) "
+                   "(default: %(default)s)")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model and engine")
     m.add_argument("--device-blocks", type=int, default=DEFAULTS["device_blocks"], metavar="N",
@@ -134,7 +138,7 @@ def _spec(args):
         max_num_batched_tokens=args.max_num_batched_tokens, num_requests=args.requests,
         prompt_len=args.prompt_len, output_len=args.output_len,
         length_jitter=args.length_jitter, shared_prefix_len=args.shared_prefix_len,
-        arrival=args.arrival, arrival_rate=args.arrival_rate,
+        arrival=args.arrival, arrival_rate=args.arrival_rate, topk_drift=args.topk_drift,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         attention=args.attention, connector_extra=_extra_keys(args), max_steps=args.max_steps)
@@ -387,8 +391,9 @@ def run(args) -> int:
 def _workload_line(spec) -> str:
     jitter = f" (+-{spec.length_jitter:.0%})" if spec.length_jitter else ""
     shared = f", {spec.shared_prefix_len} shared" if spec.shared_prefix_len else ""
+    drift = ", mixed top-k drift" if spec.topk_drift != "uniform" else ""
     return (f"workload: {spec.num_requests} requests, prompt {spec.prompt_len}{shared} + "
-            f"output {spec.output_len} tokens{jitter}, {spec.arrival} arrival; model: "
+            f"output {spec.output_len} tokens{jitter}, {spec.arrival} arrival{drift}; model: "
             f"{spec.num_layers} sparse layers ({spec.layers_per_indexer} per indexer), block "
             f"{spec.block_size}, top-k {spec.top_k}; {spec.device_blocks} device blocks; "
             f"device {', '.join(spec.rank_devices)}"

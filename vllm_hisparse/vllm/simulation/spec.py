@@ -24,6 +24,12 @@ ARRIVALS = ("burst", "poisson")
 #: through the backend's own ``triton_convert_req_index_to_global_index`` call on the batch
 #: block table (FlashAttention sparse; FlashMLA sparse's mixed-batch paths do the same).
 ATTENTION_PATHS = ("direct", "group")
+#: Decode top-k drift per request, ``(drift_tokens, random_fraction)`` of its
+#: ``TopkGenerator``, request ``serial`` taking profile ``serial % len``: ``uniform``, every
+#: request alike; ``mixed``, from a stable focus to one that wanders and scatters (the case
+#: per-request hot sizes are for: one fixed size must serve the request that drifts most).
+TOPK_DRIFTS = {"uniform": ((4.0, 0.05),),
+               "mixed": ((1.0, 0.02), (2.0, 0.03), (4.0, 0.05), (12.0, 0.10))}
 #: Token every synthetic forward samples (requests end on max_tokens, never on EOS).
 SAMPLED_TOKEN = 7
 
@@ -56,6 +62,7 @@ class SimulationSpec:
     attention: str = "direct"  # see ATTENTION_PATHS
     check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
     connector_extra: dict | None = None  # further extra-config keys of the connector
+    topk_drift: str = "uniform"  # see TOPK_DRIFTS
     max_steps: int = 20_000
 
     def validate(self) -> None:
@@ -83,6 +90,8 @@ class SimulationSpec:
              "shared-prefix-len", "an integer >= 0 (at most the prompt length is shared)",
              self.shared_prefix_len)
         need(self.arrival in ARRIVALS, "arrival", " | ".join(ARRIVALS), self.arrival)
+        need(self.topk_drift in TOPK_DRIFTS, "topk-drift", " | ".join(TOPK_DRIFTS),
+             self.topk_drift)
         need(self.attention in ATTENTION_PATHS, "attention", " | ".join(ATTENTION_PATHS),
              self.attention)
         need(self.arrival_rate > 0 and math.isfinite(self.arrival_rate), "arrival-rate",

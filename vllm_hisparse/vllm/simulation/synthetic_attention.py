@@ -41,7 +41,7 @@ from vllm_hisparse.vllm.attention_hook import (
 from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
                                                         SimulationFailure)
-from vllm_hisparse.vllm.simulation.spec import RequestPlan, SimulationSpec
+from vllm_hisparse.vllm.simulation.spec import TOPK_DRIFTS, RequestPlan, SimulationSpec
 from vllm_hisparse.worker.device_rows import flat_row_view
 from vllm_hisparse.worker.indexer_pages import page_view
 from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
@@ -413,8 +413,11 @@ class SyntheticModel:
         k = self.spec.top_k
         if n == 1 and start >= state.plan.prompt_len:
             if state.topk is None:
+                profiles = TOPK_DRIFTS[self.spec.topk_drift]
+                drift, scatter = profiles[state.plan.serial % len(profiles)]
                 state.topk = TopkGenerator(k, seed=state.plan.serial * 1_000 + self.spec.seed,
-                                           recent=min(32, k // 2), drift_tokens=4.0)
+                                           recent=min(32, k // 2), drift_tokens=drift,
+                                           random_fraction=scatter)
             return state.topk.select(start + 1).reshape(1, k)
         # Prefill: ``prefill_top_k`` distinct positions per token spread over the whole
         # prefix (a stride walk from a seeded random start), -1 after them. Fewer than K
