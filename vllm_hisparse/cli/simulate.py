@@ -245,6 +245,8 @@ def format_table(results: dict) -> str:
          lambda r: f"{100 * r.hot_hit_rate:.1f} %" if r.with_connector else "-"),
         ("miss rate (all selections)",
          lambda r: f"{100 * r.miss_rate:.2f} %" if r.with_connector else "-"),
+        ("worst request's miss rate (host-backed selections)",
+         lambda r: f"{100 * r.worst_request_miss_rate:.1f} %" if r.with_connector else "-"),
         ("bytes H2D (miss gathers + restores)",
          lambda r: _fmt_bytes(r.bytes_h2d) if r.with_connector else "-"),
         ("bytes D2H (mirrors + spills)",

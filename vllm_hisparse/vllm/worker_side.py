@@ -211,15 +211,14 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         self.step_view = StepView(
             self.max_num_seqs, device,
             max_num_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
-        # Adaptive hot regions: every resolve counts its misses per state row here.
-        self._hot_counts = (RowHotCounts(self.num_state_rows, device)
-                            if self.config.adaptive_hot_region else None)
         first_host_layer = 0
         for sparse_index, (group_id, names, units, layout, views) in enumerate(per_group):
             host_layers = self.host_pool.layers[first_host_layer:first_host_layer + len(names)]
             first_host_layer += len(names)
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
+        if self.config.adaptive_hot_region:
+            self.enable_hot_counts()
         self._bind_indexer_pages(kv_caches, self._indexer_segment)
         self._bind_importer(kv_caches)
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
@@ -231,6 +230,16 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
                     "%d host blocks, block stride %s rows", CONNECTOR_NAME, num_layers,
                     len(self.lanes), sum(len(l.units) for l in self.lanes), self.host_num_blocks,
                     [l.layout.block_stride_rows for l in self.lanes])
+
+    def enable_hot_counts(self) -> RowHotCounts:
+        """Count misses per state row and report them (rank 0) in ``hot_counts``: on with
+        ``adaptive_hot_region``; the simulator turns it on to measure fixed regions too.
+        Only the first index group counts: one group samples a request's rate, and counting
+        in every group would add ~8 small kernels to each sparse layer."""
+        if self._hot_counts is None:
+            first = self.lanes[0].hot_states[0]
+            self._hot_counts = first.row_counts = RowHotCounts(self.num_state_rows, first.device)
+        return self._hot_counts
 
     def _index_units(self, group_id: int, names: list[str]) -> list[list[int]]:
         """Index units of a group: each leader with the followers after it (per-layer specs)."""
@@ -256,8 +265,6 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports):
         hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.hot_table_rows,
                                self.block_size, device, ops_backend=self.config.ops_backend)
                       for _ in units]
-        for state in hot_states:
-            state.row_counts = self._hot_counts
         # A page is resident in every layer of a group or in none: the unit states of one
         # lane share one residency / host-block table (saves (units - 1) copies of [R, P]).
         for state in hot_states[1:]:

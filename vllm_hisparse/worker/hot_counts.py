@@ -3,8 +3,9 @@
 After each resolve, :meth:`RowHotCounts.add` adds, per state row, the misses the resolve
 planned and the host-backed selections it saw into one int64 ``[R, 2]`` device tensor
 (a gather and one ``index_add_``: no host sync, nothing sized by the batch kept, so a CUDA
-graph may capture it). Every index group of a worker adds into the same tensor, so a row's
-rate is the average over the groups. :meth:`RowHotCounts.poll` reads it the way the
+graph may capture it). The connector's worker counts the resolves of its first index group
+only: one group's rate samples the request's (the sizing decides over windows of steps), and
+counting every group would add a handful of small kernels to every sparse layer. :meth:`RowHotCounts.poll` reads it the way the
 connector reads its other counters (:class:`AsyncCounterReader`: a copy behind an event,
 taken one poll later) and returns what changed since the previous poll.
 

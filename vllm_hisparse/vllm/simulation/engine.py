@@ -128,6 +128,9 @@ class RunResult:
     hot_request_steps: int = 0
     hot_grows: int = 0
     hot_shrinks: int = 0
+    #: Of the requests with host-backed selections, the highest share of them that missed
+    #: (the first index group's resolves, ``RowHotCounts``).
+    worst_request_miss_rate: float = 0.0
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     #: With --tensor-parallel-size > 1: each rank's figures and host memory (``.ranks``);
@@ -372,6 +375,9 @@ class _Run:
                 raise SimulationFailure(f"the worker role did not bind the index groups of "
                                         f"{unbound} through the static forward context")
             self.residency = self.scheduler.connector.scheduler_role
+            # Per-request miss rates of fixed regions too (the policy ignores the counts then).
+            self.worker.worker_role.enable_hot_counts()
+            self._request_counts: dict[str, list[int]] = {}
         self.requests: dict[str, RequestState] = {}
         self.step = 0
         self.probe = engine.probe if rank == 0 else None  # it times rank 0's steps
@@ -558,6 +564,8 @@ class _Run:
         if worker is not None:
             loads = worker.get_transfer_results(set())
             meta = worker.build_connector_worker_meta()
+            if meta is not None and meta.hot_counts:
+                self._count_requests(meta.hot_counts)
             stats = worker.get_kv_connector_stats()
             if stats is not None:
                 self._add_worker_stats(stats)
@@ -619,6 +627,22 @@ class _Run:
         r.restore_bytes += int(d["bytes_to_device"])
         r.bytes_h2d += int(d["bytes_to_device"]) + int(d["gather_bytes"])
         r.bytes_d2h += int(d["bytes_to_host"])
+
+    def _count_requests(self, hot_counts: dict[int, tuple[int, int]]) -> None:
+        """Per-request (misses, host-backed selections), by the request now in each row (a
+        row's first counts after it changed hands, one step late, may be its last owner's;
+        counts of a row nobody holds are dropped). The worst rate is over requests with at
+        least 8 * top_k selections counted (one sizing window of decode steps)."""
+        policy = self.residency.policy
+        rid_of = {policy.row_of(rid): rid for rid in policy.request_ids()}
+        for row, (misses, refs) in hot_counts.items():
+            if row in rid_of:
+                acc = self._request_counts.setdefault(rid_of[row], [0, 0])
+                acc[0] += misses
+                acc[1] += refs
+        floor = 8 * self.spec.top_k
+        rates = [m / r for m, r in self._request_counts.values() if r >= floor]
+        self.result.worst_request_miss_rate = max(rates, default=0.0)
 
     def _account_blocks(self) -> None:
         if self.worker is not None:
