@@ -58,6 +58,15 @@ def test_simulate_device_blocks_1_names_the_flag(capsys):
     assert "--device-blocks=1 is invalid" in err and "gpu_memory_utilization" not in err
 
 
+@pytest.mark.parametrize("flags,text", [
+    (["--adaptive-hot-region", "--hot-region-target-miss-rate", "2"],
+     "hot_region_target_miss_rate=2.0 is invalid; accepted: a number greater than 0"),
+    (["--hot-region-target-miss-rate", "0.1"], "adaptive_hot_region is false"),
+])
+def test_simulate_hot_region_flags_are_checked(flags, text, capsys):
+    assert text in _one_line_error(capsys, SIMULATE + flags, "simulate")
+
+
 def test_simulate_host_pool_larger_than_ram_is_refused_before_allocating(capsys):
     from vllm_hisparse.cli.memory import available_memory
 
