@@ -26,9 +26,9 @@ import functools
 
 import torch
 
-from vllm_hisparse.cli.benchmarks.kernels import (GENERAL_ONLY, check_resolve, flush_l2,
-                                                  graph_time_resolve, make_resolve_sets,
-                                                  reset_hot_state, resolve_args,
+from vllm_hisparse.cli.benchmarks.gpu_timing import flush_l2
+from vllm_hisparse.cli.benchmarks.kernels import (GENERAL_ONLY, check_resolve, graph_time_resolve,
+                                                  make_resolve_sets, reset_hot_state, resolve_args,
                                                   time_all_resident)
 from vllm_hisparse.ops import probe
 

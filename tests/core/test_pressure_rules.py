@@ -115,3 +115,30 @@ def test_a_demotion_that_cannot_free_its_hot_region_waits():
     assert d.policy.residency("a") == Residency.FULL
     assert d.policy.stats.num_device_backpressure > 0
     d.ack_all()
+
+
+def test_a_release_first_demotion_whose_blocks_stay_held_elsewhere_is_abandoned():
+    """vLLM can hold a reference on a block the policy's tables do not know of (a request
+    that runs unmanaged, or vLLM's own prefix-cache hit): releasing the request's pages then
+    frees fewer blocks than the tables predicted. The demotion must not lease a hot region
+    the pool cannot give (the fault-injection run raised DevicePoolExhausted from
+    ``build_step``): it is abandoned, every page re-pinned, the request stays FULL."""
+    d = Driver(make_policy(num_device_blocks=10, hot_blocks=2, low_watermark_blocks=1,
+                           high_watermark_blocks=3))
+    d.add("a")
+    d.step({"a": 9 * 4})  # 9 clean pages; the pool has one free block
+    pool = d.policy.device_pool
+    blocks = d.policy.tables.device_block[d.policy.row_of("a"), :9].tolist()
+    pool.touch(blocks)  # another holder the tables do not see
+    released_before = d.policy.stats.num_pages_released
+    # A 10th page: the pool is empty, pressure. (The checks count the pool's leases
+    # against the tables, so they run once the other holder has let go.)
+    d.step({"a": 1}, ack=False, check=False)
+    assert d.policy.residency("a") == Residency.FULL
+    assert d.policy.stats.num_device_backpressure > 0
+    assert d.policy.stats.num_pages_released == released_before  # no trace of the attempt
+    pool.free_blocks(blocks)  # the other holder lets go: the next pressure demotes
+    d.ack_all()
+    d.step({"a": 1})
+    assert d.policy.residency("a") == Residency.MIXED
+    d.flush()

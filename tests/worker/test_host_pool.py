@@ -109,7 +109,7 @@ def test_hugetlb_shortage_is_logged_with_the_pages_needed(monkeypatch, caplog):
 def test_thp_page_mode_is_what_the_kernel_gave(monkeypatch, caplog, fraction, mode):
     """A pinned THP pool counts as thp only when smaps shows >= 90 % in 2 MiB pages."""
     import vllm_hisparse.worker.host_pool as hp
-    monkeypatch.setattr(hp.shm_segment, "huge_page_fraction", lambda address: fraction)
+    monkeypatch.setattr(hp.process_memory, "huge_page_fraction", lambda address: fraction)
     with HostPool(1, 1, 16, 16, huge_pages="never", pin=False) as pool:
         pool._mapping_start = 0
         with caplog.at_level("INFO", logger="vllm_hisparse.worker"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.worker import shared_pool_procs as procs
-from vllm_hisparse.worker import shm_segment
+from vllm_hisparse.worker import process_memory, shm_segment
 from vllm_hisparse.worker.host_pool import HostPool, SharedSegment
 from vllm_hisparse.worker.transfer import TransferEngine
 
@@ -201,9 +201,9 @@ def test_page_mode_is_measured():
     m = mmap.mmap(-1, 1 << 20)
     m[:] = b"\1" * (1 << 20)
     address = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
-    fraction = shm_segment.huge_page_fraction(address)
+    fraction = process_memory.huge_page_fraction(address)
     assert fraction is not None and 0.0 <= fraction <= 1.0
-    assert shm_segment.huge_page_fraction(1) is None  # no mapping starts there
+    assert process_memory.huge_page_fraction(1) is None  # no mapping starts there
 
 
 # ------------------------------------------------------------------------ writer-only copies

@@ -99,21 +99,32 @@ class PageLeases:
         self.release_page(req, page)
         return True
 
-    def release_all_releasable(self, req: Request) -> None:
-        """Release every clean, idle, non-tail pinned page of a MIXED/NONE request."""
+    def release_all_releasable(self, req: Request) -> list[int]:
+        """Release every clean, idle, non-tail pinned page of a MIXED/NONE request (or of
+        one being demoted); returns the released pages."""
         t = self.tables
         row = req.row
         limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
         if limit <= 0 or req.prefilling:  # R1.a: a prefilling request keeps every page
-            return
+            return []
         releasable = (
             t.pinned[row, :limit]
             & t.host_valid[row, :limit]
             & (t.pending[row, :limit] < 0)
             & (t.mirror_inflight[row, :limit] == 0)
         )
-        for page in np.nonzero(releasable)[0]:
-            self.release_page(req, int(page))
+        pages = np.nonzero(releasable)[0].tolist()
+        for page in pages:
+            self.release_page(req, page)
+        return pages
+
+    def undo_release(self, req: Request, pages: list[int]) -> None:
+        """Re-pin ``pages`` just released by :meth:`release_all_releasable` (nothing was
+        allocated in between, so no block was reused), leaving no trace in the counters."""
+        for page in pages:
+            self.repin_page(req, page)
+        self.stats.num_pages_released -= len(pages)
+        self.stats.num_pages_repinned -= len(pages)
 
     def release_page(self, req: Request, page: int) -> None:
         """Drop the page's device lease, keeping the block readable until reused."""

@@ -196,19 +196,24 @@ class ResidencyTransitions:
         When the pool is too short for the hot region, which is when demotions are needed
         most, the request's clean pages are released first if that frees enough: they are
         on the host, so the hot region may take their blocks at once (those pages then
-        read from the host)."""
+        read from the host). The tables predict what a release frees, but a block may be
+        held by a reference they do not see (vLLM's own: an unmanaged request or a prefix
+        hit outside the policy); if the pool is still short after the release, the pages
+        are re-pinned and the demotion waits (back-pressure)."""
         free = self.device_pool.get_num_free_blocks()
-        release_first = req.hot_blocks > free
-        if release_first and req.hot_blocks > free + blocks_freed_by_release(self.tables, req.row):
-            self.stats.num_device_backpressure += 1
-            return False
-        if not release_first:
-            self.leases.lease_hot(req)
+        if req.hot_blocks > free:
+            if req.hot_blocks > free + blocks_freed_by_release(self.tables, req.row):
+                self.stats.num_device_backpressure += 1
+                return False
+            released = self.leases.release_all_releasable(req)
+            if req.hot_blocks > self.device_pool.get_num_free_blocks():
+                self.leases.undo_release(req, released)
+                self.stats.num_device_backpressure += 1
+                return False
+        self.leases.lease_hot(req)
         self.requests.set_residency(req, Residency.MIXED)
         self.stats.num_demotions += 1
         self.leases.release_all_releasable(req)
-        if release_first:
-            self.leases.lease_hot(req)
         return True
 
     def _promote_some(self, free: int) -> None:

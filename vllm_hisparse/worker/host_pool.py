@@ -58,7 +58,7 @@ import torch
 from vllm_hisparse.core.capacity import host_blocks_for_budget
 from vllm_hisparse.core.units import GIB
 from vllm_hisparse.ops import host_ranges
-from vllm_hisparse.worker import shm_segment
+from vllm_hisparse.worker import process_memory, shm_segment
 
 logger = logging.getLogger("vllm_hisparse.worker")
 
@@ -247,20 +247,20 @@ class HostPool:
 
         * ``logical_bytes``: what this rank addresses;
         * ``resident_bytes``: pages of the pool present in this process
-          (``shm_segment.resident_bytes``): the whole pool on every rank that maps it;
+          (``process_memory.resident_bytes``): the whole pool on every rank that maps it;
         * ``pss_bytes``: this rank's proportional share: a private pool's resident bytes, a
-          shared mapping's Pss (``shm_segment.mapping_pss_bytes``: each page divided by its
+          shared mapping's Pss (``process_memory.mapping_pss_bytes``: each page divided by its
           mappers), so the ``pss_bytes`` of all ranks add up to the memory held once;
         * ``segment_bytes``: pages allocated to the shared segment's file, counted once
           however many ranks map it (-1 for a private pool);
         * ``shared``: whether the pool is a shared segment."""
         address = self.buffer.data_ptr()
-        resident = shm_segment.resident_bytes(address, self.total_bytes)
+        resident = process_memory.resident_bytes(address, self.total_bytes)
         resident = -1 if resident is None else resident
         if self._segment is None:
             pss, segment_bytes = resident, -1
         else:
-            pss = shm_segment.mapping_pss_bytes(address, self.total_bytes)
+            pss = process_memory.mapping_pss_bytes(address, self.total_bytes)
             pss = -1 if pss is None else pss
             try:
                 segment_bytes = os.fstat(self._segment.fd).st_blocks * 512
@@ -329,7 +329,7 @@ class HostPool:
     def _measured_thp(self, buffer: torch.Tensor) -> PageMode:
         """The page mode of a pinned ``thp`` mapping as the kernel backed it: ``thp`` when
         at least 90 % of it is in 2 MiB pages, else ``pinned`` (registered 4 KiB pages)."""
-        fraction = shm_segment.huge_page_fraction(self._mapping_start)
+        fraction = process_memory.huge_page_fraction(self._mapping_start)
         self.huge_page_fraction = fraction
         if fraction is None:
             return "thp"  # smaps unreadable: what was asked for

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Sequence
 
 from vllm_hisparse.core.units import GIB
+from vllm_hisparse.worker.process_memory import huge_page_fraction
 
 logger = logging.getLogger("vllm_hisparse.worker")
 
@@ -64,7 +65,6 @@ _MAGIC = b"vllm-hisparse-v1"  # 16 bytes
 _HEADER_LIMIT_BYTES = 64 << 10
 _TMP_GRACE_S = 60.0  # a creator takes its lock right after O_EXCL; older unlocked temps are stale
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-_SMAPS_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux uapi value
 _FILE_MODE = 0o600
 _PAGE_MODES = ("hugetlb", "thp", "small")
@@ -155,85 +155,6 @@ def segment_file_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"shared segment name must match {_NAME_RE.pattern}, got {name!r}")
     return SEGMENT_PREFIX + name
-
-
-def huge_page_fraction(address: int) -> float | None:
-    """Fraction of the mapping that starts at ``address`` backed by 2 MiB pages
-    (``/proc/self/smaps``), or None when it cannot be read."""
-    start = f"{address:x}-"
-    found = False
-    rss_kib = pmd_kib = 0
-    page_kib = 4
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                if not found:
-                    found = line.startswith(start)
-                    continue
-                if _SMAPS_HEADER.match(line):
-                    break  # the next mapping
-                key, _, value = line.partition(":")
-                fields = value.split()
-                if not fields or not fields[0].isdigit():
-                    continue
-                if key == "Rss":
-                    rss_kib = int(fields[0])
-                elif key in ("ShmemPmdMapped", "FilePmdMapped", "AnonHugePages"):
-                    pmd_kib += int(fields[0])
-                elif key == "KernelPageSize":
-                    page_kib = int(fields[0])
-    except OSError:
-        return None
-    if not found:
-        return None
-    if page_kib >= 2048:
-        return 1.0
-    return pmd_kib / rss_kib if rss_kib else 0.0
-
-
-def mapping_pss_bytes(address: int, length: int) -> int | None:
-    """This process's proportional set size (Pss, ``/proc/self/smaps``) of the mappings that
-    overlap ``[address, address + length)``; None when it cannot be read.
-
-    A page mapped ``n`` times (by ``n`` processes, or by ``n`` mappings of one process)
-    counts ``1/n`` in each mapping's Pss, so the Pss of every rank's mapping of a shared
-    segment adds up to its physical memory once."""
-    end = address + length
-    pss_kib = 0
-    inside = False
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                if _SMAPS_HEADER.match(line):
-                    lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
-                    inside = lo < end and address < hi
-                elif inside and line.startswith("Pss:"):
-                    pss_kib += int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pss_kib << 10
-
-
-def resident_bytes(address: int, length: int) -> int | None:
-    """Bytes of ``[address, address + length)`` resident in this process's page tables
-    (``/proc/self/pagemap``: the present bit of every 4 KiB page); None when it cannot be
-    read. Exact to the range, unlike a mapping's Rss (an allocator's mapping holds more)."""
-    import numpy as np
-
-    page = mmap.PAGESIZE
-    first, last = address // page, (address + length - 1) // page
-    present = 0
-    chunk_pages = 1 << 20  # 8 MiB of pagemap per read
-    try:
-        with open("/proc/self/pagemap", "rb") as f:
-            for lo in range(first, last + 1, chunk_pages):
-                n = min(chunk_pages, last + 1 - lo)
-                f.seek(lo * 8)
-                entries = np.frombuffer(f.read(n * 8), dtype=np.uint64)
-                present += int(np.count_nonzero(entries >> np.uint64(63)))
-    except (OSError, ValueError):
-        return None
-    return present * page
 
 
 def _flock_probe_is_free(fd: int) -> bool:
@@ -626,6 +547,5 @@ def open_segment(name: str, data_bytes: int, expect: dict[str, Any], *,
 
 
 __all__ = ["Candidate", "DATA_OFFSET", "SEGMENT_PREFIX", "Segment", "SegmentError", "SegmentTimeout",
-           "candidate_dirs", "create_segment", "huge_page_fraction", "mapping_pss_bytes",
-           "open_segment", "ownership_problem", "remove_stale_segments", "resident_bytes",
-           "segment_file_name"]
+           "candidate_dirs", "create_segment", "open_segment", "ownership_problem",
+           "remove_stale_segments", "segment_file_name"]
