@@ -62,6 +62,8 @@ class FakeWorker:
     multi_index: int | None = None
     """Position of our connector among MultiConnector children (None: used alone)."""
     multi_size: int = 2
+    hot_counts: Callable[[], dict[int, tuple[int, int]]] | None = None
+    """Adaptive hot regions: rank 0's per-row (misses, references) for each report."""
     seed: int = 0
     step: int = 0
     seen_ids: set[int] = field(default_factory=set)
@@ -123,7 +125,8 @@ class FakeWorker:
     def _report(self) -> KVConnectorOutput | None:
         due = [d for d in self._due if d.step <= self.step - 1]
         resent, self._resend = self._resend, []
-        if not due and not resent:
+        counts = self.hot_counts() if self.hot_counts is not None else {}
+        if not due and not resent and not counts:
             return None
         self._due = [d for d in self._due if d.step > self.step - 1]
         if self.repeat:
@@ -158,6 +161,7 @@ class FakeWorker:
                 failed=[d.transfer_id for d in mine if d.failed],
             )
             per_worker.append(HiSparseWorkerMetadata(acks=acks, worker_rank=worker))
+        per_worker[0].hot_counts = counts
         meta = per_worker[0]
         for other in per_worker[1:]:
             meta = meta.aggregate(other)  # what vLLM's KVOutputAggregator does

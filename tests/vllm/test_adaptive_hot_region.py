@@ -5,6 +5,7 @@ vLLM's real ``Scheduler`` is ``test_simulate_adaptive_hot_region_is_exact`` belo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.vllm.test_worker_side import (  # noqa: F401 - model_dir is a fixture
@@ -141,3 +142,39 @@ def test_aggregated_worker_metadata_keeps_rank_0_counts():
         assert folded.hot_counts == {3: (1, 4)}
         assert sorted(r for r, _ in folded.reports()) == sorted(
             {0, 1, 2} if len(folded.peers) == 2 else {0, 1})
+
+
+@pytest.mark.parametrize("under_multi", [False, True], ids=["alone", "multiconnector"])
+def test_resizes_on_vllms_scheduler_and_block_pool(model_dir, under_multi):
+    """vLLM's real Scheduler and BlockPool (fake forward and acks): host-backed requests
+    report a high miss rate, then a low one. Their regions grow
+    from vLLM's free blocks and shrink back into the pool; the invariants hold every step and
+    nothing leaks (``assert_no_leaks``; next to OffloadingConnector, whose stores nobody acks
+    here, our side comes to rest)."""
+    from tests.vllm.fake_worker import FakeWorker
+    from tests.vllm.test_connector_scheduler import WORKLOAD, build, run
+
+    worker = FakeWorker(multi_index=0 if under_multi else None)
+    harness = build(model_dir, extra={"host_pool_gib": 1, **ADAPTIVE}, worker=worker,
+                    under_multi=under_multi, num_blocks=500)
+    policy = harness.residency.policy
+
+    def counts():
+        policy.check_invariants()
+        misses = 90 if worker.step < 300 else 0
+        return {row: (misses, 100) for row in policy.non_full_rows}
+
+    worker.hot_counts = counts
+    if not under_multi:
+        run(harness, dict(WORKLOAD, max_tokens=600))
+    else:
+        requests = harness.add_requests(**dict(WORKLOAD, max_tokens=600))
+        while harness.scheduler.running or harness.scheduler.waiting:
+            harness.step()
+            assert harness.stats.steps < 5000
+        for _ in range(3):  # our last transfers acknowledged
+            harness.step()
+        harness.drain()
+        assert all(r.is_finished() for r in requests)
+        assert harness.residency.is_idle() and not harness.residency._hot_rows
+    assert policy.stats.num_hot_grows > 0 and policy.stats.num_hot_shrinks > 0
