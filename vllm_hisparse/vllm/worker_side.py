@@ -64,8 +64,8 @@ from vllm_hisparse.vllm.worker_import import WorkerImports
 from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
-from vllm_hisparse.worker.hot_counts import RowHotCounts
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
+from vllm_hisparse.worker.hot_counts import RowHotCounts
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore
 
 logger = logging.getLogger("vllm_hisparse.vllm")

@@ -143,7 +143,7 @@ class HotState:
         self.lru = torch.arange(hot_slots, dtype=torch.int16,
                                 device=self.device).repeat(num_state_rows, 1)
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
-        #: Per-row miss counts for adaptive hot regions (shared by a worker's states), or None.
+        #: Per-row miss counts for adaptive hot regions (``RowHotCounts``), or None.
         self.row_counts: RowHotCounts | None = None
         # resolve's outputs: views of the rows of one storage, sized by the largest batch so
         # far (vLLM warms up and captures its CUDA graphs largest batch first, so one storage
