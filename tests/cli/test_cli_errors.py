@@ -212,7 +212,7 @@ def test_replay_plot_and_simulate_plot_write_pngs(tmp_path, capsys):
 def test_simulate_series_are_per_step_counts():
     """``--plot`` turns the engine's cumulative counters into each step's share."""
     from vllm_hisparse.cli.simulate import StepSeries
-    from vllm_hisparse.vllm.simulation.engine import Progress
+    from vllm_hisparse.vllm.simulation.results import Progress
 
     series = StepSeries()
     for step, (resident, hits, misses) in enumerate([(5, 0, 0), (9, 2, 1), (9, 5, 1)], 1):

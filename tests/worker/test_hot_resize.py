@@ -26,18 +26,28 @@ def host_row(row: int, pos: int) -> torch.Tensor:
     return torch.tensor([row * 10_000 + pos + 1], dtype=torch.int64).view(torch.uint8)
 
 
+BACKENDS = [pytest.param("reference", id="reference"),
+            pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(4))
-def test_resized_regions_read_ground_truth(seed):
+def test_resized_regions_read_ground_truth(seed, backend):
     rng = random.Random(seed)
     rows = 2
-    dev = torch.full((64 * BS, 8), GARBAGE, dtype=torch.uint8)
+    device = "cuda" if backend == "cuda" else "cpu"
+    dev = torch.full((64 * BS, 8), GARBAGE, dtype=torch.uint8, device=device)
     host = torch.zeros((rows * PAGES * BS, 8), dtype=torch.uint8)
     for r in range(rows):
         for p in range(PAGES * BS):
             host[(r * PAGES + p // BS) * BS + p % BS] = host_row(r, p)
-    state = HotState(rows, PAGES, MAX_BLOCKS * BS, BS, ops_backend="reference")
-    state.row_counts = RowHotCounts(rows)
-    executor = StepExecutor([state], TransferEngine([dev], [host], BS), rows, PAGES, BS)
+    if backend == "cuda":
+        host = host.pin_memory()  # the gather kernels read pinned host memory directly
+    state = HotState(rows, PAGES, MAX_BLOCKS * BS, BS, device=device, ops_backend=backend)
+    state.row_counts = RowHotCounts(rows, device=device)
+    executor = StepExecutor([state], TransferEngine([dev], [host], BS, ops_backend=backend),
+                            rows, PAGES, BS)
     free = list(range(64))
     rng.shuffle(free)
     leases = {r: [free.pop() for _ in range(2)] for r in range(rows)}
@@ -72,18 +82,19 @@ def test_resized_regions_read_ground_truth(seed):
             picks += [rng.randrange(PAGES * BS) for _ in range(K - len(picks))]
             picks = list(dict.fromkeys(picks))
             topk.append(picks + [-1] * (K - len(picks)))
-        topk_t = torch.tensor(topk, dtype=torch.int32)
-        res = state.resolve(topk_t, torch.arange(rows, dtype=torch.int32))
+        topk_t = torch.tensor(topk, dtype=torch.int32, device=device)
+        res = state.resolve(topk_t, torch.arange(rows, dtype=torch.int32, device=device))
         state.gather(res, [host], [dev])
+        out_rows = res.out_rows.cpu()
         for r in range(rows):
             for k, pos in enumerate(topk[r]):
                 if pos < 0:
                     continue
-                got = dev[int(res.out_rows[r, k])]
+                got = dev[int(out_rows[r, k])].cpu()
                 assert torch.equal(got, host_row(r, pos)), (seed, step, r, pos)
                 references += 1
         misses += int(res.miss_count.sum())
-    m, n = state.row_counts.counts.sum(dim=0).tolist()
+    m, n = state.row_counts.counts.sum(dim=0).cpu().tolist()
     assert (m, n) == (misses, references) and int(state.stats[2]) == misses
 
 
