@@ -16,33 +16,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted, ProtocolError
-from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.outcome import Outcome
-from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTables, range_mask
-from vllm_hisparse.core.policy_config import PolicyConfig
-from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
-from vllm_hisparse.core.stats import PolicyStats
-from vllm_hisparse.core.step_builder import StepBuilder
+from vllm_hisparse.core.page_table import range_mask
+from vllm_hisparse.core.policy_part import PolicyPart
+from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 
-class Imports:
+class Imports(PolicyPart):
     """``begin_import`` / ``finish_import`` of :class:`~vllm_hisparse.core.policy.ResidencyPolicy`."""
-
-    def __init__(self, config: PolicyConfig, tables: PageTables, requests: RequestTable, steps: StepBuilder,
-                 leases: PageLeases, device_pool: DevicePool, host_pool: HostBlockPool, stats: PolicyStats) -> None:
-        self.config = config
-        self.tables = tables
-        self.requests = requests
-        self.steps = steps
-        self.leases = leases
-        self.device_pool = device_pool
-        self.host_pool = host_pool
-        self.stats = stats
-        self.block_size = config.block_size
 
     def begin(self, req: Request, num_tokens: int, tail_device_blocks: Sequence[int] | None) -> list[int]:
         """See :meth:`ResidencyPolicy.begin_import`; returns the host block of every page."""

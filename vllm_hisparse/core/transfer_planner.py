@@ -22,6 +22,7 @@ from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTables, range_mask, range_masks
 from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.policy_part import PolicyPart
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
@@ -29,20 +30,12 @@ from vllm_hisparse.core.transactions import Transaction, TransactionTable, Trans
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 
-class TransferPlanner:
+class TransferPlanner(PolicyPart):
     """Open transfers, the spill queue and the activations whose tail restore must be retried."""
 
     def __init__(self, config: PolicyConfig, tables: PageTables, requests: RequestTable, steps: StepBuilder,
                  leases: PageLeases, device_pool: DevicePool, host_pool: HostBlockPool, stats: PolicyStats) -> None:
-        self.config = config
-        self.tables = tables
-        self.requests = requests
-        self.steps = steps
-        self.leases = leases
-        self.device_pool = device_pool
-        self.host_pool = host_pool
-        self.stats = stats
-        self.block_size = config.block_size
+        super().__init__(config, tables, requests, steps, leases, device_pool, host_pool, stats)
         self.txns = TransactionTable()
         # Pages that need a whole-page spill: (row, serial, page) in insertion order.
         self._spill_queue: dict[tuple[int, int, int], None] = {}
