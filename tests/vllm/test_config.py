@@ -21,13 +21,13 @@ from vllm_hisparse.vllm.config import (
     CONNECTOR_NAME,
     MAX_DEVICE_BUFFER_ROWS,
     HiSparseConfigError,
-    check_host_pool_holds_one_request,
     default_device_buffer_size,
     find_connector_extra_config,
     is_connector_configured,
     parse_extra_config,
     resolve_config,
 )
+from vllm_hisparse.vllm.kv_planning import check_host_pool_holds_one_request
 
 ENGINE = dict(top_k=2048, block_size=64, max_decode_query_len=1)
 GIB = 1 << 30

@@ -20,38 +20,18 @@ from typing import TYPE_CHECKING, Any
 from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
-    SupportsHMA,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                              KVConnectorRole, KVConnectorTransferResults,
+                                                              KVConnectorWorkerMetadata, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 # Internal: KV-cache planning (engine core and, for profiling, the workers).
 from vllm.platforms.interface import Platform
 from vllm.v1.core.kv_cache_config_builder import KVCacheConfigBuilder
-from vllm.v1.core.kv_cache_planning import (
-    DefaultKVCacheConfigBuilder,
-    get_kv_cache_groups,
-)
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    HiddenStateCacheSpec,
-    KVCacheConfig,
-    KVCacheGroupRole,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SparseCacheRole,
-    UniformTypeKVCacheSpecs,
-)
+from vllm.v1.core.kv_cache_planning import DefaultKVCacheConfigBuilder, get_kv_cache_groups
+from vllm.v1.kv_cache_interface import (AttentionSpec, HiddenStateCacheSpec, KVCacheConfig, KVCacheGroupRole,
+                                        KVCacheGroupSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowMLASpec,
+                                        SparseCacheRole, UniformTypeKVCacheSpecs)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 # Internal: the scheduler-side KV cache manager, its block pool and manager registry.
@@ -64,67 +44,24 @@ from vllm.v1.outputs import KVConnectorOutput
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = [
-    "AttentionSpec",
-    "BlockPool",
-    "FullAttentionManager",
-    "KVCacheBlock",
-    "KVCacheSpecRegistry",
-    "KVConnectorOutput",
-    "MAX_CONCURRENCY_MODULE",
-    "MAX_CONCURRENCY_NAME",
-    "OFFLOADED_GROUP_ROLE",
-    "RESIDENCY_GROUP_ROLE",
-    "admission_watermark_blocks",
-    "assign_group_role",
-    "block_is_cached",
-    "is_waiting_for_remote_kvs",
-    "offloading_group_ids",
-    "per_group_prefix_hits",
-    "scope_offloading",
-    "group_managers",
-    "composing_kv_transfer_config",
-    "hybrid_coordinator_class",
-    "kv_cache_coordinator",
-    "kv_load_failure_policy",
-    "prefix_cache_geometry",
-    "multi_connector_types",
-    "num_allocated_pages",
-    "register_residency_manager",
-    "residency_manager_registered",
-    "CUDAGraphMode",
-    "DEFAULT_BUILDER_QUALNAME",
-    "DefaultKVCacheConfigBuilder",
-    "HiddenStateCacheSpec",
-    "KVCacheConfig",
-    "KVCacheConfigBuilder",
-    "KVCacheGroupSpec",
-    "KVCacheLayout",
-    "KVCacheSpec",
-    "KVConnectorBase_V1",
-    "KVConnectorFactory",
-    "KVConnectorMetadata",
-    "KVConnectorPromMetrics",
-    "KVConnectorRole",
-    "KVConnectorStats",
-    "KVConnectorTransferResults",
-    "KVConnectorWorkerMetadata",
-    "MLAAttentionSpec",
-    "Platform",
-    "SlidingWindowMLASpec",
-    "SparseCacheRole",
-    "SupportsHMA",
-    "UniformTypeKVCacheSpecs",
-    "VllmConfig",
-    "connector_is_registered",
-    "default_kv_cache_groups",
-    "register_connector",
-    "resolve_connector_class",
-    "resolve_kv_cache_config_builder",
-    "resolved_kv_cache_layout",
-    "scheduler_classes",
-    "set_admission_watermark_blocks",
-]
+__all__ = ["AttentionSpec", "BlockPool", "CUDAGraphMode", "DEFAULT_BUILDER_QUALNAME",
+           "DefaultKVCacheConfigBuilder", "FullAttentionManager", "HiddenStateCacheSpec",
+           "KVCacheBlock", "KVCacheConfig", "KVCacheConfigBuilder", "KVCacheGroupSpec",
+           "KVCacheLayout", "KVCacheSpec", "KVCacheSpecRegistry", "KVConnectorBase_V1",
+           "KVConnectorFactory", "KVConnectorMetadata", "KVConnectorOutput",
+           "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
+           "KVConnectorTransferResults", "KVConnectorWorkerMetadata", "MAX_CONCURRENCY_MODULE",
+           "MAX_CONCURRENCY_NAME", "MLAAttentionSpec", "OFFLOADED_GROUP_ROLE", "Platform",
+           "RESIDENCY_GROUP_ROLE", "SlidingWindowMLASpec", "SparseCacheRole", "SupportsHMA",
+           "UniformTypeKVCacheSpecs", "VllmConfig", "admission_watermark_blocks",
+           "assign_group_role", "block_is_cached", "composing_kv_transfer_config",
+           "connector_is_registered", "default_kv_cache_groups", "group_managers",
+           "hybrid_coordinator_class", "is_waiting_for_remote_kvs", "kv_cache_coordinator",
+           "kv_load_failure_policy", "multi_connector_types", "num_allocated_pages",
+           "offloading_group_ids", "per_group_prefix_hits", "prefix_cache_geometry",
+           "register_connector", "register_residency_manager", "residency_manager_registered",
+           "resolve_connector_class", "resolve_kv_cache_config_builder", "resolved_kv_cache_layout",
+           "scheduler_classes", "scope_offloading", "set_admission_watermark_blocks"]
 
 #: What ``Platform.get_kv_cache_config_builder_cls`` returns in vLLM 0.33 for every
 #: in-tree platform. Our builder subclasses this one, so we only take over when the

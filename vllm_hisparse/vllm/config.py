@@ -12,34 +12,9 @@ changes vLLM state. Two entry points:
   (``top_k``, ``block_size``, speculative tokens) and engine compatibility. The planner
   calls it once per planning and the connector once per role; the roles get the result.
 
-Extra-config keys (all per data-parallel replica):
-
-========================  =====================================================  =====================
-key                       meaning                                                default
-========================  =====================================================  =====================
-``host_pool_gib``         pinned host memory for the sparse-MLA KV copy, GiB      required
-``device_buffer_size``    hot rows per request (a multiple of ``block_size``)     ``(q + 1) * top_k``
-``eager_host_mirror``     mirror new KV rows to the host pool as written          ``true``
-``ops_backend``           ``auto`` | ``cuda`` | ``reference`` (pure-torch twins) ``auto``
-``record_trace``          writable file to record per-step top-k selections into  none
-``index_share_prefetch``  IndexShare followers' rows copied on a side stream      ``true``
-                          under earlier layers' compute (false: one launch per
-                          index group at its leader)
-``prefetch_max_ctas``     CTAs (SMs) those copies may use; 0 = every SM           ``16``
-                          (measured on an H200 over PCIe)
-``ack_deadline_s``        seconds a transfer may wait for every worker's final    ``60``
-                          ack; past it the engine stops with ``WorkerSilentError``
-                          (docs/core.md, "Failure semantics")
-``adaptive_hot_region``   size each MIXED/NONE request's hot region from its      ``false``
-                          miss rate, between ``q * top_k`` rows and twice
-                          ``device_buffer_size`` (docs/core.md, "Per-request
-                          hot size"); false: every region is fixed (LRU)
-``hot_region_target_``    the miss rate (misses / host-backed selections) the     ``0.1``
-``miss_rate``             adaptive regions aim at, in (0, 1); needs
-                          ``adaptive_hot_region``
-========================  =====================================================  =====================
-
-``q`` is the decode query length: 1 plus the number of speculative tokens.
+The keys (all per data-parallel replica), their meaning and defaults: README.md, "Use", and
+docs/vllm-integration.md, "Configuration keys"; ``ACCEPTED_KEYS`` below is the list the
+parser accepts.
 """
 
 from __future__ import annotations
@@ -51,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hisparse.core.capacity import host_blocks_for_budget, host_memory_limit
+from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
@@ -71,18 +46,9 @@ MAX_DEVICE_BUFFER_ROWS = 32768
 
 OPS_BACKENDS = ("auto", "cuda", "reference")
 
-ACCEPTED_KEYS = (
-    "host_pool_gib",
-    "device_buffer_size",
-    "eager_host_mirror",
-    "ops_backend",
-    "record_trace",
-    "index_share_prefetch",
-    "prefetch_max_ctas",
-    "ack_deadline_s",
-    "adaptive_hot_region",
-    "hot_region_target_miss_rate",
-)
+ACCEPTED_KEYS = ("host_pool_gib", "device_buffer_size", "eager_host_mirror", "ops_backend", "record_trace",
+                 "index_share_prefetch", "prefetch_max_ctas", "ack_deadline_s", "adaptive_hot_region",
+                 "hot_region_target_miss_rate")
 
 #: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
 #: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
@@ -618,32 +584,6 @@ def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
             "recording a trace, or no record_trace."
         )
     return config
-
-
-def check_host_pool_holds_one_request(
-    config: HiSparseResidencyConfig,
-    *,
-    host_block_bytes: int,
-    host_copies: int,
-    max_model_len: int,
-) -> int:
-    """Host blocks the budget buys; raise unless one ``max_model_len`` request fits.
-
-    ``host_block_bytes`` is one page of every sparse-MLA layer; ``host_copies`` is how
-    many ranks of the replica pin their own copy (see ``kv_planning``).
-    """
-    host_blocks = host_blocks_for_budget(config.host_pool_bytes, host_block_bytes, host_copies)
-    needed_blocks = cdiv(max_model_len, config.block_size)
-    if host_blocks < needed_blocks:
-        needed_gib = needed_blocks * host_block_bytes * host_copies / GIB
-        raise HiSparseConfigError(
-            f"{CONNECTOR_NAME}: host_pool_gib={config.host_pool_gib:g} buys "
-            f"{host_blocks} host blocks, fewer than one max_model_len={max_model_len} "
-            f"request needs ({needed_blocks} blocks of {host_block_bytes} B x "
-            f"{host_copies} cop{'y' if host_copies == 1 else 'ies'}); accepted: "
-            f"host_pool_gib >= {needed_gib:.3f} or a smaller max_model_len."
-        )
-    return host_blocks
 
 
 def _round_up(a: int, b: int) -> int:

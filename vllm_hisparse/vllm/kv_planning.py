@@ -39,8 +39,9 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm_hisparse.core.capacity import CapacityReport, EngineLayout, concurrency_report
+from vllm_hisparse.core.capacity import CapacityReport, EngineLayout, concurrency_report, host_blocks_for_budget
 from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, SplitChoice, choose_split
+from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import (
     DefaultKVCacheConfigBuilder,
@@ -59,7 +60,6 @@ from vllm_hisparse.vllm.config import (
     CONNECTOR_NAME,
     HiSparseConfigError,
     HiSparseResidencyConfig,
-    check_host_pool_holds_one_request,
     is_connector_configured,
     resolve_config,
 )
@@ -357,6 +357,33 @@ def host_page_bytes(kv_cache_config: KVCacheConfig) -> tuple[int, int]:
         host_block_bytes(groups[i] for i in sparse_group_ids(kv_cache_config)),
         host_block_bytes(groups[i] for i in indexer_group_ids(kv_cache_config)),
     )
+
+
+def check_host_pool_holds_one_request(
+    config: HiSparseResidencyConfig,
+    *,
+    host_block_bytes: int,
+    host_copies: int,
+    max_model_len: int,
+) -> int:
+    """Host blocks the budget buys; raise unless one ``max_model_len`` request fits.
+
+    ``host_block_bytes`` is one page of every sparse-MLA and indexer layer
+    (``sum(host_page_bytes(...))``); ``host_copies`` is how many ranks of the replica pin
+    their own copy (:func:`host_copies_per_replica`).
+    """
+    host_blocks = host_blocks_for_budget(config.host_pool_bytes, host_block_bytes, host_copies)
+    needed_blocks = cdiv(max_model_len, config.block_size)
+    if host_blocks < needed_blocks:
+        needed_gib = needed_blocks * host_block_bytes * host_copies / GIB
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: host_pool_gib={config.host_pool_gib:g} buys "
+            f"{host_blocks} host blocks, fewer than one max_model_len={max_model_len} "
+            f"request needs ({needed_blocks} blocks of {host_block_bytes} B x "
+            f"{host_copies} cop{'y' if host_copies == 1 else 'ies'}); accepted: "
+            f"host_pool_gib >= {needed_gib:.3f} or a smaller max_model_len."
+        )
+    return host_blocks
 
 
 def host_copies_per_replica(vllm_config: VllmConfig) -> int:

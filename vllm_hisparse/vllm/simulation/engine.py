@@ -46,44 +46,19 @@ from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.attention_hook import BINDING_ATTR
-from vllm_hisparse.vllm.compat import (
-    KVConnectorOutput,
-    ModelRunnerOutput,
-    Request,
-    SamplingParams,
-    StructuredOutputManager,
-    generate_scheduler_kv_cache_config,
-    get_global_kv_cache_groups,
-    get_kv_cache_configs,
-    get_request_block_hasher,
-    init_none_hash,
-    sha256,
-)
+from vllm_hisparse.vllm.compat import (KVConnectorOutput, ModelRunnerOutput, Request, SamplingParams,
+                                       StructuredOutputManager, generate_scheduler_kv_cache_config,
+                                       get_global_kv_cache_groups, get_kv_cache_configs,
+                                       get_request_block_hasher, init_none_hash, sha256)
 from vllm_hisparse.vllm.kv_planning import host_page_bytes
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
-from vllm_hisparse.vllm.simulation.ranks import RankThreads
-from vllm_hisparse.vllm.simulation.model import (
-    dsa_layer_specs,
-    kv_transfer_config,
-    make_vllm_config,
-    write_model_dir,
-)
+from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, kv_transfer_config, make_vllm_config, write_model_dir
 from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
+from vllm_hisparse.vllm.simulation.ranks import RankThreads
 from vllm_hisparse.vllm.simulation.results import Progress, RunResult
-from vllm_hisparse.vllm.simulation.spec import (
-    SAMPLED_TOKEN,
-    RequestPlan,
-    SimulationSpec,
-    make_workload,
-    prompt_token_ids,
-    token_ids,
-)
-from vllm_hisparse.vllm.simulation.synthetic_attention import (
-    BatchEntry,
-    RequestState,
-    SyntheticModel,
-    cpu_direct_twin,
-)
+from vllm_hisparse.vllm.simulation.spec import (SAMPLED_TOKEN, RequestPlan, SimulationSpec, make_workload,
+                                                prompt_token_ids, token_ids)
+from vllm_hisparse.vllm.simulation.synthetic_attention import BatchEntry, RequestState, SyntheticModel, cpu_direct_twin
 
 __all__ = ["SimulationEngine", "SimulationFailure", "SimulationMismatch", "SimulationSpec"]
 
@@ -187,7 +162,7 @@ class SimulationEngine:
         """The plan both runs use, from planning alone (nothing allocated):
         ``bytes_per_block`` (device bytes of one block id, every KV cache group),
         ``num_groups``, ``num_sparse_groups``, ``num_indexer_groups`` and
-        ``host_block_bytes`` (one page of every sparse-MLA layer)."""
+        ``host_block_bytes`` (one page of every sparse-MLA and indexer layer)."""
         from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
 
         # Enough blocks for vLLM's max_model_len check whatever spec.device_blocks says.
