@@ -22,7 +22,7 @@ from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.outcome import Outcome
-from vllm_hisparse.core.page_table import PageTables
+from vllm_hisparse.core.page_table import PageTables, releasable_mask
 from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
 from vllm_hisparse.core.stats import PolicyStats
 from vllm_hisparse.core.step_builder import StepBuilder
@@ -107,13 +107,7 @@ class PageLeases:
         limit = int(t.num_pages[row]) - ACTIVE_TAIL_PAGES
         if limit <= 0 or req.prefilling:  # R1.a: a prefilling request keeps every page
             return []
-        releasable = (
-            t.pinned[row, :limit]
-            & t.host_valid[row, :limit]
-            & (t.pending[row, :limit] < 0)
-            & (t.mirror_inflight[row, :limit] == 0)
-        )
-        pages = np.nonzero(releasable)[0].tolist()
+        pages = np.nonzero(releasable_mask(t, row, limit))[0].tolist()
         for page in pages:
             self.release_page(req, page)
         return pages

@@ -172,6 +172,15 @@ class PageTable:
         return (self.device_blocks >= 0) & ~self.pinned
 
 
+def releasable_mask(tables: PageTables, row: int, limit: int) -> np.ndarray:
+    """Which of ``row``'s first ``limit`` pages may release their device lease now: pinned,
+    clean (host-valid), no transfer pending and no mirror in flight. The one rule behind the
+    release (``PageLeases.release_all_releasable``) and its prediction
+    (``pressure.blocks_freed_by_release``)."""
+    return (tables.pinned[row, :limit] & tables.host_valid[row, :limit]
+            & (tables.pending[row, :limit] < 0) & (tables.mirror_inflight[row, :limit] == 0))
+
+
 def range_mask(start: int, end: int, num_words: int) -> np.ndarray:
     """Bit mask (``num_words`` uint64 words) of page rows ``[start, end)``."""
     out = np.zeros(num_words, dtype=np.uint64)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.page_table import PageTables
+from vllm_hisparse.core.page_table import PageTables, releasable_mask
 from vllm_hisparse.core.request_table import RequestStatus, RequestTable
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
@@ -112,7 +112,6 @@ def blocks_freed_by_release(tables: PageTables, row: int) -> int:
     limit = int(tables.num_pages[row]) - ACTIVE_TAIL_PAGES
     if limit <= 0:
         return 0
-    mask = (tables.pinned[row, :limit] & tables.host_valid[row, :limit]
-            & (tables.pending[row, :limit] < 0) & (tables.mirror_inflight[row, :limit] == 0))
+    mask = releasable_mask(tables, row, limit)
     counts = pin_counts(tables)
     return int(np.count_nonzero(mask & (counts[np.maximum(tables.device_block[row, :limit], 0)] == 1)))

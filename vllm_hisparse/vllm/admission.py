@@ -3,7 +3,8 @@
 vLLM offers each waiting request through the connector's ``get_num_new_matched_tokens``
 (:meth:`AdmissionGate.offer`), then allocates it. The answer never keeps a request waiting
 (``None`` would make vLLM skip it and look up the prefix cache of every request behind it,
-every step); the gate acts through vLLM's own allocation check instead:
+every step; only a P/D request that can land nowhere yet waits, ``kv_import.PDImports.offer``);
+the gate acts through vLLM's own allocation check instead:
 
 * **device headroom** (docs/vllm-integration.md, "Admission headroom"): before each
   waiting request's allocation the gate sets vLLM's admission watermark

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hisparse.core.errors import BackPressure
+from vllm_hisparse.core.request_table import RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError
@@ -174,12 +175,12 @@ class PDImports:
         num_external = remote_tokens - num_computed_tokens
         if num_external <= 0:
             return 0, False
-        landing, shortfall = self._pd_decide(request, num_computed_tokens, num_external)
+        num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
+        landing, shortfall = self._pd_decide(request, num_computed_tokens, num_external, num_tokens)
         if landing is None:
             self._require_policy().note_device_demand(cdiv(shortfall, len(self.sparse_group_ids)))
             self._stats.add("num_admissions_deferred", 1)
             return None, False
-        num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
         null_pages = max(0, cdiv(num_tokens, self.block_size) - ACTIVE_TAIL_PAGES)
         self._pd_offers[rid] = _Offer(landing, num_external, num_tokens,
                                       null_pages if landing == Landing.HOST else 0, remote)
@@ -189,8 +190,8 @@ class PDImports:
                          else ACTIVE_TAIL_PAGES + 1 + self.hisparse_config.hot_blocks_per_request)
         return num_external, True
 
-    def _pd_decide(self, request: Any, num_computed_tokens: int,
-                   num_external: int) -> tuple[Landing | None, int]:
+    def _pd_decide(self, request: Any, num_computed_tokens: int, num_external: int,
+                   num_tokens: int) -> tuple[Landing | None, int]:
         """``(landing, 0)``, or ``(None, vLLM blocks missing)`` when neither fits now.
 
         Blocks a landing takes now, in vLLM blocks (``G`` groups, ``S`` of them
@@ -210,7 +211,6 @@ class PDImports:
         resident = pages * groups
         if resident + reserve <= free:
             return Landing.RESIDENT, 0
-        num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
         if num_computed_tokens or request.num_tokens - num_tokens > self.max_decode_query_len:
             return None, resident + reserve - free
         tail = min(ACTIVE_TAIL_PAGES, cdiv(num_tokens, bs)) + 1
@@ -348,7 +348,7 @@ class PDImports:
                     self._pd_restarting.add(rid)
                     logger.warning("%s: P/D import of request %r failed; vLLM fails or "
                                    "recomputes it (kv_load_failure_policy)", CONNECTOR_NAME, rid)
-                if policy.has_request(rid) and policy.status(rid).name == "IMPORTING":
+                if policy.has_request(rid) and policy.status(rid) == RequestStatus.IMPORTING:
                     policy.finish_import(rid, ok)
         super().update_connector_output(connector_output)
 

@@ -198,7 +198,6 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         # Requests admitted with a host-prefix load that have not run yet: id -> prompt
         # pages still to allocate (reserved in the admission watermark).
         self._loading: dict[str, int] = {}
-        self._kv_cache_manager: Any = None
         self._base_watermark_blocks = 0
         self._offered_unmanaged: str | None = None
         self._unmanaged: set[str] = set()
@@ -263,7 +262,6 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._indexer_managers = compat.group_managers(kv_cache_manager, self.indexer_group_ids)
         self._kv_cache_manager = kv_cache_manager
         self.device_pool = BlockPoolDevicePool(kv_cache_manager.block_pool, len(managers))
-        self._kv_cache_manager = kv_cache_manager
         self._base_watermark_blocks = compat.admission_watermark_blocks(kv_cache_manager)
         # Our groups move in lockstep: vLLM's per-group loops answer from the first group
         # on steps with nothing to allocate or cache (lockstep.py).
