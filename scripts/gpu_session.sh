@@ -4,7 +4,7 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
-#   simulate connector bench capacity sanitize tp2
+#   simulate adaptive connector bench capacity sanitize tp2
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -136,6 +136,27 @@ if has simulate; then
       rc=$?
       note "simulate $name (cuda) rc=$rc: $(grep -E '^exact|^MISMATCH|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-240)"
     done
+  fi
+fi
+
+if has adaptive; then
+  # Per-request hot regions (adaptive_hot_region) end to end: the same simulate with requests
+  # whose selections drift differently, on the reference ops (CPU) and the kernels (CUDA):
+  # identical counters, every row exact (docs/core.md, "Per-request hot size").
+  if ! vbundle; then
+    note "adaptive skipped: no vLLM bundle at $BUNDLE"
+  else
+    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+    ADA=(--runs with --topk-drift mixed --adaptive-hot-region ${ADAPTIVE_ARGS:-})
+    timeout 200 "${SIM[@]}" "${ADA[@]}" --device cpu --json "$OUT/sim_adaptive_cpu.json" \
+      > "$OUT/sim_adaptive_cpu.log" 2>&1
+    note "simulate --adaptive-hot-region --device cpu rc=$?"
+    timeout 200 "${SIM[@]}" "${ADA[@]}" --device cuda --ops-backend cuda \
+      --json "$OUT/sim_adaptive_cuda.json" > "$OUT/sim_adaptive_cuda.log" 2>&1
+    note "simulate --adaptive-hot-region --device cuda rc=$?: $(grep -E '^exact|^MISMATCH|hot blocks' "$OUT/sim_adaptive_cuda.log" | tr '\n' ' ' | cut -c1-240)"
+    $PY /tmp/vbundle/compare.py "$OUT/sim_adaptive_cpu.json" "$OUT/sim_adaptive_cuda.json" \
+      > "$OUT/sim_adaptive_compare.log" 2>&1
+    note "adaptive simulate cpu vs cuda: $(tail -n 1 "$OUT/sim_adaptive_compare.log")"
   fi
 fi
 
