@@ -355,6 +355,16 @@ def sparse_mla_index_group_class() -> type:
     return SparseMLAIndexGroup
 
 
+def indexer_topk_class() -> type:
+    """``vllm.model_executor.layers.indexer_topk.SparseIndexerTopk``: the DSA indexer's decode
+    top-k (``forward(logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len)``,
+    ``indexer_topk.py``), the last place the decode logits and their top-k meet (patched:
+    ``patches.INDEXER_SCORES``). Its ``"torch"`` backend runs anywhere (the simulator's)."""
+    from vllm.model_executor.layers.indexer_topk import SparseIndexerTopk
+
+    return SparseIndexerTopk
+
+
 def in_tree_hisparse_index_group_class() -> type:
     """vLLM's in-tree ``HiSparseMLAIndexGroup`` (we refuse to bind to one)."""
     from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup

@@ -45,10 +45,14 @@ CONNECTOR_MODULE = "vllm_hisparse.connector"
 MAX_DEVICE_BUFFER_ROWS = 32768
 
 OPS_BACKENDS = ("auto", "cuda", "reference")
+#: ``hot_region_eviction``: which hot slot a miss takes. ``lru``: the least recently used;
+#: ``score``: the slot whose position the indexer scored lowest this step, least recent
+#: among equals (docs/core.md, "Beyond LRU: score-aware eviction").
+HOT_REGION_EVICTIONS = ("lru", "score")
 
 ACCEPTED_KEYS = ("host_pool_gib", "device_buffer_size", "eager_host_mirror", "ops_backend", "record_trace",
                  "index_share_prefetch", "prefetch_max_ctas", "ack_deadline_s", "adaptive_hot_region",
-                 "hot_region_target_miss_rate")
+                 "hot_region_target_miss_rate", "hot_region_eviction")
 
 #: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
 #: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
@@ -98,6 +102,8 @@ class HiSparseResidencyConfig:
     adaptive_hot_region: bool = False
     """Per-request hot sizes from the miss rate (``core/hot_regions.py``)."""
     hot_region_target_miss_rate: float = DEFAULT_HOT_REGION_TARGET_MISS_RATE
+    hot_region_eviction: str = "lru"
+    """Victim order of the hot slots (:data:`HOT_REGION_EVICTIONS`)."""
 
     @property
     def host_pool_bytes(self) -> int:
@@ -339,13 +345,12 @@ def _parse_bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _parse_ops_backend(extra: Mapping[str, Any]) -> str:
-    value = extra.get("ops_backend", "auto")
-    if value not in OPS_BACKENDS:
+def _parse_choice(extra: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    """``extra[key]`` (default: the first choice), one of ``choices``."""
+    value = extra.get(key, choices[0])
+    if value not in choices:
         raise HiSparseConfigError(
-            f"{CONNECTOR_NAME}: ops_backend={value!r} is invalid; accepted: "
-            f"{' | '.join(OPS_BACKENDS)}."
-        )
+            f"{CONNECTOR_NAME}: {key}={value!r} is invalid; accepted: {' | '.join(choices)}.")
     return value
 
 
@@ -409,7 +414,8 @@ def _check_standalone(extra: Any) -> None:
                 f"{MAX_DEVICE_BUFFER_ROWS}."
             )
     _parse_bool(extra, "eager_host_mirror", True)
-    _parse_ops_backend(extra)
+    _parse_choice(extra, "ops_backend", OPS_BACKENDS)
+    _parse_choice(extra, "hot_region_eviction", HOT_REGION_EVICTIONS)
     _parse_record_trace(extra)
     _parse_bool(extra, "index_share_prefetch", True)
     _parse_prefetch_max_ctas(extra)
@@ -471,7 +477,7 @@ def parse_extra_config(
             extra, top_k, block_size, max_decode_query_len
         ),
         eager_host_mirror=_parse_bool(extra, "eager_host_mirror", True),
-        ops_backend=_parse_ops_backend(extra),
+        ops_backend=_parse_choice(extra, "ops_backend", OPS_BACKENDS),
         record_trace=_parse_record_trace(extra),
         index_share_prefetch=_parse_bool(extra, "index_share_prefetch", True),
         prefetch_max_ctas=_parse_prefetch_max_ctas(extra),
@@ -481,6 +487,7 @@ def parse_extra_config(
         ack_deadline_s=_parse_ack_deadline_s(extra),
         adaptive_hot_region=adaptive,
         hot_region_target_miss_rate=target,
+        hot_region_eviction=_parse_choice(extra, "hot_region_eviction", HOT_REGION_EVICTIONS),
     )
 
 
