@@ -21,9 +21,15 @@ BS, PAGES, MAX_BLOCKS, K = 4, 16, 4, 3
 GARBAGE = 0x5A
 
 
+#: Bytes per KV row: the CUDA row copies move 16-byte vectors (ops.cuda refuses narrower rows).
+ROW_BYTES = 16
+
+
 def host_row(row: int, pos: int) -> torch.Tensor:
-    """The ground-truth KV row (8 bytes) of ``pos`` of state row ``row``."""
-    return torch.tensor([row * 10_000 + pos + 1], dtype=torch.int64).view(torch.uint8)
+    """The ground-truth KV row (``ROW_BYTES``) of ``pos`` of state row ``row``: its id, then
+    its bitwise complement (a torn or shifted copy shows in either half)."""
+    value = row * 10_000 + pos + 1
+    return torch.tensor([value, ~value], dtype=torch.int64).view(torch.uint8)
 
 
 BACKENDS = [pytest.param("reference", id="reference"),
@@ -37,8 +43,8 @@ def test_resized_regions_read_ground_truth(seed, backend):
     rng = random.Random(seed)
     rows = 2
     device = "cuda" if backend == "cuda" else "cpu"
-    dev = torch.full((64 * BS, 8), GARBAGE, dtype=torch.uint8, device=device)
-    host = torch.zeros((rows * PAGES * BS, 8), dtype=torch.uint8)
+    dev = torch.full((64 * BS, ROW_BYTES), GARBAGE, dtype=torch.uint8, device=device)
+    host = torch.zeros((rows * PAGES * BS, ROW_BYTES), dtype=torch.uint8)
     for r in range(rows):
         for p in range(PAGES * BS):
             host[(r * PAGES + p // BS) * BS + p % BS] = host_row(r, p)
