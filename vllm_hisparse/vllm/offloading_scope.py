@@ -28,12 +28,11 @@ handles (an offered host prefix stays leased until vLLM allocates for it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
 from vllm_hisparse.core.capacity import host_blocks_for_budget
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError, HiSparseResidencyConfig
+from vllm_hisparse.vllm.connector_entries import connector_entries
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +46,7 @@ def connector_names(vllm_config: compat.VllmConfig) -> list[str]:
     kv = vllm_config.kv_transfer_config
     if kv is None:
         return []
-    names: list[str] = []
-
-    def walk(name: Any, extra: Any) -> None:
-        names.append(name)
-        if name == "MultiConnector" and isinstance(extra, Mapping):
-            for child in extra.get("connectors") or []:
-                if isinstance(child, Mapping):
-                    walk(child.get("kv_connector"), child.get("kv_connector_extra_config"))
-
-    walk(kv.kv_connector, kv.kv_connector_extra_config)
-    return names
+    return [entry.name for entry in connector_entries(kv.kv_connector, kv.kv_connector_extra_config)]
 
 
 def offloading_composed(vllm_config: compat.VllmConfig) -> bool:
