@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 
-from vllm_hisparse.core.capacity import host_blocks_for_budget
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError, HiSparseResidencyConfig
 from vllm_hisparse.vllm.connector_entries import connector_entries
@@ -70,10 +69,11 @@ def scope_planned_config(vllm_config: compat.VllmConfig, kv_cache_config: compat
     publish our host pool's size, when the two are composed (no-op otherwise)."""
     if not offloading_composed(vllm_config):
         return
-    from vllm_hisparse.vllm.kv_planning import host_copies_per_replica, host_page_bytes
+    from vllm_hisparse.vllm.kv_planning import planned_host_blocks
 
-    host_blocks = host_blocks_for_budget(config.host_pool_bytes, sum(host_page_bytes(kv_cache_config)),
-                                         host_copies_per_replica(vllm_config))
+    # No fit check: vLLM also places probes here before auto-fit shortens max_model_len;
+    # both roles check the fit at construction.
+    host_blocks = planned_host_blocks(vllm_config, kv_cache_config, config, check_one_request=False)
     compat.scope_offloading(kv_cache_config, offloaded_group_ids(kv_cache_config), host_blocks)
 
 
