@@ -8,13 +8,12 @@ from vllm_hisparse.core import (
     ACTIVE_TAIL_PAGES,
     DEEPSEEK_V32_BF16,
     DEEPSEEK_V32_FP8,
-    bytes_per_token,
     concurrency_report,
     choose_split,
     default_device_buffer_size_rows,
-    host_memory,
     layout_for_geometry,
 )
+from vllm_hisparse.core.capacity import host_blocks_for_budget
 
 GIB = 1 << 30
 
@@ -22,11 +21,11 @@ GIB = 1 << 30
 def test_bytes_per_token_per_tier_deepseek_v32():
     """61 layers: fp8_ds_mla 656 B + indexer 132 B per row; bf16 1152 B. The host holds
     both rows of every layer (a host-prefix hit loads the indexer page too)."""
-    fp8 = bytes_per_token(DEEPSEEK_V32_FP8)
-    assert fp8.device_full_bytes == 61 * (656 + 132) == 48_068
-    assert fp8.device_mixed_bytes == 61 * 132 == 8_052
-    assert fp8.host_bytes == 61 * (656 + 132) == 48_068
-    assert bytes_per_token(DEEPSEEK_V32_BF16).host_bytes == 61 * (1152 + 132)
+    fp8 = DEEPSEEK_V32_FP8
+    assert fp8.device_full_bytes_per_token == 61 * (656 + 132) == 48_068
+    assert fp8.device_indexer_bytes_per_token == 61 * 132 == 8_052
+    assert fp8.host_bytes_per_token == 61 * (656 + 132) == 48_068
+    assert DEEPSEEK_V32_BF16.host_bytes_per_token == 61 * (1152 + 132)
     assert DEEPSEEK_V32_FP8.host_block_bytes == 64 * 48_068 == 3_076_352
 
 
@@ -35,16 +34,16 @@ def test_default_hot_region_is_top_k_times_decode_rows_plus_one():
     assert default_device_buffer_size_rows(DEEPSEEK_V32_FP8, max_decode_query_len=2) == 6144
 
 
-def test_host_memory_logical_vs_physical():
-    """host_pool_gib is per DP replica; private TP pools multiply the physical footprint."""
-    shared = host_memory(384, DEEPSEEK_V32_FP8, tp_size=8, dp_replicas_per_node=1, shared_across_tp=True)
-    block_bytes = 64 * (656 + 132) * 61
-    assert shared.host_block_bytes == block_bytes
-    assert shared.num_host_blocks == 384 * GIB // block_bytes
-    assert shared.usable_logical_gib <= 384 and shared.usable_logical_gib > 383.9
-    assert shared.physical_gib_per_node == pytest.approx(shared.usable_logical_gib)
-    private = host_memory(384, DEEPSEEK_V32_FP8, tp_size=8, dp_replicas_per_node=2, shared_across_tp=False)
-    assert private.physical_gib_per_node == pytest.approx(16 * private.usable_logical_gib)
+def test_host_blocks_for_budget_rounds_down_and_divides_by_the_copies():
+    """host_pool_gib is per DP replica: ranks that each pin a private copy split it."""
+    block_bytes = DEEPSEEK_V32_FP8.host_block_bytes
+    assert host_blocks_for_budget(10 * block_bytes + block_bytes // 2, block_bytes, 1) == 10
+    assert host_blocks_for_budget(384 * GIB, block_bytes, 1) == 384 * GIB // block_bytes == 134_027
+    assert host_blocks_for_budget(384 * GIB, block_bytes, 8) == 384 * GIB // (8 * block_bytes) == 16_753
+    assert host_blocks_for_budget(block_bytes - 1, block_bytes, 1) == 0
+    for bad in ((0, 1), (block_bytes, 0)):
+        with pytest.raises(ValueError, match="must be positive"):
+            host_blocks_for_budget(GIB, *bad)
 
 
 def test_the_layout_plan_sizes_is_the_planners():

@@ -11,24 +11,10 @@ from vllm_hisparse.core import (
     HostPoolExhausted,
     InMemoryDevicePool,
     ProtocolError,
-    host_block_bytes,
 )
 
 
 # -- host pool ------------------------------------------------------------------------------
-def test_host_pool_capacity_from_bytes_and_geometry():
-    """One host block = one page of every layer; the budget is rounded down to whole blocks."""
-    block_bytes = host_block_bytes(64, 656, 61)
-    assert block_bytes == 64 * 656 * 61
-    pool = HostBlockPool.from_bytes(10 * block_bytes + block_bytes // 2, block_size=64, row_bytes=656, num_layers=61)
-    assert pool.num_blocks == 10
-    aligned = HostBlockPool.from_bytes(10 * block_bytes, block_size=64, row_bytes=656, num_layers=61,
-                                       block_alignment_bytes=1 << 21)
-    assert aligned.num_blocks == 10 * block_bytes // host_block_bytes(64, 656, 61, 1 << 21)
-    with pytest.raises(ValueError):
-        HostBlockPool.from_bytes(block_bytes - 1, block_size=64, row_bytes=656, num_layers=61)
-
-
 def test_host_pool_refcounts_and_publication_lifecycle():
     """Allocate two blocks, share one, publish it once durable, free: it stays cached."""
     pool = HostBlockPool(4)

@@ -43,6 +43,7 @@ from vllm_hisparse.vllm.kv_planning import (
     format_capacity_table,
     host_page_bytes,
     index_units,
+    planned_host_blocks,
     sparse_group_ids,
     split_kv_cache_groups,
 )
@@ -253,6 +254,20 @@ def test_engine_capacity_report(configured):
     # 128 pages per 8192-token request; 6 groups -> 768 blocks without residency.
     assert report.max_concurrency_without_residency == 19_999 // 768
     assert report.max_concurrency_steady > report.max_concurrency_without_residency
+
+
+def test_planned_host_blocks_is_the_reports_count_and_checks_the_fit(configured):
+    """The one count the capacity report, the worker role and the OffloadingConnector scope
+    use; without ``check_one_request`` (vLLM's probe placements) a pool too small for one
+    ``max_model_len`` request is counted, not refused."""
+    config = plan(configured, deepseek_v32_specs(), num_blocks=20_000)
+    resolved = resolve_config(configured)
+    assert planned_host_blocks(configured, config, resolved) == (64 << 30) // 3_076_352 \
+        == engine_capacity_report(configured, config, resolved).host_blocks
+    small = replace(resolved, host_pool_gib=3_076_352 * 100 / (1 << 30))  # 100 blocks < 128 pages
+    assert planned_host_blocks(configured, config, small, check_one_request=False) == 100
+    with pytest.raises(HiSparseConfigError, match="buys 100 host blocks, fewer than one"):
+        planned_host_blocks(configured, config, small)
 
 
 def test_the_scheduler_sees_the_host_block_the_workers_allocate(configured):

@@ -9,8 +9,8 @@ Public API:
 * wire format: :class:`StepCommand`, :class:`TransferSpec`, :class:`HotLease`,
   :class:`ResidencyChange`, :class:`WorkerAcks`, :class:`TransferKind`, :class:`Residency`
 * capacity: :class:`ModelGeometry`, :class:`EngineLayout`, :func:`concurrency_report` (the one function
-  behind the startup table and ``plan``), :func:`layout_for_geometry`, :func:`bytes_per_token`,
-  :func:`host_memory`, :func:`critical_path_layers`, presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
+  behind the startup table and ``plan``), :func:`layout_for_geometry`, :func:`critical_path_layers`,
+  presets ``DEEPSEEK_V32_FP8`` / ``DEEPSEEK_V32_BF16``
 * KV cache groups: :func:`choose_split` (``kv_layout``)
 * errors: :class:`BackPressure`, :class:`HostPoolExhausted`, :class:`DevicePoolExhausted`,
   :class:`ProtocolError`
@@ -27,16 +27,12 @@ from vllm_hisparse.core.capacity import (
     PRESETS,
     ROW_BYTES_BF16,
     ROW_BYTES_FP8_DS_MLA,
-    BytesPerToken,
     CapacityReport,
     EngineLayout,
-    HostMemory,
     ModelGeometry,
-    bytes_per_token,
     concurrency_report,
     critical_path_layers,
     default_device_buffer_size_rows,
-    host_memory,
     layout_for_geometry,
 )
 from vllm_hisparse.core.commands import (
@@ -56,7 +52,7 @@ from vllm_hisparse.core.errors import (
     HostPoolExhausted,
     ProtocolError,
 )
-from vllm_hisparse.core.host_blocks import HostBlockPool, host_block_bytes
+from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.kv_layout import MAX_SPLIT_GROUPS, SplitChoice, choose_split
 from vllm_hisparse.core.page_table import PageTable, PageTables
 from vllm_hisparse.core.outcome import AddResult, Outcome
@@ -70,7 +66,6 @@ __all__ = [
     "ACTIVE_TAIL_PAGES",
     "AddResult",
     "BackPressure",
-    "BytesPerToken",
     "CapacityReport",
     "DEEPSEEK_V32_BF16",
     "DEEPSEEK_V32_FP8",
@@ -84,7 +79,6 @@ __all__ = [
     "EngineLayout",
     "HiSparseCoreError",
     "HostBlockPool",
-    "HostMemory",
     "HostPoolExhausted",
     "HotLease",
     "INDEXER_ROW_BYTES",
@@ -108,12 +102,9 @@ __all__ = [
     "TransferKind",
     "TransferSpec",
     "WorkerAcks",
-    "bytes_per_token",
     "choose_split",
     "concurrency_report",
     "critical_path_layers",
     "default_device_buffer_size_rows",
-    "host_block_bytes",
-    "host_memory",
     "layout_for_geometry",
 ]

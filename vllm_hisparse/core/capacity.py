@@ -83,11 +83,6 @@ class ModelGeometry:
         return self.num_sparse_layers * self.row_bytes + self.device_indexer_bytes_per_token
 
     @property
-    def mla_page_bytes(self) -> int:
-        """Bytes of one page of MLA rows over all layers."""
-        return self.block_size * self.num_sparse_layers * self.row_bytes
-
-    @property
     def host_block_bytes(self) -> int:
         """Bytes of one host block (one page of tokens, :attr:`host_bytes_per_token` each)."""
         return self.block_size * self.host_bytes_per_token
@@ -114,62 +109,10 @@ PRESETS = {
 """Model geometries by name (``vllm-hisparse plan --model``); fp8_ds_mla KV unless named."""
 
 
-@dataclass(frozen=True)
-class BytesPerToken:
-    """Bytes one token of context costs in each tier."""
-
-    device_full_bytes: int
-    device_mixed_bytes: int
-    host_bytes: int
-
-
-def bytes_per_token(geometry: ModelGeometry) -> BytesPerToken:
-    """Per-token bytes: device when FULL, device when MIXED (indexer only), host."""
-    return BytesPerToken(
-        device_full_bytes=geometry.device_full_bytes_per_token,
-        device_mixed_bytes=geometry.device_indexer_bytes_per_token,
-        host_bytes=geometry.host_bytes_per_token,
-    )
-
-
 def default_device_buffer_size_rows(geometry: ModelGeometry, max_decode_query_len: int = 1) -> int:
     """Default hot rows per request: ``(max_decode_query_len + 1) * top_k``, page aligned."""
     rows = (max_decode_query_len + 1) * geometry.top_k
     return cdiv(rows, geometry.block_size) * geometry.block_size
-
-
-@dataclass(frozen=True)
-class HostMemory:
-    """Logical and physical size of the host pool."""
-
-    logical_gib: float
-    usable_logical_gib: float
-    num_host_blocks: int
-    host_block_bytes: int
-    physical_gib_per_node: float
-
-
-def host_memory(
-    host_pool_gib: float,
-    geometry: ModelGeometry,
-    *,
-    tp_size: int = 1,
-    dp_replicas_per_node: int = 1,
-    shared_across_tp: bool = True,
-) -> HostMemory:
-    """Blocks and pinned memory behind ``host_pool_gib`` (logical, per DP replica)."""
-    block_bytes = geometry.host_block_bytes
-    copies = dp_replicas_per_node * (1 if shared_across_tp else tp_size)
-    # Blocks are per replica: the copies multiply the physical memory, not divide the budget.
-    num_blocks = host_blocks_for_budget(int(host_pool_gib * GIB), block_bytes, 1)
-    usable_gib = num_blocks * block_bytes / GIB
-    return HostMemory(
-        logical_gib=float(host_pool_gib),
-        usable_logical_gib=usable_gib,
-        num_host_blocks=num_blocks,
-        host_block_bytes=block_bytes,
-        physical_gib_per_node=usable_gib * copies,
-    )
 
 
 @dataclass(frozen=True)

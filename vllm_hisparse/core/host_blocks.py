@@ -25,14 +25,14 @@ from typing import Hashable, Iterable, Sequence
 import numpy as np
 
 from vllm_hisparse.core.errors import HostPoolExhausted, ProtocolError
-from vllm_hisparse.core.units import cdiv
 
 
 class HostBlockPool:
     """Reference-counted host blocks with prefix identity and LRU eviction.
 
     Args:
-        num_blocks: capacity in blocks (use :meth:`from_bytes` to size from a byte budget).
+        num_blocks: capacity in blocks (``capacity.host_blocks_for_budget`` sizes it from a
+            byte budget).
     """
 
     def __init__(self, num_blocks: int):
@@ -49,29 +49,6 @@ class HostBlockPool:
         # Unreferenced published blocks, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evictions = 0
-
-    @classmethod
-    def from_bytes(
-        cls,
-        pool_bytes: int,
-        *,
-        block_size: int,
-        row_bytes: int,
-        num_layers: int,
-        block_alignment_bytes: int = 1,
-    ) -> "HostBlockPool":
-        """Size a pool from a byte budget and page geometry.
-
-        One host block holds one page (``block_size`` rows) of every layer:
-        ``round_up(block_size * row_bytes * num_layers, block_alignment_bytes)`` bytes.
-        """
-        block_bytes = host_block_bytes(block_size, row_bytes, num_layers, block_alignment_bytes)
-        num_blocks = int(pool_bytes) // block_bytes
-        if num_blocks <= 0:
-            raise ValueError(
-                f"host pool of {pool_bytes} bytes holds no block of {block_bytes} bytes"
-            )
-        return cls(num_blocks)
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -200,10 +177,3 @@ class HostBlockPool:
     def _check_range(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
             raise ProtocolError(f"host block {block_id} out of range")
-
-
-def host_block_bytes(block_size: int, row_bytes: int, num_layers: int, alignment_bytes: int = 1) -> int:
-    """Bytes of one host block: one page of every layer, rounded up to ``alignment_bytes``."""
-    raw = int(block_size) * int(row_bytes) * int(num_layers)
-    align = max(1, int(alignment_bytes))
-    return cdiv(raw, align) * align

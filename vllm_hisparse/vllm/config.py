@@ -30,6 +30,7 @@ from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
+from vllm_hisparse.vllm.connector_entries import connector_entries
 # The default grid cap of the followers' copies (its docstring says why 16).
 from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
 
@@ -141,56 +142,11 @@ class HiSparseResidencyConfig:
 # --------------------------------------------------------------------------------------
 
 
-def _malformed(where: str, problem: str, accepted: str) -> HiSparseConfigError:
-    return HiSparseConfigError(
+def _raise_malformed(where: str, problem: str, accepted: str) -> None:
+    raise HiSparseConfigError(
         f"kv_transfer_config: {where} {problem}; accepted: {accepted} (checked by "
         f"vllm_hisparse while looking for {CONNECTOR_NAME})."
     )
-
-
-def _connector_entries(kv_connector: Any, extra: Any, where: str = "kv_connector_extra_config",
-                       depth: int = 0) -> list[Any]:
-    """Extra configs of every ``CONNECTOR_NAME`` entry, descending into MultiConnector.
-
-    vLLM takes ``kv_connector_extra_config`` as an untyped dict, so a malformed
-    MultiConnector entry (``connectors`` not a list, a child that is not an object, an
-    extra config that is not an object) would otherwise surface as an ``AttributeError``
-    deep in vLLM; each gets a named error here, with its path."""
-    if kv_connector == CONNECTOR_NAME:
-        return [extra]
-    if kv_connector != "MultiConnector":
-        return []
-    if depth >= MAX_MULTI_CONNECTOR_DEPTH:
-        raise _malformed(where, f"nests MultiConnector more than {MAX_MULTI_CONNECTOR_DEPTH} "
-                         "levels deep", f"at most {MAX_MULTI_CONNECTOR_DEPTH} levels")
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, Mapping):
-        raise _malformed(where, f"of MultiConnector is a {type(extra).__name__}",
-                         'an object {"connectors": [...]}')
-    children = extra.get("connectors", [])
-    if children is None:
-        children = []
-    if not isinstance(children, list):
-        raise _malformed(f"{where}.connectors", f"is a {type(children).__name__}",
-                         "a list of connector objects")
-    found: list[Any] = []
-    for index, child in enumerate(children):
-        child_where = f"{where}.connectors[{index}]"
-        if not isinstance(child, Mapping):
-            raise _malformed(child_where, f"is {child!r} ({type(child).__name__})",
-                             'an object {"kv_connector": NAME, "kv_connector_extra_config": {...}}')
-        name = child.get("kv_connector")
-        if not isinstance(name, str) or not name:
-            raise _malformed(f"{child_where}.kv_connector", f"is {name!r}",
-                             "a connector name (string)")
-        child_extra = child.get("kv_connector_extra_config")
-        if child_extra is not None and not isinstance(child_extra, Mapping):
-            raise _malformed(f"{child_where}.kv_connector_extra_config",
-                             f"is a {type(child_extra).__name__}", "an object or null")
-        found += _connector_entries(name, child_extra or {},
-                                    f"{child_where}.kv_connector_extra_config", depth + 1)
-    return found
 
 
 def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
@@ -202,9 +158,12 @@ def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
     kv_transfer_config = vllm_config.kv_transfer_config
     if kv_transfer_config is None:
         return None
-    entries = _connector_entries(
-        kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_extra_config
-    )
+    # A malformed MultiConnector entry would otherwise surface as an AttributeError deep
+    # in vLLM: each gets a named error here, with its path.
+    entries = [entry.extra for entry in connector_entries(
+        kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_extra_config,
+        on_malformed=_raise_malformed, max_depth=MAX_MULTI_CONNECTOR_DEPTH,
+    ) if entry.name == CONNECTOR_NAME]
     if len(entries) > 1:
         raise HiSparseConfigError(
             f"kv_transfer_config lists {CONNECTOR_NAME} {len(entries)} times; "

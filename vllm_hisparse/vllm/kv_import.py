@@ -49,6 +49,7 @@ from vllm_hisparse.core.request_table import RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError
+from vllm_hisparse.vllm.connector_entries import MULTI_CONNECTOR, connector_entries
 from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
 
 logger = logging.getLogger(__name__)
@@ -87,28 +88,27 @@ def pd_composition(kv: Any) -> PDComposition:
         if kv.kv_role not in _CONSUMER_ROLES:
             return PDComposition(False, f"kv_role={kv.kv_role!r} is not a consumer", {})
         return PDComposition(True, "", {})
-    if kv.kv_connector != "MultiConnector":
+    if kv.kv_connector != MULTI_CONNECTOR:
         return PDComposition(False, f"kv_connector={kv.kv_connector!r}", {})
-    children = list((kv.kv_connector_extra_config or {}).get("connectors") or [])
-    names = [c.get("kv_connector") for c in children]
-    if CONNECTOR_NAME not in names:
+    children = [entry for entry in connector_entries(kv.kv_connector, kv.kv_connector_extra_config)
+                if entry.depth == 1]
+    ours = next((entry for entry in children if entry.name == CONNECTOR_NAME), None)
+    if ours is None:
         return PDComposition(False, "nested MultiConnector", {})
-    ours = names.index(CONNECTOR_NAME)
-    nixl = [i for i, (name, c) in enumerate(zip(names, children))
-            if name in compat.NIXL_PULL_CONNECTORS
-            and c.get("kv_role", kv.kv_role) in ("kv_consumer", "kv_both")]
-    extra = dict(children[nixl[0]].get("kv_connector_extra_config") or {}) if nixl else {}
-    if nixl and nixl[0] < ours:
+    nixl = [entry for entry in children if entry.name in compat.NIXL_PULL_CONNECTORS
+            and entry.child.get("kv_role", kv.kv_role) in ("kv_consumer", "kv_both")]
+    extra = dict(nixl[0].extra) if nixl else {}
+    if nixl and nixl[0].index < ours.index:
         raise HiSparseConfigError(
-            f"kv_transfer_config lists {names[nixl[0]]} (kv_consumer) before {CONNECTOR_NAME}: "
+            f"kv_transfer_config lists {nixl[0].name} (kv_consumer) before {CONNECTOR_NAME}: "
             "vLLM lets the first child that reports tokens load a request, and NixlConnector "
             f"cannot read into {CONNECTOR_NAME}'s KV plan (it refuses: packed KV block rows "
             f"differ between P and D); accepted: {CONNECTOR_NAME} first, which reads P/D "
             "requests itself (NixlConnector is then not needed on the decode instance)")
-    role = children[ours].get("kv_role", kv.kv_role)
+    role = ours.child.get("kv_role", kv.kv_role)
     if role not in _CONSUMER_ROLES:
         return PDComposition(False, f"kv_role={role!r} is not a consumer", extra)
-    if ours != 0:
+    if ours.index != 0:
         return PDComposition(False, f"{CONNECTOR_NAME} is not the first MultiConnector child "
                              "(the first child that reports tokens loads a request)", extra)
     return PDComposition(True, "", extra)

@@ -386,6 +386,24 @@ def check_host_pool_holds_one_request(
     return host_blocks
 
 
+def planned_host_blocks(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                        config: HiSparseResidencyConfig, *, check_one_request: bool = True) -> int:
+    """Host blocks of the planned engine's pool: what the scheduler role (its capacity
+    report), the worker role and, composed with OffloadingConnector, the plan's
+    ``hisparse_host_num_blocks`` all count. One host block is one page of every sparse-MLA
+    and indexer layer (:func:`host_page_bytes`), per :func:`host_copies_per_replica`.
+
+    With ``check_one_request``, raise unless one ``max_model_len`` request fits
+    (:func:`check_host_pool_holds_one_request`)."""
+    host_block_bytes = sum(host_page_bytes(kv_cache_config))
+    host_copies = host_copies_per_replica(vllm_config)
+    if not check_one_request:
+        return host_blocks_for_budget(config.host_pool_bytes, host_block_bytes, host_copies)
+    return check_host_pool_holds_one_request(
+        config, host_block_bytes=host_block_bytes, host_copies=host_copies,
+        max_model_len=vllm_config.model_config.max_model_len)
+
+
 def host_copies_per_replica(vllm_config: VllmConfig) -> int:
     """How many copies of the host pool a DP replica pins.
 
@@ -456,12 +474,7 @@ def engine_layout(
     groups = kv_cache_config.kv_cache_groups
     sparse_ids = sparse_group_ids(kv_cache_config)
     indexer_ids = indexer_group_ids(kv_cache_config)
-    block_bytes = sum(host_page_bytes(kv_cache_config))
-    copies = host_copies_per_replica(vllm_config)
-    host_blocks = check_host_pool_holds_one_request(
-        config, host_block_bytes=block_bytes, host_copies=copies,
-        max_model_len=vllm_config.model_config.max_model_len,
-    )
+    host_blocks = planned_host_blocks(vllm_config, kv_cache_config, config)
     device_tensors = [t for t in kv_cache_config.kv_cache_tensors if not t.host_resident]
     bytes_per_block = device_tensors[0].size // kv_cache_config.num_blocks if device_tensors else 0
     return EngineLayout(
@@ -471,8 +484,8 @@ def engine_layout(
         num_indexer_groups=len(indexer_ids),
         num_other_groups=len(groups) - len(sparse_ids) - len(indexer_ids),
         host_blocks=host_blocks,
-        host_block_bytes=block_bytes,
-        host_copies=copies,
+        host_block_bytes=sum(host_page_bytes(kv_cache_config)),
+        host_copies=host_copies_per_replica(vllm_config),
         block_size=config.block_size,
         hot_blocks_per_request=config.hot_blocks_per_request,
         admission_window_tokens=vllm_config.scheduler_config.max_num_batched_tokens,

@@ -28,12 +28,10 @@ handles (an offered host prefix stays leased until vLLM allocates for it).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
-from vllm_hisparse.core.capacity import host_blocks_for_budget
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError, HiSparseResidencyConfig
+from vllm_hisparse.vllm.connector_entries import connector_entries
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +45,7 @@ def connector_names(vllm_config: compat.VllmConfig) -> list[str]:
     kv = vllm_config.kv_transfer_config
     if kv is None:
         return []
-    names: list[str] = []
-
-    def walk(name: Any, extra: Any) -> None:
-        names.append(name)
-        if name == "MultiConnector" and isinstance(extra, Mapping):
-            for child in extra.get("connectors") or []:
-                if isinstance(child, Mapping):
-                    walk(child.get("kv_connector"), child.get("kv_connector_extra_config"))
-
-    walk(kv.kv_connector, kv.kv_connector_extra_config)
-    return names
+    return [entry.name for entry in connector_entries(kv.kv_connector, kv.kv_connector_extra_config)]
 
 
 def offloading_composed(vllm_config: compat.VllmConfig) -> bool:
@@ -81,10 +69,11 @@ def scope_planned_config(vllm_config: compat.VllmConfig, kv_cache_config: compat
     publish our host pool's size, when the two are composed (no-op otherwise)."""
     if not offloading_composed(vllm_config):
         return
-    from vllm_hisparse.vllm.kv_planning import host_copies_per_replica, host_page_bytes
+    from vllm_hisparse.vllm.kv_planning import planned_host_blocks
 
-    host_blocks = host_blocks_for_budget(config.host_pool_bytes, sum(host_page_bytes(kv_cache_config)),
-                                         host_copies_per_replica(vllm_config))
+    # No fit check: vLLM also places probes here before auto-fit shortens max_model_len;
+    # both roles check the fit at construction.
+    host_blocks = planned_host_blocks(vllm_config, kv_cache_config, config, check_one_request=False)
     compat.scope_offloading(kv_cache_config, offloaded_group_ids(kv_cache_config), host_blocks)
 
 

@@ -8,7 +8,7 @@ between a layer's blocks). It builds:
 
 * one :class:`~vllm_hisparse.worker.HostPool` holding one page of every sparse-MLA layer per
   host block, sized from ``host_pool_gib`` exactly as the planner and the scheduler size it
-  (``kv_planning.check_host_pool_holds_one_request``), per data-parallel replica and TP rank;
+  (``kv_planning.planned_host_blocks``), per data-parallel replica and TP rank;
 * per sparse group, a **lane**: a :class:`TransferEngine` over the group's device and host
   layers, one :class:`HotState` per index unit (IndexShare leader + followers share one;
   the lane's HotStates share one residency / host-block table), and a
@@ -56,8 +56,7 @@ from vllm_hisparse.vllm.attention_hook import (
 )
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
 from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
-from vllm_hisparse.vllm.kv_planning import (check_host_pool_holds_one_request, host_copies_per_replica,
-                                            host_page_bytes, indexer_group_ids, sparse_group_ids)
+from vllm_hisparse.vllm.kv_planning import indexer_group_ids, planned_host_blocks, sparse_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
 from vllm_hisparse.vllm.worker_import import WorkerImports
@@ -115,12 +114,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self.max_pages = cdiv(self.max_model_len, self.block_size)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
-        self.host_num_blocks = check_host_pool_holds_one_request(
-            hisparse_config,
-            host_block_bytes=sum(host_page_bytes(kv_cache_config)),
-            host_copies=host_copies_per_replica(vllm_config),
-            max_model_len=self.max_model_len,
-        )
+        self.host_num_blocks = planned_host_blocks(vllm_config, kv_cache_config, hisparse_config)
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages
         self.writes_host = True  # False on TP ranks that map another rank's shared host pool
