@@ -67,6 +67,7 @@ def test_defaults(machine):
     assert config.record_trace is None
     assert config.index_share_prefetch is True
     assert config.prefetch_max_ctas == 16
+    assert config.hot_region_eviction == "lru"
 
 
 def test_default_device_buffer_size_follows_speculative_tokens():
@@ -201,6 +202,11 @@ def test_bool_and_enum_keys():
         parse({"host_pool_gib": 1, "eager_host_mirror": "yes"})
     with pytest.raises(HiSparseConfigError, match="ops_backend='triton'.*auto | cuda | reference"):
         parse({"host_pool_gib": 1, "ops_backend": "triton"})
+    assert parse({"host_pool_gib": 1, "hot_region_eviction": "score"}).hot_region_eviction \
+        == "score"
+    with pytest.raises(HiSparseConfigError,
+                       match=r"hot_region_eviction='lfu' is invalid; accepted: lru \| score"):
+        parse({"host_pool_gib": 1, "hot_region_eviction": "lfu"})
 
 
 @pytest.mark.parametrize("value", [-1, 4097, 16.0, True, "16", None])

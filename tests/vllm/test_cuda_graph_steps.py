@@ -133,13 +133,15 @@ def capture(rig: HookedDecodeStep) -> "torch.cuda.CUDAGraph":
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group_layers", [2, 1])
-def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers):
+@pytest.mark.parametrize("group_layers,scores", [(2, False), (1, False), (2, True)],
+                         ids=["groups-of-2", "groups-of-1", "score-eviction"])
+def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers, scores):
     """Eager steps, then the same steps as one graph captured outside any step (after the
     warm-up) and replayed: identical rows every step, every read row the ground truth,
     identical hot state and counters at the end; a step (inputs, view, replay) allocates
-    nothing."""
-    spec = dataclasses.replace(GPU_SPEC, index_group_layers=group_layers)
+    nothing. With score eviction the slot classes are computed inside the graph too."""
+    spec = dataclasses.replace(GPU_SPEC, index_group_layers=group_layers, score_eviction=scores,
+                               hot_rows=GPU_SPEC.hot_rows // 2 if scores else GPU_SPEC.hot_rows)
     rig = HookedDecodeStep(spec, "cuda")
     try:
         eager, _ = rig.run("eager", check=True)
@@ -151,6 +153,8 @@ def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers):
         assert all(torch.equal(a, b) for a, b in zip(eager_state, hot_state(rig)))
         _, hits, misses = rig.states[0].counters()
         assert hits > 0 and misses > 0
+        if scores:  # the classes were used: some slot is above class 0
+            assert all(int(s.slot_class.max()) > 0 for s in rig.states)
         assert all(s._side_work is None for s in rig.states)  # joined inside the graph
         replay = capture(rig)
         allocations = torch.cuda.memory_stats()["allocation.all.allocated"]

@@ -133,6 +133,36 @@ def test_topk_conversion_hook():
     assert cls.__dict__["convert_logical_to_physical_topk"] is original
 
 
+def test_indexer_scores():
+    from vllm.model_executor.layers.indexer_topk import get_indexer_topk
+
+    cls = compat.indexer_topk_class()
+    original = cls.__dict__["forward"]
+    seen = []
+
+    def body(vllm_method, logits, seq_lens, next_n, topk, topk_tokens, max_seq_len):
+        seen.append(logits.shape)
+        return vllm_method(logits, seq_lens, next_n, topk, topk_tokens, max_seq_len)
+
+    patches.INDEXER_SCORES.remove()
+    assert not patches.INDEXER_SCORES.installed()
+    try:
+        assert patches.INDEXER_SCORES.install(body)
+        assert not patches.INDEXER_SCORES.install(body)
+        assert patches.INDEXER_SCORES.installed()
+        logits = torch.arange(12, dtype=torch.float32).view(2, 6)
+        topk = torch.full((2, 2), -1, dtype=torch.int32)
+        # through vLLM's own dispatcher, as sparse_attn_indexer calls it
+        get_indexer_topk("torch")(logits, torch.tensor([[6], [3]], dtype=torch.int32), 1, topk,
+                                  2, 6)
+        assert seen == [(2, 6)]
+        assert sorted(topk[0].tolist()) == [4, 5] and sorted(topk[1].tolist()) == [1, 2]
+    finally:
+        assert patches.INDEXER_SCORES.remove()
+    assert not patches.INDEXER_SCORES.installed()
+    assert cls.__dict__["forward"] is original
+
+
 def test_direct_conversion_routing():
     seen = []
 

@@ -34,6 +34,9 @@ FORMAT = "vllm-hisparse-trace"
 VERSION = 1
 #: Eviction classes of the score-aware policy (the resolve op's ``slot_class`` range).
 NUM_SCORE_CLASSES = 4
+#: Width of one score class, in units of how far the step's mean selected score lies above its
+#: selection threshold (``score_classes``; the runtime's ``worker.score_classes``).
+SCORE_CLASS_WIDTH = 1.0
 _SCORE_ARRAYS = ("score_offsets", "score_positions", "score_classes")
 
 
@@ -205,7 +208,7 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
                     burst_rate: float = 0.08, burst_tokens: int = 128, burst_gain: float = 1.0,
                     burst_decay: float = 0.87,
                     resident_tail_tokens: int = 128,
-                    score_class_width: float | None = 0.25) -> SelectionTrace:
+                    score_class_width: float | None = SCORE_CLASS_WIDTH) -> SelectionTrace:
     """The embedded default trace: an indexer's top-k over a score per position.
 
     Each step, position p scores ``base[p] + anchor_weight * anchor[p] + noise_weight * noise[p]
@@ -219,10 +222,8 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
     grows by one token a step. The newest ``resident_tail_tokens`` are resident (the tail pages)
     and left out, as a recorded trace would.
 
-    Score classes (for the ``score`` replacement policy; None leaves them out): an unselected
-    host-backed position whose score lies within ``c * w`` below the step's selection threshold
-    (``w = score_class_width`` standard deviations of the step's scores) gets class
-    ``NUM_SCORE_CLASSES - c`` for the smallest such c; a position further below is class 0.
+    Score classes (for the ``score`` replacement policy; None leaves them out): see
+    :func:`score_classes`, with ``score_class_width`` as its width.
     They draw nothing from the generator, so the selections are the same with or without them.
 
     With the defaults it reproduces :data:`PAPER_MISS_RATES` within half a point
@@ -260,8 +261,8 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
             host_backed = np.sort(chosen[chosen < ctx - resident_tail_tokens])
             scored = None
             if score_class_width is not None:
-                scored = _score_classes(score[:max(0, ctx - resident_tail_tokens)], chosen,
-                                        score_class_width)
+                scored = score_classes(score[:max(0, ctx - resident_tail_tokens)], chosen,
+                                       score_class_width)
             rec.add(r, s, host_backed, scored)
     return rec.trace()
 
@@ -290,20 +291,32 @@ def mixed_trace(num_steps: int = 300, top_k: int = 2048, context_tokens: int = 1
     return rec.trace()
 
 
-def _score_classes(score: np.ndarray, chosen: np.ndarray,
-                   width_std: float) -> tuple[np.ndarray, np.ndarray]:
+def score_classes(score: np.ndarray, chosen: np.ndarray, width_units: float = SCORE_CLASS_WIDTH
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """(positions, classes 1..NUM_SCORE_CLASSES-1) of the unselected positions close below the
-    selection threshold (``synthetic_trace``'s score classes)."""
+    selection threshold; every other unselected position is class 0.
+
+    ``thr`` is the lowest selected score, ``w`` is ``width_units`` times the distance of the
+    mean finite selected score above ``thr`` (summed in float64), and a position scoring ``s``
+    has class ``[s >= thr - w] + [s >= thr - 2 w] + [s >= thr - 3 w]`` (float32 edges): the
+    numpy twin of the runtime's ``worker.score_classes``."""
     chosen = chosen[chosen < score.shape[0]]
     if chosen.size == 0 or score.size == 0:
         return np.zeros(0, np.int32), np.zeros(0, np.uint8)
-    threshold = score[chosen].min()
-    finite = score[np.isfinite(score)]
-    width = np.float32(width_std * (float(finite.std()) if finite.size else 1.0))
-    below = np.ones(score.shape[0], dtype=bool)
-    below[chosen] = False
-    steps_below = np.ceil((threshold - score) / width)  # 1 = within one width
-    near = below & (steps_below < NUM_SCORE_CLASSES)
-    positions = np.flatnonzero(near)
-    classes = NUM_SCORE_CLASSES - np.maximum(steps_below[positions], 1)
-    return positions.astype(np.int32), classes.astype(np.uint8)
+    selected = score[chosen].astype(np.float32)
+    selected = selected[np.isfinite(selected)]
+    if selected.size == 0:
+        return np.zeros(0, np.int32), np.zeros(0, np.uint8)
+    threshold = np.float32(selected.min())
+    mean = selected.astype(np.float64).sum() / selected.size
+    width = np.float32((mean - np.float64(threshold)) * width_units)
+    width = max(width, np.finfo(np.float32).tiny) if np.isfinite(width) else \
+        np.finfo(np.float32).tiny
+    width = np.float32(width)
+    classes = np.zeros(score.shape[0], dtype=np.uint8)
+    values = score.astype(np.float32)
+    for c in range(1, NUM_SCORE_CLASSES):
+        classes += values >= threshold - np.float32(c) * width
+    classes[chosen] = 0
+    positions = np.flatnonzero(classes)
+    return positions.astype(np.int32), classes[positions]

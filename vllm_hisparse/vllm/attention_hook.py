@@ -67,9 +67,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from vllm_hisparse.vllm.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
                                             GroupGather, HotState)
+from vllm_hisparse.worker.score_classes import slot_classes_into
 
 #: Attribute under which a vLLM index group object carries its binding.
 BINDING_ATTR = "_vllm_hisparse_residency"
@@ -194,6 +196,8 @@ class IndexGroupResidency:
         gather_chunks: side-mode launch schedule (``None`` = the default).
         prefetch_max_ctas: grid cap of the side-mode launches, in CTAs (0 = none; the
             default is ``hot_state.DEFAULT_SIDE_MAX_CTAS``).
+        scores: the tap of the indexer's decode scores with score-aware eviction (the hot
+            state's ``slot_class`` is filled from it before each resolve), or None (LRU).
     """
 
     hot_state: HotState
@@ -205,6 +209,7 @@ class IndexGroupResidency:
     gather_mode: str = DEFAULT_GATHER_MODE
     gather_chunks: tuple[int, ...] | None = None
     prefetch_max_ctas: int = DEFAULT_SIDE_MAX_CTAS
+    scores: ScoreTap | None = None
     _leader_rows: torch.Tensor | None = None
     _leader_token_rows: torch.Tensor | None = None
     _leader_step: int = -1
@@ -212,6 +217,8 @@ class IndexGroupResidency:
 
     def __post_init__(self):
         # Built now so that a bad mode or schedule fails at bind time, not in a forward.
+        if self.scores is not None:
+            self.hot_state.enable_slot_classes()
         self._gather = GroupGather(self.hot_state, self.host_layers, self.device_layers,
                                    mode=self.gather_mode, chunks=self.gather_chunks,
                                    side_max_ctas=self.prefetch_max_ctas)
@@ -231,6 +238,8 @@ class IndexGroupResidency:
 
         ``token_rows``: int32 ``[T]`` state row per token, -1 for tokens the resolver must
         skip (FULL requests, padding, workspace-mapped prefill tokens)."""
+        if self.scores is not None:
+            self._fill_slot_classes(logical_topk)
         result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
         self._gather.launch(result)
         self._leader_rows = result.out_rows
@@ -238,6 +247,17 @@ class IndexGroupResidency:
         self._leader_step = self.step.step_id
         if self.record is not None:
             self.record(token_rows, logical_topk)
+
+    def _fill_slot_classes(self, logical_topk: torch.Tensor) -> None:
+        """This step's eviction classes from the leader's own indexer scores; all class 0
+        (LRU) when the tap holds none for this top-k."""
+        slot_class = self.hot_state.slot_class
+        record = self.scores.take(logical_topk)
+        if record is None:
+            slot_class.zero_()
+            return
+        slot_classes_into(slot_class, record.logits, record.threshold, record.width,
+                          record.next_n, self.step.batch_state_rows, self.hot_state.slot_pos)
 
     def leader_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat rows int32 [T, K], token state rows int32 [T]) the leader resolved this step."""

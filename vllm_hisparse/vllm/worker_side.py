@@ -45,7 +45,7 @@ from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat, patches
+from vllm_hisparse.vllm import compat, patches, score_tap
 from vllm_hisparse.vllm.attention_hook import (
     BINDING_ATTR,
     IndexGroupResidency,
@@ -218,6 +218,9 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._bind_importer(kv_caches)
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
         patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
+        if self.config.hot_region_eviction == "score":
+            score_tap.TAP.enable()
+            patches.INDEXER_SCORES.install(score_tap.TAP.record_decode_topk)
         self._counter_reader = AsyncCounterReader(
             [state.stats for lane in self.lanes for state in lane.hot_states])
         self.bind_model_index_groups(compat.static_forward_context(self.vllm_config))
@@ -278,7 +281,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
                 record=self._record if (self._trace is not None and not self.lanes
                                         and not lane.bindings) else None,
                 gather_mode="side" if self.config.index_share_prefetch else "single",
-                prefetch_max_ctas=self.config.prefetch_max_ctas))
+                prefetch_max_ctas=self.config.prefetch_max_ctas,
+                scores=score_tap.TAP if self.config.hot_region_eviction == "score" else None))
         return lane
 
     def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:

@@ -145,6 +145,9 @@ class HotState:
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
         #: Per-row miss counts for adaptive hot regions (``RowHotCounts``), or None.
         self.row_counts: RowHotCounts | None = None
+        #: uint8 ``[R + 1, D]`` eviction classes for resolve (score-aware eviction; row R is
+        #: scratch, ``worker.score_classes``), or None: plain LRU.
+        self.slot_class: torch.Tensor | None = None
         # resolve's outputs: views of the rows of one storage, sized by the largest batch so
         # far (vLLM warms up and captures its CUDA graphs largest batch first, so one storage
         # serves them all). A storage outgrown later is kept: graphs captured while it was
@@ -199,6 +202,14 @@ class HotState:
         n = self._region(row, device_blocks)
         self.slot_pos[row, n * self.block_size:] = -1
 
+    def enable_slot_classes(self) -> torch.Tensor:
+        """Evict in (class, LRU) order from now on; returns the class table to fill before
+        each resolve (all class 0, plain LRU, until then)."""
+        if self.slot_class is None:
+            self.slot_class = torch.zeros((self.num_state_rows + 1, self.hot_slots),
+                                          dtype=torch.uint8, device=self.device)
+        return self.slot_class
+
     def release_hot_region(self, row: int) -> None:
         """Drop ``row``'s hot region (its blocks go back to the scheduler's pool)."""
         self.hot_blocks[row] = -1
@@ -249,7 +260,9 @@ class HotState:
         res = self._result_buffers(*topk.shape)
         self._ops.resolve(topk, token_rows, self.residency, self.host_blocks, self.hot_blocks,
                           self.slot_pos, self.lru, self.block_size, res.out_rows, res.miss_src,
-                          res.miss_dst, res.miss_count, self.stats)
+                          res.miss_dst, res.miss_count, self.stats,
+                          None if self.slot_class is None
+                          else self.slot_class[:self.num_state_rows])
         if self.row_counts is not None:
             self.row_counts.add(topk, token_rows, self.residency, res.miss_count, self.block_size)
         return res

@@ -37,6 +37,7 @@ from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.vllm.attention_hook import (BINDING_ATTR, IndexGroupResidency, StepView,
                                               compact_valid_to_front, hooked_conversion,
                                               vllm_reference_conversion)
+from vllm_hisparse.vllm.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import HotState
@@ -63,6 +64,7 @@ class GraphStepSpec:
     full_every: int = 4  # every n-th request FULL (0: none)
     steps: int = 12
     seed: int = 0
+    score_eviction: bool = False  # indexer logits per step, slot classes (hot_region_eviction)
 
 
 @dataclasses.dataclass
@@ -74,6 +76,7 @@ class StepInputs:
     req_id: torch.Tensor  # int32 [batch]: batch row of each token; padding tokens -> 0
     blocks: torch.Tensor  # int32 [len(order), P]: vLLM's block table rows
     state_rows: list[int]  # state row of each batch row whose request is tracked, else -1
+    logits: torch.Tensor | None = None  # float32 [batch, context] with score_eviction
 
 
 class HookedDecodeStep:
@@ -109,6 +112,13 @@ class HookedDecodeStep:
                 self.host.layers[l][r * P * bs:(r + 1) * P * bs] = truth.cpu()
                 self.kv[l][r * P * bs:(r + 1) * P * bs] = truth
         self.step_view = StepView(spec.batch, dev, max_num_tokens=spec.batch)
+        # score eviction: each leader's "indexer" records this step's logits (the plan's
+        # selections are their top-k) in the tap its conversion reads
+        self.tap = ScoreTap() if spec.score_eviction else None
+        if self.tap is not None:
+            self.tap.enable()
+        self.logits = torch.zeros((spec.batch, spec.context), device=dev) \
+            if spec.score_eviction else None
         group_sizes = [spec.index_group_layers] * (spec.layers // spec.index_group_layers)
         self.states, self.bindings, self.groups, first = [], [], [], 0
         for size in group_sizes:
@@ -119,7 +129,8 @@ class HookedDecodeStep:
             layers = list(range(first, first + size))
             binding = IndexGroupResidency(state, [self.host.layers[l] for l in layers],
                                           [self.kv[l] for l in layers],
-                                          DeviceRowLayout(bs, bs), self.step_view)
+                                          DeviceRowLayout(bs, bs), self.step_view,
+                                          scores=self.tap)
             self.states.append(state)
             self.bindings.append(binding)
             self.groups.append((SimpleNamespace(**{BINDING_ATTR: binding}), layers))
@@ -166,9 +177,14 @@ class HookedDecodeStep:
             req_id[:n] = torch.arange(n, dtype=torch.int32)
             blocks = (torch.tensor(order, dtype=torch.int32)[:, None] * P
                       + torch.arange(P, dtype=torch.int32))
+            logits = None
+            if spec.score_eviction:  # the selected positions score above every other
+                logits = torch.randn((spec.batch, spec.context), generator=rng)
+                logits[:n].scatter_add_(1, topk[:n].long(), torch.full((n, spec.topk), 8.0))
             plan.append(StepInputs(order, *(t.pin_memory() if pin else t
                                             for t in (topk, req_id, blocks)),
-                                   [-1 if self.full[r] else r for r in order]))
+                                   [-1 if self.full[r] else r for r in order],
+                                   logits.pin_memory() if pin and logits is not None else logits))
         return plan
 
     def reset_hot_state(self) -> None:
@@ -190,6 +206,8 @@ class HookedDecodeStep:
         self.topk.copy_(inputs.topk, non_blocking=True)
         self.req_id.copy_(inputs.req_id, non_blocking=True)
         self.block_table[:n].copy_(inputs.blocks, non_blocking=True)
+        if inputs.logits is not None:
+            self.logits.copy_(inputs.logits, non_blocking=True)
         tracked = inputs.state_rows
         self.step_view.begin(step, None if all(r < 0 for r in tracked) else tracked, n)
 
@@ -203,6 +221,9 @@ class HookedDecodeStep:
             return compact_valid_to_front(rows) if return_valid_counts else rows
 
         for group, layers in self.groups:
+            if self.tap is not None:
+                self.tap.record_decode_topk(lambda *args: None, self.logits, None, 1, self.topk,
+                                            self.spec.topk, self.spec.context)
             for index, layer in enumerate(layers):
                 rows, _ = hooked_conversion(group, original, index, self.topk, self.metadata,
                                             block_stride_rows=bs, return_valid_counts=True)
