@@ -54,10 +54,11 @@ def add_parser(sub) -> None:
                    "1/--arrival-rate steps (default: %(default)s)")
     w.add_argument("--arrival-rate", type=float, default=0.5, metavar="R",
                    help="poisson: requests per step (default: %(default)s)")
-    w.add_argument("--topk-drift", choices=("uniform", "mixed"), default="uniform",
+    w.add_argument("--topk-drift", choices=("uniform", "mixed", "scored"), default="uniform",
                    help="decode selections: uniform, every request drifts alike; mixed, "
-                   "requests from stable to wandering (TOPK_DRIFTS in simulation/spec.py) "
-                   "(default: %(default)s)")
+                   "requests from stable to wandering (TOPK_DRIFTS in simulation/spec.py); "
+                   "scored, vLLM's SparseIndexerTopk over synthetic indexer scores with the "
+                   "replay trace's drift (simulation/scored_indexer.py) (default: %(default)s)")
     w.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("model and engine")
     m.add_argument("--device-blocks", type=int, default=DEFAULTS["device_blocks"], metavar="N",
@@ -112,6 +113,11 @@ def add_parser(sub) -> None:
     m.add_argument("--hot-region-target-miss-rate", type=float, default=None, metavar="F",
                    help="the connector's hot_region_target_miss_rate (with "
                    "--adaptive-hot-region; default: the connector's)")
+    m.add_argument("--hot-region-eviction", choices=("lru", "score"), default=None,
+                   help="the connector's hot_region_eviction: which hot slot a miss takes, "
+                   "the least recently used or the one the indexer scored lowest (needs "
+                   "indexer scores: --topk-drift scored) (default: --connector-config's, "
+                   "else lru)")
     m.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch CPU threads (default: %(default)s; the per-step tensors are "
                    "small, more threads mostly spin)")
@@ -145,13 +151,16 @@ def _spec(args):
 
 
 def _extra_keys(args) -> dict | None:
-    """Extra-config keys from --connector-config, then the options that set one."""
+    """Extra-config keys from --connector-config, then the options that set one (an option
+    given wins over the file)."""
     extra = _connector_extra(args.connector_config)
     if args.adaptive_hot_region:
         extra = {**(extra or {}), "adaptive_hot_region": True}
     if args.hot_region_target_miss_rate is not None:
         extra = {**(extra or {}), "hot_region_target_miss_rate": args.hot_region_target_miss_rate}
-    return extra
+    # Always set, so that the report's spec says which eviction ran.
+    eviction = args.hot_region_eviction or (extra or {}).get("hot_region_eviction", "lru")
+    return {**(extra or {}), "hot_region_eviction": eviction}
 
 
 #: Extra-config keys of a --connector-config file the simulator sets itself.
@@ -393,7 +402,9 @@ def run(args) -> int:
 def _workload_line(spec) -> str:
     jitter = f" (+-{spec.length_jitter:.0%})" if spec.length_jitter else ""
     shared = f", {spec.shared_prefix_len} shared" if spec.shared_prefix_len else ""
-    drift = ", mixed top-k drift" if spec.topk_drift != "uniform" else ""
+    drift = f", {spec.topk_drift} top-k drift" if spec.topk_drift != "uniform" else ""
+    eviction = (spec.connector_extra or {}).get("hot_region_eviction", "lru")
+    drift += f", {eviction} hot-slot eviction" if eviction != "lru" else ""
     return (f"workload: {spec.num_requests} requests, prompt {spec.prompt_len}{shared} + "
             f"output {spec.output_len} tokens{jitter}, {spec.arrival} arrival{drift}; model: "
             f"{spec.num_layers} sparse layers ({spec.layers_per_indexer} per indexer), block "

@@ -56,6 +56,7 @@ from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, kv_transfer_con
 from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
 from vllm_hisparse.vllm.simulation.ranks import RankThreads
 from vllm_hisparse.vllm.simulation.results import Progress, RunResult
+from vllm_hisparse.vllm.simulation.scored_indexer import decodes_first
 from vllm_hisparse.vllm.simulation.spec import (SAMPLED_TOKEN, RequestPlan, SimulationSpec, make_workload,
                                                 prompt_token_ids, token_ids)
 from vllm_hisparse.vllm.simulation.synthetic_attention import BatchEntry, RequestState, SyntheticModel, cpu_direct_twin
@@ -407,6 +408,9 @@ class _Run:
         for rid in req_ids:
             state = self.requests[rid]
             batch.append((rid, state, state.next_pos, so.num_scheduled_tokens[rid]))
+        if self.model.scored is not None:  # logits row i is batch row i (model runner order)
+            batch = decodes_first(batch)
+            req_ids = [rid for rid, *_ in batch]
         model = self.model
         metadata = model.attention_metadata(batch) if batch else {}
         info = StepInfo(self.step, len(batch), sum(n for *_, n in batch),

@@ -30,6 +30,10 @@ ATTENTION_PATHS = ("direct", "group")
 #: per-request hot sizes are for: one fixed size must serve the request that drifts most).
 TOPK_DRIFTS = {"uniform": ((4.0, 0.05),),
                "mixed": ((1.0, 0.02), (2.0, 0.03), (4.0, 0.05), (12.0, 0.10))}
+#: Decode top-k from a synthetic indexer's scores through vLLM's ``SparseIndexerTopk``
+#: (``scored_indexer.py``) instead of a ``TopkGenerator``.
+SCORED_DRIFT = "scored"
+TOPK_DRIFT_CHOICES = (*TOPK_DRIFTS, SCORED_DRIFT)
 #: Token every synthetic forward samples (requests end on max_tokens, never on EOS).
 SAMPLED_TOKEN = 7
 
@@ -62,7 +66,7 @@ class SimulationSpec:
     attention: str = "direct"  # see ATTENTION_PATHS
     check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
     connector_extra: dict | None = None  # further extra-config keys of the connector
-    topk_drift: str = "uniform"  # see TOPK_DRIFTS
+    topk_drift: str = "uniform"  # see TOPK_DRIFT_CHOICES
     max_steps: int = 20_000
 
     def validate(self) -> None:
@@ -90,8 +94,8 @@ class SimulationSpec:
              "shared-prefix-len", "an integer >= 0 (at most the prompt length is shared)",
              self.shared_prefix_len)
         need(self.arrival in ARRIVALS, "arrival", " | ".join(ARRIVALS), self.arrival)
-        need(self.topk_drift in TOPK_DRIFTS, "topk-drift", " | ".join(TOPK_DRIFTS),
-             self.topk_drift)
+        need(self.topk_drift in TOPK_DRIFT_CHOICES, "topk-drift",
+             " | ".join(TOPK_DRIFT_CHOICES), self.topk_drift)
         need(self.attention in ATTENTION_PATHS, "attention", " | ".join(ATTENTION_PATHS),
              self.attention)
         need(self.arrival_rate > 0 and math.isfinite(self.arrival_rate), "arrival-rate",

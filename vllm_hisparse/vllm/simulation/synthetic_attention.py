@@ -7,17 +7,18 @@ attention reads.
   request, position and layer) into the slots the model runner's block tables name, in
   every sparse-MLA layer and every indexer layer (vLLM's slot mapping);
 * draws the top-k of each scheduled token (the indexer's output): ``TopkGenerator`` for
-  decode tokens (recent tokens, a drifting focus window and a few scattered positions), a
-  seeded stride walk over the whole prefix for prefill tokens;
+  decode tokens (recent tokens, a drifting focus window and a few scattered positions), or,
+  with ``topk_drift="scored"``, vLLM's ``SparseIndexerTopk`` over synthetic indexer scores
+  (:mod:`.scored_indexer`), a seeded stride walk over the whole prefix for prefill tokens;
 * runs every sparse-MLA layer's ``forward_mqa`` (:class:`SyntheticSparseMLAImpl`), which
   converts the top-k through vLLM's ``SparseMLAIndexGroup`` objects or the backend's direct
   conversion exactly as vLLM's sparse-MLA attention calls them, and checks every row the
   conversion returns against the ground truth.
 
-The indexer's own scores and the attention arithmetic are not simulated. On CPU, where Triton
-cannot run, vLLM's conversions are replaced by pure-torch twins (:func:`cpu_direct_conversion`,
-:func:`cpu_convert_once`; patches ``cpu_direct_conversion`` and ``cpu_group_conversion`` of
-``vllm.patches``).
+The indexer's own scores (except for ``scored``) and the attention arithmetic are not
+simulated. On CPU, where Triton cannot run, vLLM's conversions are replaced by pure-torch twins
+(:func:`cpu_direct_conversion`, :func:`cpu_convert_once`; patches ``cpu_direct_conversion`` and
+``cpu_group_conversion`` of ``vllm.patches``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ from vllm_hisparse.vllm.attention_hook import (
 from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
                                                         SimulationFailure)
-from vllm_hisparse.vllm.simulation.spec import TOPK_DRIFTS, RequestPlan, SimulationSpec
+from vllm_hisparse.vllm.simulation.scored_indexer import (DecodeLogits, RequestScores,
+                                                          ScoredIndexer, is_decode)
+from vllm_hisparse.vllm.simulation.spec import (SCORED_DRIFT, TOPK_DRIFTS, RequestPlan,
+                                                SimulationSpec)
 from vllm_hisparse.worker.device_rows import flat_row_view
 from vllm_hisparse.worker.indexer_pages import page_view
 from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
@@ -152,6 +156,7 @@ class RequestState:
     block_ids: list[list[int]] | None = None  # per sparse group (model runner's view)
     next_pos: int = 0  # the position the model runner expects next
     topk: TopkGenerator | None = None
+    scores: RequestScores | None = None  # topk_drift "scored"
     indexer_block_ids: list[list[int]] | None = None  # per indexer group
 
 
@@ -224,6 +229,11 @@ class SyntheticModel:
                 impl = SyntheticSparseMLAImpl(group, i, topk_buffer, spec.attention == "direct")
                 self.impls[name] = impl
                 forward_context[name] = SimpleNamespace(impl=impl)
+        #: topk_drift "scored": the decode indexer, and the logits of the step's decode rows
+        #: (from :meth:`selections` to :meth:`attend`).
+        self.scored = (ScoredIndexer(spec.top_k, spec.seed, self.device)
+                       if spec.topk_drift == SCORED_DRIFT else None)
+        self._decode_logits: DecodeLogits | None = None
         #: The ground truth, or None without checks (``spec.check`` False: timing runs), when
         #: the KV bytes are written without a per-request store and nothing is compared.
         self.truth = (GroundTruth(sequences, num_layers=spec.num_layers,
@@ -363,11 +373,19 @@ class SyntheticModel:
     def selections(self, batch: Sequence[BatchEntry]) -> tuple[torch.Tensor, list[tuple]]:
         """The step's top-k (what the indexers would output), on the model's device: int32
         ``[T, K]`` in token order, and the spans ``(request id, serial, first token, tokens,
-        first position)`` of the batch's requests."""
+        first position)`` of the batch's requests. With ``scored`` decode selections the
+        decode rows (the batch's first, :func:`.scored_indexer.decodes_first`) are -1 here:
+        :meth:`attend` selects them from the logits this computes."""
         spans, topks = [], []
         t = 0
-        for rid, state, start, n in batch:
+        self._decode_logits = None
+        if self.scored is not None:
+            self._decode_logits, topks = self._decode_rows(batch)
+            t = len(topks)
+        for rid, state, start, n in batch[t:]:
             topks.append(self._selections(state, start, n))
+        t = 0
+        for rid, state, start, n in batch:
             spans.append((rid, state.plan.serial, t, n, start))
             t += n
         if all(s.device.type == "cpu" for s in topks):  # decode-only: one copy
@@ -384,12 +402,19 @@ class SyntheticModel:
         layer's ``forward_mqa`` converts it, and every row it returns is checked against the
         ground truth (unless the model has none). ``fail(request id, layer, token position,
         what)`` raises; ``after_layer(layer name, rows, counts)`` sees each conversion.
-        Returns ``(rows checked, tokens)``."""
+        Returns ``(rows checked, tokens)``. With ``scored`` decode selections the unit's
+        indexer runs vLLM's ``SparseIndexerTopk`` into the buffer's decode rows right before
+        the unit's leader converts: each leader's conversion follows a fresh top-k."""
         t = topk.shape[0]
         q = torch.empty((t, 1), device=self.device)
         rows_checked = 0
+        decode = self._decode_logits
         for _, names, _ in self.units:
-            self.impls[names[0]].topk_indices_buffer[:t] = topk
+            buffer = self.impls[names[0]].topk_indices_buffer
+            buffer[:t] = topk
+            if decode is not None:
+                self.scored.select(decode, buffer[:decode.num_rows])
+                topk = buffer[:t].clone()  # what the unit's layers convert
             for name in names:
                 _, layer, view, _ = self.layers[name]
                 rows, counts = self.impls[name].forward_mqa(q, self.kv[name], metadata[name],
@@ -411,7 +436,7 @@ class SyntheticModel:
         the CPU generator; prefill tokens' are computed on the model's device (a long prompt's
         ``[n, K]`` is large), from a start drawn on the CPU: the same values on any device."""
         k = self.spec.top_k
-        if n == 1 and start >= state.plan.prompt_len:
+        if is_decode(state, start, n):
             if state.topk is None:
                 profiles = TOPK_DRIFTS[self.spec.topk_drift]
                 drift, scatter = profiles[state.plan.serial % len(profiles)]
@@ -433,3 +458,24 @@ class SyntheticModel:
         valid = (j[None, :] < ctx[:, None]) & (j[None, :] < kp)
         sel = torch.where(valid, sel, torch.full_like(sel, -1))
         return sel.to(torch.int32)
+
+    def _decode_rows(self, batch: Sequence[BatchEntry]
+                     ) -> tuple[DecodeLogits | None, list[torch.Tensor]]:
+        """``scored``: the logits of the batch's leading decode tokens and a -1 ``[1, K]`` row
+        per decode token; a decode token after another request's tokens is a failure (logits
+        row i must be batch row i)."""
+        decodes = []
+        for b, (rid, state, start, n) in enumerate(batch):
+            if not is_decode(state, start, n):
+                if any(is_decode(*entry[1:]) for entry in batch[b:]):
+                    raise SimulationFailure(f"{rid} ({n} tokens at {start}) precedes a decode "
+                                            "token: the scored indexer needs decodes first")
+                break
+            if state.scores is None:
+                state.scores = self.scored.request_scores(
+                    state.plan.serial, state.plan.prompt_len + state.plan.output_len)
+            decodes.append((state.scores, start + 1))
+        if not decodes:
+            return None, []
+        unset = torch.full((1, self.spec.top_k), -1, dtype=torch.int32)
+        return self.scored.logits(decodes), [unset] * len(decodes)
