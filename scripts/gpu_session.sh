@@ -4,7 +4,7 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
-#   simulate adaptive connector bench capacity sanitize tp2
+#   simulate adaptive scored connector bench capacity sanitize tp2
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -157,6 +157,30 @@ if has adaptive; then
     $PY /tmp/vbundle/compare.py "$OUT/sim_adaptive_cpu.json" "$OUT/sim_adaptive_cuda.json" \
       > "$OUT/sim_adaptive_compare.log" 2>&1
     note "adaptive simulate cpu vs cuda: $(tail -n 1 "$OUT/sim_adaptive_compare.log")"
+  fi
+fi
+
+if has scored; then
+  # Score-aware eviction (hot_region_eviction: score) end to end: selections from a synthetic
+  # indexer through vLLM's SparseIndexerTopk, its logits recorded by the indexer_scores
+  # patch, slot classes computed in the leader's conversion (docs/core.md, "Beyond LRU").
+  # score: CPU vs CUDA identical counters, every row exact; lru on CUDA for the miss rates.
+  if ! vbundle; then
+    note "scored skipped: no vLLM bundle at $BUNDLE"
+  else
+    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+    SC=(--runs with --topk-drift scored ${SCORED_ARGS:-})
+    timeout 200 "${SIM[@]}" "${SC[@]}" --hot-region-eviction score --device cpu \
+      --json "$OUT/sim_score_cpu.json" > "$OUT/sim_score_cpu.log" 2>&1
+    note "simulate scored, score eviction, --device cpu rc=$?"
+    for ev in score lru; do
+      timeout 200 "${SIM[@]}" "${SC[@]}" --hot-region-eviction $ev --device cuda \
+        --ops-backend cuda --json "$OUT/sim_${ev}_cuda.json" > "$OUT/sim_${ev}_cuda.log" 2>&1
+      note "simulate scored, $ev eviction, cuda rc=$?: $(grep -E '^exact|^MISMATCH|miss rate \(all|bytes H2D' "$OUT/sim_${ev}_cuda.log" | tr '\n' ' ' | cut -c1-260)"
+    done
+    $PY /tmp/vbundle/compare.py "$OUT/sim_score_cpu.json" "$OUT/sim_score_cuda.json" \
+      > "$OUT/sim_score_compare.log" 2>&1
+    note "scored simulate (score eviction) cpu vs cuda: $(tail -n 1 "$OUT/sim_score_compare.log")"
   fi
 fi
 
