@@ -10,7 +10,7 @@ decode-only batches (``flashmla_sparse.py:907,1040,1243``); the generic
 of the token's request (batch row ``req_id_per_token[t]``) through the layer group's
 block table: ``block_table[req, p // bs] * block_stride_rows + p % bs`` (``-1`` for padding).
 
-The ``topk_conversion_hook`` patch (``vllm/patches.py``, one of the package's runtime patches
+The ``topk_conversion_hook`` patch (``vllm/patches/attention.py``, one of the package's runtime patches
 of vLLM, all listed there) wraps that method with :func:`hooked_conversion`. An index group
 with no :class:`IndexGroupResidency` attached, or a step whose batch has only FULL requests,
 runs vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residency` runs:

@@ -7,7 +7,7 @@ function or constant below, so an upgrade touches one file and
 and signature relied on here) say exactly what moved.
 
 Only accessors live here. The runtime patches this package applies to vLLM (six, each
-replacing one vLLM attribute) are in ``vllm_hisparse/vllm/patches.py``, one table with
+replacing one vLLM attribute) are in ``vllm_hisparse/vllm/patches/``, one table with
 install / installed / remove for each.
 """
 
@@ -338,7 +338,7 @@ def multi_connector_types() -> tuple[type, type, type]:
 
 # ======================================================================================
 # Worker side: KV allocation, forward context and the sparse-MLA index group
-# (used by the worker role: worker_side.py, attention_hook.py, patches.py;
+# (used by the worker role: worker_side.py, attention_hook.py, patches/;
 #  existence checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
@@ -409,7 +409,7 @@ def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
 # ======================================================================================
 # Worker side (2): sparse-MLA backends' direct logical->physical conversions and the
 # per-step attention metadata.
-# (used by the worker role: worker_side.py, attention_hook.py, patches.py;
+# (used by the worker role: worker_side.py, attention_hook.py, patches/;
 #  existence and signature checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
