@@ -324,9 +324,12 @@ def main(argv=None) -> int:
     p = CliParser(prog="vllm-hisparse bench graphs", description=__doc__.splitlines()[0])
     defaults = GraphStepSpec()
     for field in dataclasses.fields(GraphStepSpec):
-        p.add_argument("--" + field.name.replace("_", "-"),
-                       type=nonneg_int if field.name in ("full_every", "seed") else positive_int,
-                       default=getattr(defaults, field.name))
+        flag, default = "--" + field.name.replace("_", "-"), getattr(defaults, field.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=default)
+        else:
+            p.add_argument(flag, default=default, type=nonneg_int
+                           if field.name in ("full_every", "seed") else positive_int)
     p.add_argument("--json", type=output_path)
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -335,7 +338,8 @@ def main(argv=None) -> int:
     spec = GraphStepSpec(**{f.name: getattr(a, f.name) for f in dataclasses.fields(GraphStepSpec)})
     print(f"decode step through the attention hook: batch {spec.batch} ({spec.requests} real), "
           f"K {spec.topk}, D {spec.hot_rows}, {spec.layers} layers in index groups of "
-          f"{spec.index_group_layers}, context {spec.context}; ms per step, median of "
+          f"{spec.index_group_layers}, context {spec.context}"
+          f"{', score-aware eviction' if spec.score_eviction else ''}; ms per step, median of "
           f"{spec.steps - 1}", flush=True)
     results = []
     for all_full in (False, True):
