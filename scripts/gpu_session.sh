@@ -27,6 +27,22 @@ vbundle() {
   [[ -f "$BUNDLE" ]] || return 1
   [[ -f /tmp/vbundle/run_sim.py ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp; }
 }
+SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+# sim_run NAME cpu|cuda ARGS...: one bundle simulate into $OUT/sim_NAME.{json,log}; prints
+# the report's verdict lines and the given extra pattern's ($SIM_GREP) lines on one line.
+sim_run() {
+  local name=$1 device=$2; shift 2
+  local ops=(); [[ $device == cuda ]] && ops=(--ops-backend cuda)
+  timeout "${SIM_TIMEOUT:-200}" "${SIM[@]}" "$@" --device "$device" "${ops[@]}" \
+    --json "$OUT/sim_$name.json" > "$OUT/sim_$name.log" 2>&1
+  local rc=$?
+  echo "rc=$rc: $(grep -E "^exact|^MISMATCH${SIM_GREP:+|$SIM_GREP}" "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-260)"
+}
+# sim_agree A B: the bundle's compare.py on two sim_run reports (AGREE / DIFFER)
+sim_agree() {
+  $PY /tmp/vbundle/compare.py "$OUT/sim_$1.json" "$OUT/sim_$2.json" > "$OUT/sim_$1_vs_$2.log" 2>&1
+  tail -n 1 "$OUT/sim_$1_vs_$2.log"
+}
 
 note "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1); $($PY -c 'import sys,torch;print("python",sys.version.split()[0],"torch",torch.__version__,"cuda",torch.version.cuda)' 2>&1); $(nvcc --version | tail -1)"
 
@@ -115,26 +131,18 @@ if has simulate; then
   if ! vbundle; then
     note "simulate skipped: no vLLM bundle at $BUNDLE"
   else
-    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
-    timeout 240 "${SIM[@]}" --device cpu --json "$OUT/sim_cpu.json" > "$OUT/sim_cpu.log" 2>&1
-    note "simulate --device cpu rc=$?"
-    timeout 240 "${SIM[@]}" --device cuda --ops-backend cuda --json "$OUT/sim_cuda.json" \
-      > "$OUT/sim_cuda.log" 2>&1
-    note "simulate --device cuda rc=$?"
-    $PY /tmp/vbundle/compare.py "$OUT/sim_cpu.json" "$OUT/sim_cuda.json" > "$OUT/sim_compare.log" 2>&1
-    note "simulate cpu vs cuda: $(tail -n 1 "$OUT/sim_compare.log")"
+    note "simulate --device cpu $(SIM_TIMEOUT=240 sim_run cpu cpu)"
+    note "simulate --device cuda $(SIM_TIMEOUT=240 sim_run cuda cuda)"
+    note "simulate cpu vs cuda: $(sim_agree cpu cuda)"
     # GPU-sized: 61 sparse layers with an indexer each (DeepSeek-V3.2) and 78 layers in
     # IndexShare groups of 4 (GLM-5.2-like), K 2048, 32K-token prompts, a pool that cannot
     # hold every request in full.
     for geo in "dsv32 --layers 61 --layers-per-indexer 1" "glm52 --layers 78 --layers-per-indexer 4"; do
       set -- $geo; name=$1; shift
-      timeout "${SIM_LARGE_TIMEOUT:-170}" "${SIM[@]}" --device cuda --ops-backend cuda "$@" \
-        --top-k 2048 --prompt-len 32768 --output-len ${SIM_LARGE_OUTPUT:-32} \
-        --requests ${SIM_LARGE_REQUESTS:-8} --device-blocks ${SIM_LARGE_BLOCKS:-16000} \
-        --max-num-seqs 8 --max-num-batched-tokens 8192 \
-        --json "$OUT/sim_$name.json" > "$OUT/sim_$name.log" 2>&1
-      rc=$?
-      note "simulate $name (cuda) rc=$rc: $(grep -E '^exact|^MISMATCH|peak running' "$OUT/sim_$name.log" | tr '\n' ' ' | cut -c1-240)"
+      note "simulate $name (cuda) $(SIM_TIMEOUT=${SIM_LARGE_TIMEOUT:-170} SIM_GREP='peak running' \
+        sim_run $name cuda "$@" --top-k 2048 --prompt-len 32768 \
+        --output-len ${SIM_LARGE_OUTPUT:-32} --requests ${SIM_LARGE_REQUESTS:-8} \
+        --device-blocks ${SIM_LARGE_BLOCKS:-16000} --max-num-seqs 8 --max-num-batched-tokens 8192)"
     done
   fi
 fi
@@ -146,17 +154,10 @@ if has adaptive; then
   if ! vbundle; then
     note "adaptive skipped: no vLLM bundle at $BUNDLE"
   else
-    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
     ADA=(--runs with --topk-drift mixed --adaptive-hot-region ${ADAPTIVE_ARGS:-})
-    timeout 200 "${SIM[@]}" "${ADA[@]}" --device cpu --json "$OUT/sim_adaptive_cpu.json" \
-      > "$OUT/sim_adaptive_cpu.log" 2>&1
-    note "simulate --adaptive-hot-region --device cpu rc=$?"
-    timeout 200 "${SIM[@]}" "${ADA[@]}" --device cuda --ops-backend cuda \
-      --json "$OUT/sim_adaptive_cuda.json" > "$OUT/sim_adaptive_cuda.log" 2>&1
-    note "simulate --adaptive-hot-region --device cuda rc=$?: $(grep -E '^exact|^MISMATCH|hot blocks' "$OUT/sim_adaptive_cuda.log" | tr '\n' ' ' | cut -c1-240)"
-    $PY /tmp/vbundle/compare.py "$OUT/sim_adaptive_cpu.json" "$OUT/sim_adaptive_cuda.json" \
-      > "$OUT/sim_adaptive_compare.log" 2>&1
-    note "adaptive simulate cpu vs cuda: $(tail -n 1 "$OUT/sim_adaptive_compare.log")"
+    note "simulate --adaptive-hot-region, cpu $(sim_run adaptive_cpu cpu "${ADA[@]}")"
+    note "simulate --adaptive-hot-region, cuda $(SIM_GREP='hot blocks' sim_run adaptive_cuda cuda "${ADA[@]}")"
+    note "adaptive simulate cpu vs cuda: $(sim_agree adaptive_cpu adaptive_cuda)"
   fi
 fi
 
@@ -168,19 +169,12 @@ if has scored; then
   if ! vbundle; then
     note "scored skipped: no vLLM bundle at $BUNDLE"
   else
-    SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
     SC=(--runs with --topk-drift scored ${SCORED_ARGS:-})
-    timeout 200 "${SIM[@]}" "${SC[@]}" --hot-region-eviction score --device cpu \
-      --json "$OUT/sim_score_cpu.json" > "$OUT/sim_score_cpu.log" 2>&1
-    note "simulate scored, score eviction, --device cpu rc=$?"
+    note "simulate scored, score eviction, cpu $(sim_run score_cpu cpu "${SC[@]}" --hot-region-eviction score)"
     for ev in score lru; do
-      timeout 200 "${SIM[@]}" "${SC[@]}" --hot-region-eviction $ev --device cuda \
-        --ops-backend cuda --json "$OUT/sim_${ev}_cuda.json" > "$OUT/sim_${ev}_cuda.log" 2>&1
-      note "simulate scored, $ev eviction, cuda rc=$?: $(grep -E '^exact|^MISMATCH|miss rate \(all|bytes H2D' "$OUT/sim_${ev}_cuda.log" | tr '\n' ' ' | cut -c1-260)"
+      note "simulate scored, $ev eviction, cuda $(SIM_GREP='miss rate \(all|bytes H2D' sim_run ${ev}_cuda cuda "${SC[@]}" --hot-region-eviction $ev)"
     done
-    $PY /tmp/vbundle/compare.py "$OUT/sim_score_cpu.json" "$OUT/sim_score_cuda.json" \
-      > "$OUT/sim_score_compare.log" 2>&1
-    note "scored simulate (score eviction) cpu vs cuda: $(tail -n 1 "$OUT/sim_score_compare.log")"
+    note "scored simulate (score eviction) cpu vs cuda: $(sim_agree score_cpu score_cuda)"
   fi
 fi
 
@@ -223,7 +217,6 @@ if has tp2; then
     if ! vbundle; then
       note "tp2 simulate skipped: no vLLM bundle at $BUNDLE"
     else
-      SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
       for pool in shared private; do
         shared=1; [[ $pool == private ]] && shared=0
         VLLM_HISPARSE_SHARED_HOST_POOL=$shared timeout 300 "${SIM[@]}" --device cuda \
