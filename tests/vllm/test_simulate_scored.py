@@ -6,7 +6,6 @@ the engine (a mismatch raises)."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import numpy as np
 import pytest
@@ -14,11 +13,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_hisparse.core.trace import synthetic_trace  # noqa: E402
+from vllm_hisparse.core.trace import ScoreProcess  # noqa: E402
 from vllm_hisparse.vllm import compat  # noqa: E402
 from vllm_hisparse.vllm.simulation.engine import SimulationEngine  # noqa: E402
 from vllm_hisparse.vllm.simulation.scored_indexer import (  # noqa: E402
-    SCORE_PROFILE,
+    RECENT_BONUS,
+    RequestScores,
     ScoredIndexer,
     decodes_first,
 )
@@ -87,11 +87,17 @@ def test_score_eviction_misses_less_than_lru_on_the_scored_workload(monkeypatch)
     assert score.misses < lru.misses, (score.misses, lru.misses)
 
 
-def test_score_profile_is_the_replay_traces():
-    params = inspect.signature(synthetic_trace).parameters
-    defaults = {name: p.default for name, p in params.items()}
-    for field in dataclasses.fields(SCORE_PROFILE):
-        assert getattr(SCORE_PROFILE, field.name) == defaults[field.name], field.name
+def test_scores_are_the_replay_traces_plus_the_recency_bonus():
+    """The simulator's scores are the calibrated trace's score process (same draws), plus
+    RECENT_BONUS on the newest positions instead of the trace's forced selection."""
+    scores = RequestScores(300, (7, 1), recent_tokens=16)
+    twin = ScoreProcess(300, np.random.default_rng(np.random.SeedSequence([7, 1])))
+    got, want = np.empty(300, np.float32), np.empty(300, np.float32)
+    for ctx in (100, 101, 102):
+        scores.step(ctx, got)
+        twin.step(ctx, want)
+        want[ctx - 16:ctx] += np.float32(RECENT_BONUS)
+        assert np.array_equal(got[:ctx], want[:ctx])
 
 
 def test_logits_are_the_same_bits_on_every_run_and_masked_past_each_context():

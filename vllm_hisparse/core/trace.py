@@ -201,26 +201,84 @@ PAPER_MISS_RATES = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreProfile:
+    """The terms of :class:`ScoreProcess` (defaults: the calibrated trace's)."""
+
+    anchor_weight: float = 1.4
+    anchor_persistence: float = 0.99
+    noise_weight: float = 0.6
+    noise_persistence: float = 0.6
+    burst_rate: float = 0.08
+    burst_tokens: int = 128
+    burst_gain: float = 1.0
+    burst_decay: float = 0.87
+
+    def __post_init__(self):
+        if not 0 <= self.anchor_persistence < 1 or not 0 <= self.noise_persistence < 1:
+            raise ValueError("ScoreProfile: persistences must be in [0, 1)")
+
+
+class ScoreProcess:
+    """One request's indexer score per position, a step at a time.
+
+    Position p scores ``base[p] + anchor_weight * anchor[p] + noise_weight * noise[p] +
+    burst[p]``. ``base`` (standard normal, fixed) is how relevant a position is to the request;
+    ``anchor`` is a slowly drifting AR(1) term (``anchor_persistence`` per step), so the set of
+    recurring "anchor" positions moves over hundreds of steps; ``noise`` is a fast AR(1) term
+    (``noise_persistence``), the flicker of positions near the selection threshold; and with
+    probability ``burst_rate`` per step a span of ``burst_tokens`` positions gains
+    ``burst_gain``, decaying by ``burst_decay`` a step (a burst of new positions).
+
+    Args:
+        num_positions: positions the request will ever have.
+        rng: numpy generator every draw comes from (in a fixed order).
+    """
+
+    def __init__(self, num_positions: int, rng: np.random.Generator,
+                 profile: ScoreProfile = ScoreProfile()):
+        self.rng, self.profile = rng, profile
+        self.base = rng.standard_normal(num_positions, dtype=np.float32)
+        self.anchor = rng.standard_normal(num_positions, dtype=np.float32)
+        self.noise = rng.standard_normal(num_positions, dtype=np.float32)
+        self.burst = np.zeros(num_positions, dtype=np.float32)
+        self._anchor_step = np.float32(np.sqrt(1.0 - profile.anchor_persistence ** 2))
+        self._noise_step = np.float32(np.sqrt(1.0 - profile.noise_persistence ** 2))
+
+    def step(self, context_len: int, out: np.ndarray) -> np.ndarray:
+        """Advance every term one step over positions ``[0, context_len)``; write their scores
+        into ``out[:context_len]`` (float32) and return that view."""
+        p, ctx, rng = self.profile, context_len, self.rng
+        if ctx > self.base.shape[0]:
+            raise ValueError(f"ScoreProcess: context {ctx} past the request's "
+                             f"{self.base.shape[0]} positions")
+        anchor, noise, burst = self.anchor[:ctx], self.noise[:ctx], self.burst[:ctx]
+        anchor *= np.float32(p.anchor_persistence)
+        anchor += self._anchor_step * rng.standard_normal(ctx, dtype=np.float32)
+        noise *= np.float32(p.noise_persistence)
+        noise += self._noise_step * rng.standard_normal(ctx, dtype=np.float32)
+        burst *= np.float32(p.burst_decay)
+        if rng.random() < p.burst_rate and ctx > p.burst_tokens:
+            first = int(rng.integers(0, ctx - p.burst_tokens))
+            burst[first:first + p.burst_tokens] += np.float32(p.burst_gain)
+        score = out[:ctx]
+        np.multiply(anchor, np.float32(p.anchor_weight), out=score)
+        score += self.base[:ctx]
+        score += np.float32(p.noise_weight) * noise
+        score += burst
+        return score
+
+
 def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 2048,
                     context_tokens: int = 100_000, seed: int = 0, *, recent_tokens: int = 128,
-                    anchor_weight: float = 1.4, anchor_persistence: float = 0.99,
-                    noise_weight: float = 0.6, noise_persistence: float = 0.6,
-                    burst_rate: float = 0.08, burst_tokens: int = 128, burst_gain: float = 1.0,
-                    burst_decay: float = 0.87,
-                    resident_tail_tokens: int = 128,
+                    profile: ScoreProfile = ScoreProfile(), resident_tail_tokens: int = 128,
                     score_class_width: float | None = SCORE_CLASS_WIDTH) -> SelectionTrace:
     """The embedded default trace: an indexer's top-k over a score per position.
 
-    Each step, position p scores ``base[p] + anchor_weight * anchor[p] + noise_weight * noise[p]
-    + burst[p]`` and the ``top_k`` best are selected, the newest ``recent_tokens`` always (the
-    recency window). ``base`` (standard normal, fixed) is how relevant a position is to the
-    request; ``anchor`` is a slowly drifting AR(1) term (``anchor_persistence`` per step), so the
-    set of recurring "anchor" positions moves over hundreds of steps; ``noise`` is a fast AR(1)
-    term (``noise_persistence``), the flicker of positions near the selection threshold; and
-    with probability ``burst_rate`` per step a span of ``burst_tokens`` positions gains
-    ``burst_gain``, decaying by ``burst_decay`` a step (a burst of new positions). The context
-    grows by one token a step. The newest ``resident_tail_tokens`` are resident (the tail pages)
-    and left out, as a recorded trace would.
+    Each step every request's :class:`ScoreProcess` (``profile``) advances, and the ``top_k``
+    best positions are selected, the newest ``recent_tokens`` always (the recency window). The
+    context grows by one token a step. The newest ``resident_tail_tokens`` are resident (the
+    tail pages) and left out, as a recorded trace would.
 
     Score classes (for the ``score`` replacement policy; None leaves them out): see
     :func:`score_classes`, with ``score_class_width`` as its width.
@@ -229,32 +287,16 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
     With the defaults it reproduces :data:`PAPER_MISS_RATES` within half a point
     (``vllm-hisparse replay`` prints both; docs/core.md has the table).
     """
-    if not 0 <= anchor_persistence < 1 or not 0 <= noise_persistence < 1:
-        raise ValueError("synthetic_trace: persistences must be in [0, 1)")
     rng = np.random.default_rng(seed)
     rec = TraceRecorder(top_k=top_k, block_size=64, source="synthetic", seed=seed,
                         context_tokens=context_tokens)
-    anchor_step = np.float32(np.sqrt(1.0 - anchor_persistence ** 2))
-    noise_step = np.float32(np.sqrt(1.0 - noise_persistence ** 2))
     for r in range(num_requests):
         n = context_tokens + num_steps
-        base = rng.standard_normal(n, dtype=np.float32)
-        anchor = rng.standard_normal(n, dtype=np.float32)
-        noise = rng.standard_normal(n, dtype=np.float32)
-        burst = np.zeros(n, dtype=np.float32)
+        process = ScoreProcess(n, rng, profile)
+        buffer = np.empty(n, dtype=np.float32)
         for s in range(num_steps):
             ctx = context_tokens + s
-            anchor[:ctx] *= np.float32(anchor_persistence)
-            anchor[:ctx] += anchor_step * rng.standard_normal(ctx, dtype=np.float32)
-            noise[:ctx] *= np.float32(noise_persistence)
-            noise[:ctx] += noise_step * rng.standard_normal(ctx, dtype=np.float32)
-            burst[:ctx] *= np.float32(burst_decay)
-            if rng.random() < burst_rate and ctx > burst_tokens:
-                start = int(rng.integers(0, ctx - burst_tokens))
-                burst[start:start + burst_tokens] += np.float32(burst_gain)
-            score = base[:ctx] + np.float32(anchor_weight) * anchor[:ctx]
-            score += np.float32(noise_weight) * noise[:ctx]
-            score += burst[:ctx]
+            score = process.step(ctx, buffer)
             score[max(0, ctx - recent_tokens):] = np.inf
             k = min(top_k, ctx)
             chosen = np.argpartition(-score, k - 1)[:k] if k < ctx else np.arange(ctx)
@@ -270,10 +312,10 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
 #: ``synthetic_trace`` overrides of the requests of the mixed trace: very stable, stable,
 #: default, drifting.
 MIXED_PROFILES = (
-    {"noise_weight": 0.15, "burst_rate": 0.0, "anchor_persistence": 0.998},
-    {"noise_weight": 0.3, "burst_rate": 0.02},
-    {},
-    {"noise_weight": 0.9, "burst_rate": 0.15},
+    ScoreProfile(noise_weight=0.15, burst_rate=0.0, anchor_persistence=0.998),
+    ScoreProfile(noise_weight=0.3, burst_rate=0.02),
+    ScoreProfile(),
+    ScoreProfile(noise_weight=0.9, burst_rate=0.15),
 )
 
 
@@ -285,7 +327,7 @@ def mixed_trace(num_steps: int = 300, top_k: int = 2048, context_tokens: int = 1
                         context_tokens=context_tokens)
     for r, profile in enumerate(MIXED_PROFILES):
         one = synthetic_trace(1, num_steps, top_k, context_tokens, seed + 10 + r,
-                              score_class_width=None, **profile)
+                              score_class_width=None, profile=profile)
         for step, positions in enumerate(next(one.requests())[1]):
             rec.add(r, step, positions)
     return rec.trace()

@@ -2,10 +2,10 @@
 vLLM's own ``SparseIndexerTopk``.
 
 Each request holds a score per position built with the mechanisms of the calibrated replay
-trace (``core.trace.synthetic_trace``, :data:`SCORE_PROFILE` = its defaults): a fixed base
-relevance N(0, 1), a slowly drifting AR(1) anchor term, a fast AR(1) noise term and decaying
-bursts on random spans; every decode token advances the processes by one step over its
-context (which grows by one position per decode step). The newest positions get a finite
+trace (``core.trace.ScoreProcess`` with its default profile: a fixed base relevance N(0, 1), a
+slowly drifting AR(1) anchor term, a fast AR(1) noise term and decaying bursts on random
+spans); every decode token advances the processes by one step over its context (which grows by
+one position per decode step). The newest positions get a finite
 recency bonus (:data:`RECENT_BONUS`), not the trace's infinity: a score tap reads these logits
 and needs finite selected scores. The randoms are numpy's, drawn on the host from a seed per
 request and run, so CPU and CUDA runs see bit-identical float32 logits.
@@ -26,29 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_hisparse.core.trace import ScoreProcess
 from vllm_hisparse.vllm import compat
 
 #: Added to the scores of the newest positions (about 1.7 standard deviations of a score).
 RECENT_BONUS = 3.0
 #: The newest positions with the bonus: at most this many, and at most a quarter of top-k.
 RECENT_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class ScoreProfile:
-    """The score processes of ``core.trace.synthetic_trace`` (same names, same defaults)."""
-
-    anchor_weight: float = 1.4
-    anchor_persistence: float = 0.99
-    noise_weight: float = 0.6
-    noise_persistence: float = 0.6
-    burst_rate: float = 0.08
-    burst_tokens: int = 128
-    burst_gain: float = 1.0
-    burst_decay: float = 0.87
-
-
-SCORE_PROFILE = ScoreProfile()
 
 
 def is_decode(state: Any, start: int, num_tokens: int) -> bool:
@@ -63,7 +47,8 @@ def decodes_first(batch: Sequence[tuple]) -> list[tuple]:
 
 
 class RequestScores:
-    """One request's indexer scores over positions ``[0, max_positions)``.
+    """One request's indexer scores over positions ``[0, max_positions)``: the trace's
+    :class:`~vllm_hisparse.core.trace.ScoreProcess` plus the recency bonus.
 
     Args:
         max_positions: the request's prompt + output tokens.
@@ -71,41 +56,16 @@ class RequestScores:
         recent_tokens: the newest positions that get :data:`RECENT_BONUS`.
     """
 
-    def __init__(self, max_positions: int, seed: Sequence[int], recent_tokens: int,
-                 profile: ScoreProfile = SCORE_PROFILE):
-        self.rng = np.random.default_rng(np.random.SeedSequence(list(seed)))
+    def __init__(self, max_positions: int, seed: Sequence[int], recent_tokens: int):
         self.recent_tokens = recent_tokens
-        self.p = profile
-        n = max_positions
-        self.base = self.rng.standard_normal(n, dtype=np.float32)
-        self.anchor = self.rng.standard_normal(n, dtype=np.float32)
-        self.noise = self.rng.standard_normal(n, dtype=np.float32)
-        self.burst = np.zeros(n, dtype=np.float32)
-        self._anchor_step = np.float32(np.sqrt(1.0 - profile.anchor_persistence ** 2))
-        self._noise_step = np.float32(np.sqrt(1.0 - profile.noise_persistence ** 2))
+        self.process = ScoreProcess(
+            max_positions, np.random.default_rng(np.random.SeedSequence(list(seed))))
 
     def step(self, context_len: int, out: np.ndarray) -> None:
-        """Advance every process one step over ``[0, context_len)`` and write the scores there
-        into ``out`` (float32, at least ``context_len`` long)."""
-        p, ctx, rng = self.p, context_len, self.rng
-        if ctx > self.base.shape[0]:
-            raise ValueError(f"RequestScores: context {ctx} past the request's "
-                             f"{self.base.shape[0]} positions")
-        anchor, noise, burst = self.anchor[:ctx], self.noise[:ctx], self.burst[:ctx]
-        anchor *= np.float32(p.anchor_persistence)
-        anchor += self._anchor_step * rng.standard_normal(ctx, dtype=np.float32)
-        noise *= np.float32(p.noise_persistence)
-        noise += self._noise_step * rng.standard_normal(ctx, dtype=np.float32)
-        burst *= np.float32(p.burst_decay)
-        if rng.random() < p.burst_rate and ctx > p.burst_tokens:
-            first = int(rng.integers(0, ctx - p.burst_tokens))
-            burst[first:first + p.burst_tokens] += np.float32(p.burst_gain)
-        score = out[:ctx]
-        np.multiply(anchor, np.float32(p.anchor_weight), out=score)
-        score += self.base[:ctx]
-        score += np.float32(p.noise_weight) * noise
-        score += burst
-        score[max(0, ctx - self.recent_tokens):] += np.float32(RECENT_BONUS)
+        """Advance one step over ``[0, context_len)`` and write the scores there into ``out``
+        (float32, at least ``context_len`` long)."""
+        score = self.process.step(context_len, out)
+        score[max(0, context_len - self.recent_tokens):] += np.float32(RECENT_BONUS)
 
 
 @dataclass
