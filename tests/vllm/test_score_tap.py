@@ -152,6 +152,13 @@ def test_the_worker_role_binds_scores_only_with_score_eviction(model_dir):  # no
         run_decode_loop(rig, steps=12)
         assert rig.reads_checked > 0
         assert_nothing_leaked(rig)
+        # a record no conversion took (an all-FULL step) is dropped when the step ends
+        buffer = torch.full((1, K), -1, dtype=torch.int32)
+        compat.indexer_topk_class()("torch")(_logits({3: 1.0}), torch.tensor([[WIDTH]],
+                                             dtype=torch.int32), 1, buffer, K, WIDTH)
+        assert score_tap.TAP._record is not None
+        rig.step({})
+        assert score_tap.TAP.take(buffer) is None
     finally:
         rig.role.shutdown()
         patches.INDEXER_SCORES.remove()

@@ -16,7 +16,8 @@ and only to a conversion whose top-k tensor starts where the recorded top-k was 
 model's shared ``topk_indices_buffer``); anything else (a prefill-only step, another model's
 indexer) leaves the conversion without scores and its slots in plain LRU order for that
 step. The record holds the logits until then: one layer's decode logits (at most
-``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``) live through that layer's attention.
+``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``) live through that layer's attention, and the worker
+role drops a record nobody took at the end of the step (:meth:`ScoreTap.drop`).
 
 CUDA graphs: the indexer op is one of vLLM's splitting ops, so in piecewise graphs it runs
 eagerly like the attention, and in a full graph both are captured together; either way the
@@ -77,6 +78,12 @@ class ScoreTap:
             self._record = ScoreRecord(logits, threshold, width, int(next_n),
                                        topk_indices.data_ptr())
         return out
+
+    def drop(self) -> None:
+        """Forget the pending record (the worker role, at the end of each step: a step whose
+        conversions took none, e.g. every request FULL, would otherwise keep the last layer's
+        logits alive until the next step's first top-k)."""
+        self._record = None
 
     def take(self, logical_topk: torch.Tensor) -> ScoreRecord | None:
         """The pending record when it belongs to ``logical_topk`` (same start address), else

@@ -392,6 +392,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         for lane in self.lanes:
             lane.executor.after_forward()
         self.step_view.end()
+        if self.config.hot_region_eviction == "score":
+            score_tap.TAP.drop()
         self._in_step = False
 
     def build_worker_meta(self) -> HiSparseWorkerMetadata | None:
