@@ -115,6 +115,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = planned_host_blocks(vllm_config, kv_cache_config, hisparse_config)
+        # The indexer's decode scores, with score-aware eviction (vllm/score_tap.py).
+        self._scores = score_tap.TAP if hisparse_config.hot_region_eviction == "score" else None
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages
         self.writes_host = True  # False on TP ranks that map another rank's shared host pool
@@ -218,9 +220,9 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._bind_importer(kv_caches)
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
         patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
-        if self.config.hot_region_eviction == "score":
-            score_tap.TAP.enable()
-            patches.INDEXER_SCORES.install(score_tap.TAP.record_decode_topk)
+        if self._scores is not None:
+            self._scores.enable()
+            patches.INDEXER_SCORES.install(self._scores.record_decode_topk)
         self._counter_reader = AsyncCounterReader(
             [state.stats for lane in self.lanes for state in lane.hot_states])
         self.bind_model_index_groups(compat.static_forward_context(self.vllm_config))
@@ -282,7 +284,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
                                         and not lane.bindings) else None,
                 gather_mode="side" if self.config.index_share_prefetch else "single",
                 prefetch_max_ctas=self.config.prefetch_max_ctas,
-                scores=score_tap.TAP if self.config.hot_region_eviction == "score" else None))
+                scores=self._scores))
         return lane
 
     def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:
@@ -392,8 +394,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         for lane in self.lanes:
             lane.executor.after_forward()
         self.step_view.end()
-        if self.config.hot_region_eviction == "score":
-            score_tap.TAP.drop()
+        if self._scores is not None:
+            self._scores.drop()
         self._in_step = False
 
     def build_worker_meta(self) -> HiSparseWorkerMetadata | None:
