@@ -4,14 +4,15 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
-#   simulate adaptive scored connector bench capacity sanitize tp2
+#   simulate adaptive scored throughput connector bench capacity sanitize tp2
+#   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports)
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker graphs simulate connector bench capacity sanitize tp2}"
+STEPS="${STEPS:-build test worker graphs simulate throughput bench capacity sanitize tp2}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -53,7 +54,9 @@ if [[ -n "${HUGEPAGES_GIB:-}" ]]; then
   note "hugetlb: asked for $(( HUGEPAGES_GIB * 512 )) pages of 2 MiB: $(grep -E '^HugePages_(Total|Free)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
 fi
 
-if has build; then
+if has build && $PY -c 'import vllm_hisparse._C' 2>/dev/null; then
+  note "build skipped: a carried $(ls vllm_hisparse/_C*.so | head -n 1) imports"
+elif has build; then
   BUILD="${BUILD_DIR:-/tmp/hisparse_build}"
   (
     set -e
@@ -178,6 +181,20 @@ if has scored; then
   fi
 fi
 
+if has throughput; then
+  # The headline figure: decode tokens/s against concurrency, full vs hybrid vs the no-IO
+  # oracle, model-shaped layers replayed from CUDA graphs through vLLM's scheduler and both
+  # connector roles (docs/benchmarks.md, "Throughput"). THROUGHPUT_ARGS narrows it.
+  if ! vbundle; then
+    note "throughput skipped: no vLLM bundle at $BUNDLE"
+  else
+    timeout "${THROUGHPUT_TIMEOUT:-540}" env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 \
+      $PY /tmp/vbundle/run_sim.py bench throughput --json "$OUT/throughput.json" \
+      --plot "$OUT/throughput.png" ${THROUGHPUT_ARGS:-} > "$OUT/throughput.log" 2>&1
+    note "bench throughput rc=$?"
+  fi
+fi
+
 if has connector; then
   # Decode tokens/s through vLLM's scheduler, both connector roles and the attention hook,
   # with and without the connector at one HBM budget, next to the no-IO oracle of the same
@@ -261,6 +278,10 @@ cat "$SUMMARY"
 if has bench; then
   echo "---------------- bench ----------------"
   cat "$OUT/bench.log"
+fi
+if has throughput; then
+  echo "---------------- decode throughput (bench throughput) ----------------"
+  grep -vE "Initializing KVConnectorBase|Warning|^W[0-9]{4}" "$OUT/throughput.log" | tail -n 80
 fi
 if has connector; then
   echo "---------------- decode through the connector ----------------"

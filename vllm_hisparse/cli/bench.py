@@ -4,7 +4,9 @@
 link ceilings measured in the same run), ``capacity`` (GPU: decode batch and step time with full
 vs hybrid residency under one HBM budget; a CPU smoke run otherwise), ``connector`` (the same
 through vLLM's scheduler, the connector's two roles and the attention hook, next to the no-IO
-oracle of the same run; needs vLLM), ``graphs`` (GPU: a decode step through the attention hook,
+oracle of the same run; needs vLLM), ``throughput`` (decode tokens/s against concurrency of
+full, hybrid and the no-IO oracle on a model-shaped step replayed from CUDA graphs through
+vLLM's scheduler and the connector: the headline figure; needs vLLM), ``graphs`` (GPU: a decode step through the attention hook,
 eager vs replayed as one CUDA graph), ``clustering`` (CPU: how a hot region's misses fall into
 4 KiB host pages per host-pool layout), ``reference`` (the pure-torch resolve on the CPU) and
 ``tp-gather`` (tensor-parallel ranks, one process and GPU each, gathering from one shared
@@ -19,7 +21,8 @@ import argparse
 import importlib
 import sys
 
-TARGETS = ("kernels", "capacity", "connector", "graphs", "clustering", "reference", "tp-gather")
+TARGETS = ("kernels", "capacity", "connector", "throughput", "graphs", "clustering", "reference",
+           "tp-gather")
 
 
 def add_parser(sub) -> None:

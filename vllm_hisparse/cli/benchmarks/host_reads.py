@@ -259,6 +259,19 @@ def layout_views(buf: torch.Tensor, layout: str, L: int, H: int, row_bytes: int,
     return views, lambda p: (p // bs) * (L * bs) + p % bs
 
 
+def layout_gather(views, dst, plans, count, pair_major: bool):
+    """``fn(i, rpw=0, cps=0)``: one gather of plan ``i % len(plans)`` (``(src rows, dst rows)``)
+    from ``views`` into ``dst``, with ``rpw`` rows per warp and ``cps`` CTAs per SM (0: the
+    kernel's defaults): what the layout section and its rows-in-flight sweep time."""
+
+    def fn(i, rpw=0, cps=0):
+        s, d = plans[i % len(plans)]
+        probe.gather_rows(views, dst, s, d, count, tuning=KernelTuning(
+            copy_pair_major=pair_major, copy_rows_per_warp=rpw, copy_ctas_per_sm=cps))
+
+    return fn
+
+
 def bench_layout(quick: bool):
     log("\n== host pool layout: 128K random positions x all layers from one 24 GiB registered "
         "buffer (GB/s of payload) ==")
@@ -307,12 +320,7 @@ def bench_layout(quick: bool):
                 for layout, pair_major in variants:
                     views, ids = layout_views(buf, layout, L, H, row_bytes, bs)
                     ps = [(ids(p).to(torch.int32).view(N // K, K), d) for p, d in plans]
-
-                    def fn(i, views=views, ps=ps,
-                           tuning=KernelTuning(copy_pair_major=pair_major)):
-                        s, d = ps[i % len(ps)]
-                        probe.gather_rows(views, dst, s, d, count, tuning=tuning)
-
+                    fn = layout_gather(views, dst, ps, count, pair_major)
                     fn(0)
                     us = time_events(fn, reps, flush=False)
                     gb = nbytes / (us * 1e-6) / 1e9

@@ -146,7 +146,8 @@ class SimulationEngine:
     def _plan(self, vllm_config, num_blocks: int | None = None):
         spec = self.spec
         num_blocks = spec.device_blocks if num_blocks is None else num_blocks
-        specs = dsa_layer_specs(spec.num_layers, leaders=spec.leaders, block_size=spec.block_size)
+        specs = dsa_layer_specs(spec.num_layers, leaders=spec.leaders, block_size=spec.block_size,
+                                row_bytes=spec.mla_row_bytes)
         groups = get_global_kv_cache_groups(vllm_config, [specs])
         vllm_config.cache_config.num_gpu_blocks_override = num_blocks
         try:
@@ -441,7 +442,9 @@ class _Run:
         # request of this very step computes.
         if self.spec.check and model.indexer_layers:
             self._check_indexer_prefixes(so)
-        if attend:
+        if attend and probe is not None and probe.replaces_attention(info):
+            probe.attend(info, metadata, topk)  # a timing probe's own forward (no checks)
+        elif attend:
             after_layer = None if probe is None else (
                 lambda name, rows, counts: probe.after_layer(info, name, rows, counts))
             rows, tokens = model.attend(batch, metadata, topk, spans, fail=self._fail,

@@ -37,6 +37,7 @@ from vllm_hisparse.vllm.compat import (
 
 CONNECTOR = "HiSparseResidencyConnector"
 MLA_ROW_BYTES = 656
+BF16_MLA_ROW_BYTES = 1152
 INDEXER_ROW_BYTES = 132
 
 DSV32_TINY: dict[str, Any] = {
@@ -179,7 +180,21 @@ def make_vllm_config(
 # ---------------------------------------------------------------------------- KV specs
 
 
-def sparse_mla_spec(block_size: int = 64, *, leader: bool = True) -> MLAAttentionSpec:
+#: Sparse-MLA row formats the specs can take: ``fp8_ds_mla`` (DeepSeek-V3.2) and bf16 (GLM-5.x).
+MLA_ROW_FORMATS = {MLA_ROW_BYTES: "fp8_ds_mla", BF16_MLA_ROW_BYTES: "auto"}
+
+
+def sparse_mla_spec(block_size: int = 64, *, leader: bool = True,
+                    row_bytes: int = MLA_ROW_BYTES) -> MLAAttentionSpec:
+    """One sparse-MLA layer's spec: 656 B ``fp8_ds_mla`` rows, or 1152 B bf16 rows (576
+    elements) with ``row_bytes=1152``."""
+    if row_bytes not in MLA_ROW_FORMATS:
+        raise ValueError(f"sparse-MLA rows of {row_bytes} B: expected one of "
+                         f"{', '.join(map(str, MLA_ROW_FORMATS))}")
+    if row_bytes == BF16_MLA_ROW_BYTES:
+        return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1,
+                                head_size=576, dtype=torch.bfloat16, cache_dtype_str="auto",
+                                topk_buffer_width=2048, is_index_group_leader=leader)
     return MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
@@ -215,15 +230,16 @@ def indexer_name(layer: int) -> str:
 
 def dsa_layer_specs(
     num_layers: int, *, leaders: set[int] | None = None, block_size: int = 64,
-    num_draft_layers: int = 0,
+    num_draft_layers: int = 0, row_bytes: int = MLA_ROW_BYTES,
 ) -> dict[str, MLAAttentionSpec]:
     """Per-layer specs in model order; ``leaders`` (default: all) run an indexer, the layers
     after a leader reuse its top-k (GLM-5.x IndexShare). ``num_draft_layers`` MTP layers
-    (each a DSA layer with its own indexer, ``is_draft=True``) follow the target layers."""
+    (each a DSA layer with its own indexer, ``is_draft=True``) follow the target layers.
+    ``row_bytes``: the sparse-MLA row format (:func:`sparse_mla_spec`)."""
     specs: dict[str, MLAAttentionSpec] = {}
     for layer in range(num_layers):
         leader = leaders is None or layer in leaders
-        specs[mla_name(layer)] = sparse_mla_spec(block_size, leader=leader)
+        specs[mla_name(layer)] = sparse_mla_spec(block_size, leader=leader, row_bytes=row_bytes)
         if leader:
             specs[indexer_name(layer)] = indexer_spec(block_size)
     for layer in range(num_layers, num_layers + num_draft_layers):

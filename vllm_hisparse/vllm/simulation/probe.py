@@ -6,7 +6,9 @@ bindings of its index groups), right before and right after each step's forward
 (:class:`StepInfo`), and after every sparse-MLA layer's top-k conversion (the rows
 attention would read). ``vllm-hisparse bench connector`` uses it to add a stand-in for each
 layer's attention read and weight pass, to time each decode step between CUDA events, and to
-turn the miss copies off on alternate steps (the no-IO oracle of the same run).
+turn the miss copies off on alternate steps (the no-IO oracle of the same run);
+``bench throughput`` runs the layers itself (:meth:`StepProbe.attend`), replayed from CUDA
+graphs.
 
 The engine calls the probe only; whatever the probe does on the GPU is ordered on the
 current stream like the forward's own work.
@@ -72,6 +74,16 @@ class StepProbe:
         may skip untimed steps (a long prompt's prefill); the residency state then sees no
         selection of that step, as if its tracked requests had not attended."""
         return True
+
+    def replaces_attention(self, step: StepInfo) -> bool:
+        """Whether :meth:`attend` runs the step's layers instead of the model (asked only of
+        steps :meth:`wants_attention` accepted). The step's rows are then not checked."""
+        return False
+
+    def attend(self, step: StepInfo, metadata: dict[str, Any], topk: torch.Tensor) -> None:
+        """The step's layers, run by the probe (``bench throughput``: a CUDA graph replayed
+        from fixed buffers): ``metadata`` is layer name -> the step's attention metadata,
+        ``topk`` int32 ``[T, K]`` the indexers' selections in token order."""
 
     def before_forward(self, step: StepInfo) -> None:
         """Right before the step's forward: before the worker role's ``start_load_kv`` (the

@@ -44,6 +44,7 @@ class SimulationSpec:
 
     num_layers: int = 4
     layers_per_indexer: int = 2  # IndexShare: a leader and (n - 1) layers reusing its top-k
+    mla_row_bytes: int = 656  # sparse-MLA rows: 656 (fp8_ds_mla) or 1152 (bf16)
     block_size: int = 64
     top_k: int = 128
     prefill_top_k: int = 16  # selections per prefill token (decode tokens select top_k)
@@ -85,6 +86,8 @@ class SimulationSpec:
         need(self.layers_per_indexer <= self.num_layers, "layers-per-indexer",
              f"at most --layers={self.num_layers}", self.layers_per_indexer)
         need(self.block_size in (16, 32, 64), "block-size", "16, 32 or 64", self.block_size)
+        need(self.mla_row_bytes in (656, 1152), "mla-row-bytes", "656 (fp8_ds_mla) or 1152 "
+             "(bf16)", self.mla_row_bytes)
         need(self.top_k % self.block_size == 0 or self.top_k < self.block_size, "top-k",
              "a multiple of --block-size (or smaller than it)", self.top_k)
         need(self.top_k <= 2048, "top-k", "at most 2048", self.top_k)

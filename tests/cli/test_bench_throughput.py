@@ -1,0 +1,79 @@
+"""``bench throughput``: the model-shaped layer's sizes, the concurrency schedule, and a CPU
+smoke run through vLLM's real Scheduler and both connector roles (the GPU run replays the
+same steps from CUDA graphs; its figures are in docs/benchmarks.md)."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_hisparse.cli.benchmarks import throughput
+from vllm_hisparse.cli.benchmarks.model_layer import (LayerShape, ModelLayerWork, log_points,
+                                                      tokens_per_expert)
+
+
+def test_layer_weight_bytes_are_the_models_fp8_bytes():
+    s = LayerShape.named("dsv32")
+    # q_a 1536 + kv_a 576 + indexer wk 128 + weights_proj 64 from 7168; q_b (128 x 192 + the
+    # indexer's 64 x 128) from 1536; kv_b 128 x 256 from 512; o_proj 128 x 128 -> 7168;
+    # shared expert 3 x 7168 x 2048; the router 7168 x 256 in bf16; 32 local experts.
+    dense = (7168 * 2304 + 1536 * (128 * 192 + 64 * 128) + 512 * 128 * 256 + 16384 * 7168
+             + 3 * 7168 * 2048 + 2 * 7168 * 256)
+    experts = 32 * 3 * 7168 * 2048
+    assert s.weight_bytes() == dense + experts
+    assert LayerShape.named("glm52").layers_per_indexer == 4
+    with pytest.raises(ValueError, match="geometry 'x'"):
+        LayerShape.named("x")
+
+
+def test_tokens_per_expert_is_the_busiest_local_expert():
+    s = LayerShape.named("dsv32")
+    # 8 ranks x 64 tokens x 8 experts over 256 experts: 16 per expert on average
+    t = tokens_per_expert(s, 64)
+    assert 16 <= t <= 40
+    assert tokens_per_expert(s, 0) == 0
+    assert tokens_per_expert(s, 64, seed=1) == tokens_per_expert(s, 64, seed=1)
+
+
+def test_points_and_output_lengths_step_the_batch_down():
+    assert log_points(97) == [97, 64, 32, 16, 8]
+    assert log_points(64) == [64, 32, 16, 8]
+    assert log_points(5, 2) == [5, 4, 2]
+    points, window, first = [5, 4, 2], 3, 4
+    lengths = throughput.output_lengths(5, points, window, first)
+    # request i prefills in step ~i + 1, so (5 - i) equalises the finish; requests 4 leave
+    # after the first window, 2-3 after the second, 0-1 after the last
+    assert [n - (5 - i) for i, n in enumerate(lengths)] == [10, 10, 7, 7, 4]
+
+
+def test_layer_work_runs_every_stand_in_on_cpu():
+    shape = LayerShape.named("dsv32", **throughput.TINY)
+    kv = [torch.randint(0, 255, (4096, shape.mla_row_bytes), dtype=torch.uint8)]
+    work = ModelLayerWork(shape, max_batch=4, context=256, top_k=32, kv_rows=kv,
+                          device=torch.device("cpu"))
+    rows = torch.randint(-1, 4096, (4, 32), dtype=torch.int32)
+    work.indexer(0, 3)
+    assert work.topk_indices[:3].max() < 256
+    work.attention(0, rows, 3)
+    flat = rows[:3].reshape(-1).clamp_min(0).long()
+    assert torch.equal(work.reads[:flat.numel()], kv[0][flat])
+    work.mlp(0, 3)
+
+
+@pytest.mark.slow  # ~30 s: four engines (two plans, two runs) on 2 cores
+def test_cpu_smoke_run_through_the_scheduler(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    rc = throughput.main(["--geometries", "dsv32", "--json", str(out), "--timed-steps", "2"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    (case,) = data["cases"]
+    runs = case["runs"]
+    assert case["hybrid_requests"] > case["full_requests"] > 0
+    assert runs["full"]["peak_running"] == case["full_requests"]
+    assert runs["hybrid"]["peak_running"] == case["hybrid_requests"]
+    top = str(case["hybrid_requests"])
+    point = runs["hybrid"]["points"][top]
+    assert point["hybrid"]["timed_steps"] == 1 and point["oracle"]["timed_steps"] == 1
+    assert point["hybrid"]["miss_rate"] > 0
+    printed = capsys.readouterr().out
+    assert "hybrid / oracle" in printed and "DeepSeek-V3.2" in printed

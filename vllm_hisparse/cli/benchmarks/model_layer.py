@@ -1,0 +1,317 @@
+"""One DSA decoder layer's GPU work on one rank of an 8-GPU expert-parallel deployment, as
+stand-ins with the real model's bytes and FLOPs: what ``bench throughput`` runs around each
+sparse layer's top-k conversion.
+
+A rank of DeepSeek-V3.2 or GLM-5.x served with data-parallel attention and expert parallelism
+over 8 GPUs (the deployment of the HiSparse paper and of vLLM's DeepSeek recipes) runs, per
+decode step and layer, for its own batch of ``B`` requests:
+
+========================  ======================================================================
+stand-in                  what it does here, and why it is faithful
+========================  ======================================================================
+indexer logits            one batched matrix-vector product over ``B × context`` rows of
+                          ``index_row_bytes`` (the bytes the indexer reads: every cached key
+                          of every request; two such buffers, cycled over the leaders, since
+                          vLLM's plan packs indexer pages into blocks shared with other
+                          layers), a query per request. The real kernel (fp8 ``[heads, 128]`` per query)
+                          is bound by the same bytes: 64 heads × 128 fp8 MACs per 132 B row is
+                          ~120 FLOP/B, under the H200's ~400 FLOP/B fp8 ridge.
+indexer top-k             ``torch.topk`` of ``K`` over each request's ``context`` logits (vLLM
+                          runs its own top-k kernel; this one is slower, so the stand-in
+                          overstates the step the IO hides under).
+attention rows            the ``K`` rows each token's conversion returned, gathered from the
+                          layer's KV cache (``index_select``: the bytes sparse MLA reads, plus
+                          the same again written to a buffer).
+attention math            ``[B·heads, 576] @ [576, K]``, softmax, ``[B·heads, K] @ [K, 512]``
+                          in bf16 (the FLOPs of sparse MLA decode over ``K`` rows; the score
+                          matrix goes through HBM, which FlashMLA keeps on chip).
+weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`` whose weight
+                          bytes equal the model's fp8 weights (``out`` halved): q/kv down
+                          projections, q up projection with the indexer's, the absorbed kv up
+                          projection, o_proj, the shared expert, the router, and this rank's
+                          routed experts as two batched GEMMs ``[E, T, in] @ [E, in, out]``
+                          with ``T`` the most tokens any local expert got from a uniform top-k
+                          router over the tokens of all ``ep_ranks`` (memory-bound: a batched
+                          GEMM reads each expert's weights once whatever ``T``).
+EP dispatch + combine     a spin of ``ep_comm_us`` on the GPU (``torch.cuda._sleep``, calibrated
+                          at start); 0 drops it. Default 191 µs: DeepEP's low-latency kernels
+                          on 8 GPUs, dispatch 77 µs + combine 114 µs at 128 tokens per rank,
+                          hidden 7168, top-8 (DeepEP README's table).
+========================  ======================================================================
+
+Left out: embeddings, norms, rotary embeddings, the LM head and sampling (per step, not per
+layer), DeepSeek-V3.2's three dense layers (modelled as MoE layers). Weights are random and
+shared by every ``weight_sets``-th layer (each set is many times the L2, so every layer's read
+still comes from HBM). Every tensor is allocated once at the largest batch, so a layer is
+capturable in a CUDA graph at any batch up to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+#: Public per-layer sizes of the geometries ``bench throughput`` runs (config.json of each).
+GEOMETRIES: dict[str, dict] = {
+    # DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2-Exp config): 61 layers, an indexer in each.
+    "dsv32": dict(name="DeepSeek-V3.2", num_layers=61, layers_per_indexer=1, hidden=7168,
+                  heads=128, q_lora_rank=1536, kv_lora_rank=512, rope_dim=64,
+                  qk_nope_dim=128, v_head_dim=128, experts=256, experts_per_token=8,
+                  moe_intermediate=2048, index_heads=64, index_head_dim=128,
+                  mla_row_bytes=656, index_row_bytes=132, kv_gib=40.0),
+    # GLM-5.1 (GlmMoeDsa): 78 layers, an indexer in each, bf16 MLA rows (576 × 2 B).
+    "glm51": dict(name="GLM-5.1", num_layers=78, layers_per_indexer=1, hidden=6144, heads=64,
+                  q_lora_rank=2048, kv_lora_rank=512, rope_dim=64, qk_nope_dim=192,
+                  v_head_dim=256, experts=256, experts_per_token=8, moe_intermediate=2048,
+                  index_heads=32, index_head_dim=128, mla_row_bytes=1152,
+                  index_row_bytes=132, kv_gib=32.0),
+    # GLM-5.2 IndexShare: GLM-5.1's layers, one indexer per group of 4 (its followers reuse
+    # the leader's top-k).
+    "glm52": dict(name="GLM-5.2 IndexShare", num_layers=78, layers_per_indexer=4, hidden=6144,
+                  heads=64, q_lora_rank=2048, kv_lora_rank=512, rope_dim=64, qk_nope_dim=192,
+                  v_head_dim=256, experts=256, experts_per_token=8, moe_intermediate=2048,
+                  index_heads=32, index_head_dim=128, mla_row_bytes=1152,
+                  index_row_bytes=132, kv_gib=32.0),
+}
+
+#: DeepEP low-latency dispatch + combine on 8 GPUs (README table: 77 + 114 µs).
+DEFAULT_EP_COMM_US = 191.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """One geometry's per-layer sizes (:data:`GEOMETRIES`) and the deployment around it."""
+
+    name: str
+    num_layers: int
+    layers_per_indexer: int
+    hidden: int
+    heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    rope_dim: int
+    qk_nope_dim: int
+    v_head_dim: int
+    experts: int
+    experts_per_token: int
+    moe_intermediate: int
+    index_heads: int
+    index_head_dim: int
+    mla_row_bytes: int
+    index_row_bytes: int
+    kv_gib: float  # KV cache per GPU left by the weights (H200, fp8 weights, EP 8)
+    ep_ranks: int = 8
+    ep_comm_us: float = DEFAULT_EP_COMM_US
+
+    @classmethod
+    def named(cls, key: str, **overrides) -> "LayerShape":
+        if key not in GEOMETRIES:
+            raise ValueError(f"geometry {key!r}: expected one of {', '.join(GEOMETRIES)}")
+        return cls(**{**GEOMETRIES[key], **overrides})
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts // self.ep_ranks
+
+    def gemms(self) -> list[tuple[str, int, int]]:
+        """(name, in, out) of every dense projection as a bf16 GEMM with the fp8 bytes."""
+        h, H = self.hidden, self.heads
+        half = lambda n: max(1, n // 2)  # noqa: E731 - fp8 bytes in bf16
+        return [
+            ("q_a + kv_a + indexer k, weights", h,
+             half(self.q_lora_rank + self.kv_lora_rank + self.rope_dim + self.index_head_dim
+                  + self.index_heads)),
+            ("q_b + indexer q_b", self.q_lora_rank,
+             half(H * (self.qk_nope_dim + self.rope_dim)
+                  + self.index_heads * self.index_head_dim)),
+            ("kv_b (absorbed)", self.kv_lora_rank, half(H * (self.qk_nope_dim + self.v_head_dim))),
+            ("o_proj", H * self.v_head_dim, half(h)),
+            ("shared expert gate_up", h, self.moe_intermediate),  # 2 × inter, halved
+            ("shared expert down", self.moe_intermediate, half(h)),
+            ("router", h, self.experts),  # bf16 in the model
+        ]
+
+    def weight_bytes(self) -> int:
+        """Bytes of one layer's weights on this rank (what the stand-in reads per layer)."""
+        dense = sum(i * o * 2 for _, i, o in self.gemms())
+        expert = (self.hidden * self.moe_intermediate + self.moe_intermediate
+                  * (self.hidden // 2)) * 2
+        return dense + self.local_experts * expert
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.num_layers} layers, "
+                f"{'an indexer per layer' if self.layers_per_indexer == 1 else f'one indexer per {self.layers_per_indexer} layers'}"
+                f", MLA rows {self.mla_row_bytes} B, indexer rows {self.index_row_bytes} B, "
+                f"{self.heads} heads, {self.local_experts} of {self.experts} experts on this "
+                f"rank (EP {self.ep_ranks}), {self.weight_bytes() / 1e9:.2f} GB of weights per "
+                f"layer, EP dispatch + combine {self.ep_comm_us:.0f} µs per layer")
+
+
+def tokens_per_expert(shape: LayerShape, batch: int, seed: int = 0) -> int:
+    """The most tokens one of this rank's experts receives when every rank holds ``batch``
+    tokens and a uniform router picks ``experts_per_token`` distinct experts per token."""
+    if batch <= 0:
+        return 0
+    g = torch.Generator().manual_seed(seed)
+    tokens = batch * shape.ep_ranks
+    picks = torch.rand((tokens, shape.experts), generator=g).argsort(dim=1)
+    picks = picks[:, :shape.experts_per_token]
+    counts = torch.bincount(picks.flatten(), minlength=shape.experts)[:shape.local_experts]
+    return max(1, int(counts.max()))
+
+
+class SpinCalibration:
+    """Cycles of ``torch.cuda._sleep`` per µs on this GPU, measured once."""
+
+    def __init__(self, device: torch.device):
+        self.cycles_per_us = 0.0
+        if device.type != "cuda":
+            return
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.cycles_per_us = cycles / (start.elapsed_time(end) * 1e3)
+
+    def spin(self, us: float) -> None:
+        if us > 0 and self.cycles_per_us > 0:
+            torch.cuda._sleep(int(us * self.cycles_per_us))
+
+
+class ModelLayerWork:
+    """The stand-in GPU work of every layer (module docstring), for batches up to
+    ``max_batch`` of ``context``-token requests.
+
+    ``indexer(layer, batch)`` before an index group's leader converts; ``attention(layer,
+    rows, batch)`` with the rows the conversion returned (int32 ``[batch, K]``, valid first;
+    ``-1`` padding); ``mlp(layer, batch)`` after. ``kv_rows``: each sparse layer's flat row
+    view of its KV cache (uint8 ``[rows, mla_row_bytes]``), in layer order.
+    """
+
+    def __init__(self, shape: LayerShape, *, max_batch: int, context: int, top_k: int,
+                 kv_rows: list[torch.Tensor], device: torch.device, weight_sets: int = 2,
+                 seed: int = 0,
+                 components: frozenset[str] = frozenset({"indexer", "attention", "weights",
+                                                         "comm"})):
+        self.shape, self.context, self.top_k, self.device = shape, context, top_k, device
+        self.max_batch = max_batch
+        self.components = components
+        self.kv_rows = kv_rows
+        bf16 = dict(dtype=torch.bfloat16, device=device)
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def rand(*size):
+            return torch.empty(size, **bf16).uniform_(-0.05, 0.05, generator=g)
+
+        # indexer: B × context rows of index_row_bytes, read as bf16 lanes
+        self.index_lanes = shape.index_row_bytes // 2
+        self.index_keys = [rand(max_batch, context, self.index_lanes) for _ in range(2)]
+        self.index_q = rand(max_batch, self.index_lanes, 1)
+        self.logits = torch.empty((max_batch, context, 1), **bf16)
+        self.topk_values = torch.empty((max_batch, top_k), **bf16)
+        self.topk_indices = torch.empty((max_batch, top_k), dtype=torch.int64, device=device)
+        # attention
+        self.reads = torch.empty((max_batch * top_k, shape.mla_row_bytes), dtype=torch.uint8,
+                                 device=device)
+        qk_dim, v_dim = shape.kv_lora_rank + shape.rope_dim, shape.kv_lora_rank
+        self.attn_q = rand(max_batch * shape.heads, qk_dim)
+        self.attn_kv = rand(top_k, qk_dim)  # the rows' values after dequantisation
+        self.attn_scores = torch.empty((max_batch * shape.heads, top_k), **bf16)
+        self.attn_out = torch.empty((max_batch * shape.heads, v_dim), **bf16)
+        # weights: dense GEMMs and the routed experts, weight_sets distinct sets
+        self.gemm_shapes = shape.gemms()
+        width = max(max(i, o) for _, i, o in self.gemm_shapes)
+        self.act_in = rand(max_batch, width)
+        self.act_out = torch.empty((max_batch, width), **bf16)
+        self.sets = []
+        for _ in range(weight_sets):
+            dense = [rand(i, o) for _, i, o in self.gemm_shapes]
+            up = rand(shape.local_experts, shape.hidden, shape.moe_intermediate)
+            down = rand(shape.local_experts, shape.moe_intermediate, shape.hidden // 2)
+            self.sets.append((dense, up, down))
+        self.max_expert_tokens = tokens_per_expert(shape, max_batch, seed)
+        self.expert_in = rand(shape.local_experts, self.max_expert_tokens, shape.hidden)
+        self.expert_mid = torch.empty((shape.local_experts, self.max_expert_tokens,
+                                       shape.moe_intermediate), **bf16)
+        self.expert_out = torch.empty((shape.local_experts, self.max_expert_tokens,
+                                       shape.hidden // 2), **bf16)
+        self._expert_tokens: dict[int, int] = {}
+        self.spin = SpinCalibration(device)
+
+    # ------------------------------------------------------------------ per layer
+
+    def indexer(self, leader: int, batch: int) -> None:
+        """Leader ``leader``'s (its index among the leaders) logits and top-k."""
+        if "indexer" not in self.components or batch == 0:
+            return
+        keys = self.index_keys[leader % len(self.index_keys)][:batch]
+        torch.bmm(keys, self.index_q[:batch], out=self.logits[:batch])
+        torch.topk(self.logits[:batch, :, 0], self.top_k, dim=1,
+                   out=(self.topk_values[:batch], self.topk_indices[:batch]))
+
+    def attention(self, layer: int, rows: torch.Tensor, batch: int) -> None:
+        """Sparse MLA over the ``K`` rows of each of ``batch`` tokens."""
+        if "attention" not in self.components or batch == 0:
+            return
+        flat = rows[:batch].reshape(-1).clamp_min(0).to(torch.int64)
+        torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
+        n = batch * self.shape.heads
+        torch.matmul(self.attn_q[:n], self.attn_kv.t(), out=self.attn_scores[:n])
+        probs = torch.softmax(self.attn_scores[:n], dim=1)
+        torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank], out=self.attn_out[:n])
+
+    def mlp(self, layer: int, batch: int) -> None:
+        """Every projection's GEMM, EP dispatch, the routed experts, EP combine."""
+        if batch == 0:
+            return
+        if "weights" in self.components:
+            dense, up, down = self.sets[layer % len(self.sets)]
+            for (_, i, o), w in zip(self.gemm_shapes, dense):
+                torch.matmul(self.act_in[:batch, :i], w, out=self.act_out[:batch, :o])
+        if "comm" in self.components:
+            self.spin.spin(self.shape.ep_comm_us / 2)  # dispatch
+        if "weights" in self.components:
+            t = self.expert_tokens(batch)
+            torch.bmm(self.expert_in[:, :t], up, out=self.expert_mid[:, :t])
+            torch.bmm(self.expert_mid[:, :t], down, out=self.expert_out[:, :t])
+        if "comm" in self.components:
+            self.spin.spin(self.shape.ep_comm_us / 2)  # combine
+
+    def expert_tokens(self, batch: int) -> int:
+        if batch not in self._expert_tokens:
+            self._expert_tokens[batch] = min(self.max_expert_tokens,
+                                             tokens_per_expert(self.shape, batch))
+        return self._expert_tokens[batch]
+
+
+def layer_flops_and_bytes(shape: LayerShape, batch: int, context: int, top_k: int) -> dict:
+    """The real layer's work at ``batch`` requests (for the realism table): indexer bytes,
+    attention FLOPs and bytes, weight bytes."""
+    qk, v = shape.kv_lora_rank + shape.rope_dim, shape.kv_lora_rank
+    return dict(
+        indexer_bytes=batch * context * shape.index_row_bytes,
+        indexer_flops=2 * batch * context * shape.index_heads * shape.index_head_dim,
+        attention_flops=2 * batch * shape.heads * top_k * (qk + v),
+        attention_bytes=batch * top_k * shape.mla_row_bytes,
+        weight_bytes=shape.weight_bytes())
+
+
+def round_down(n: int, multiple: int) -> int:
+    return max(multiple, (n // multiple) * multiple) if n >= multiple else n
+
+
+def log_points(top: int, low: int = 8) -> list[int]:
+    """Concurrency points from ``top`` down to ``low``: ``top``, then the powers of two below
+    it (97 -> 97, 64, 32, 16, 8)."""
+    points = {top}
+    p = 2 ** int(math.log2(max(1, top)))
+    while p >= low:
+        if p < top:
+            points.add(p)
+        p //= 2
+    return sorted(points, reverse=True)

@@ -1,0 +1,382 @@
+"""Decode tokens/s against concurrency on one GPU of an 8-GPU expert-parallel deployment:
+full residency, hybrid residency and the no-IO oracle, through the real path under full CUDA
+graphs (the HiSparse paper's throughput figure).
+
+    vllm-hisparse bench throughput                                  # every geometry, 4K/32K/128K
+    vllm-hisparse bench throughput --geometries dsv32 --contexts 32768 --json t.json --plot t.png
+
+Per geometry (:data:`.model_layer.GEOMETRIES`: DeepSeek-V3.2, GLM-5.1, GLM-5.2 IndexShare) and
+context, the batch each system holds is planned at the model's real layer count from vLLM's
+KV planning for the geometry's KV budget per GPU (``kv_gib``: what fp8 weights leave on an
+H200 of an EP-8 node) and ``--host-gib`` of pinned host memory per GPU: **full** as many
+requests as the pool holds with every page resident, **hybrid** as many as it holds with a
+hot region and the tail per request (the indexer KV stays resident) and the host pool backs.
+
+Each system then runs through vLLM 0.33's ``Scheduler``, KV planning and ``BlockPool`` and the
+connector's two roles (the simulator's engine) on ``--sim-layers`` layers of the geometry, its
+pool sized to hold exactly that batch: ``N`` requests prefill, then decode while cohorts leave
+so that the batch steps down through the concurrency points (``N``, then powers of two down
+to 8). At each point the decode step is captured as a CUDA graph and replayed (vLLM's
+``FULL_AND_PIECEWISE`` decode); ``--timed-steps`` steps are timed after ``--warmup-steps``,
+hybrid and oracle steps alternating (:mod:`.throughput_probe`). Around each layer's top-k
+conversion the step runs the layer's model-shaped work (:mod:`.model_layer`, every stand-in
+printed with the run). A layer's work does not depend on the number of layers, so a step of
+the real model is ``num_layers / sim_layers`` times the simulated one: tokens/s are given per
+GPU for the real model (ratios are unaffected).
+
+Printed per geometry and context: tokens/s per GPU of each system at each concurrency (the
+full system saturates at its batch: more concurrent requests queue), the ratios, the miss
+rate, host issue time against step time (GPU-bound when well below), each stand-in's time
+alone and a profiler split of one hybrid step. Needs vLLM (on the GPU machine: the bundle of
+``../shared/tools/gpu-vllm``, through its ``run_sim.py``); without CUDA a smoke run of the
+plumbing with tiny shapes, eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import torch
+
+from vllm_hisparse.cli.args import (CliParser, nonneg_float, output_path, positive_float,
+                                    positive_int)
+from vllm_hisparse.cli.benchmarks.connector import plan_requests
+from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
+                                                      layer_flops_and_bytes, log_points)
+from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe, summarize
+from vllm_hisparse.cli.output import write_json
+from vllm_hisparse.core.units import cdiv
+
+GPU_DEFAULTS = dict(geometries=["dsv32", "glm51", "glm52"], contexts=[4096, 32768, 131072],
+                    sim_layers=8, host_gib=200.0, top_k=2048, block_size=64, warmup_steps=2,
+                    timed_steps=6, max_requests=256, min_point=8)
+CPU_DEFAULTS = dict(geometries=["dsv32", "glm52"], contexts=[512], sim_layers=4,
+                    host_gib=200.0, top_k=64, block_size=16, warmup_steps=1, timed_steps=2,
+                    max_requests=16, min_point=2)
+#: A CPU smoke run's layer dimensions (the real ones would take minutes per step there).
+TINY = dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, rope_dim=16, qk_nope_dim=16,
+            v_head_dim=16, experts=16, moe_intermediate=64, index_heads=4, index_head_dim=16,
+            kv_gib=1.2)
+#: Public full-residency decode figure the realism check compares with.
+REALISM = dict(geometry="dsv32", batch=12, context=2048, public_tpot_ms=39.0,
+               source="DeepSeek-V3.2 on 8 x H200, DP 8 attention + EP 8, ~12 requests per GPU, "
+                      "short context (issue [15]'s public figure)")
+
+
+def sim_spec(a, shape: LayerShape, num_layers: int, context: int, requests: int,
+             output_len: int, device: str, device_blocks: int = 2):
+    from vllm_hisparse.vllm.simulation.engine import SimulationSpec
+
+    per_indexer = min(shape.layers_per_indexer, num_layers)
+    return SimulationSpec(
+        num_layers=num_layers, layers_per_indexer=per_indexer, mla_row_bytes=shape.mla_row_bytes,
+        block_size=a.block_size, top_k=a.top_k, prefill_top_k=min(16, a.top_k),
+        device_blocks=device_blocks, host_pool_gib=None, max_num_seqs=max(1, requests),
+        max_num_batched_tokens=context + max(1, requests), num_requests=max(1, requests),
+        prompt_len=context, output_len=output_len, device=device,
+        ops_backend="cuda" if device == "cuda" else "auto", attention="group", check=False)
+
+
+def device_plan(spec) -> dict:
+    from vllm_hisparse.vllm.simulation.engine import SimulationEngine
+
+    engine = SimulationEngine(spec)
+    try:
+        return engine.device_plan()
+    finally:
+        engine.close()
+
+
+def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: str) -> dict:
+    """Requests per GPU of each system at the real layer count, and the simulated pools that
+    hold exactly those batches."""
+    ns = argparse.Namespace(hbm_gib=shape.kv_gib, host_gib=a.host_gib, block_size=a.block_size,
+                            max_requests=a.max_requests)
+    real_spec = sim_spec(a, shape, shape.num_layers, context, 1, output_len, device)
+    pages = cdiv(real_spec.max_model_len, a.block_size)
+    real = plan_requests(device_plan(real_spec), ns, pages, 2 * a.top_k)
+    n_full = real["full_requests"]
+    n_hybrid = max(real["hybrid_requests"], n_full)  # no gain: the connector never demotes
+    sim = device_plan(sim_spec(a, shape, a.sim_layers, context, 1, output_len, device))
+    full_blocks = sim["num_groups"] * pages
+    hybrid_blocks = (sim["num_indexer_groups"] * pages + sim["num_sparse_groups"]
+                     * (cdiv(2 * a.top_k, a.block_size) + 3))
+    pools = dict(full=1 + n_full * full_blocks,
+                 hybrid=max(1 + n_full * full_blocks,
+                            1 + full_blocks + (n_hybrid - 1) * hybrid_blocks))
+    return dict(real_plan=real, full_requests=n_full, hybrid_requests=n_hybrid,
+                sim_blocks=pools, sim_full_blocks_per_request=full_blocks,
+                sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages)
+
+
+def output_lengths(n: int, points: list[int], window: int, first_window: int) -> list[int]:
+    """Request i (prefilling in about step i + 1) decodes until its cohort leaves: all ``n``
+    decode together for ``first_window`` steps, then the batch steps down to each next point
+    for ``window`` steps."""
+    ends, total = [], first_window
+    for j in range(len(points)):
+        ends.append(total)
+        total += window
+    lengths = []
+    for i in range(n):
+        j = max([k for k, p in enumerate(points) if i < p], default=0)
+        lengths.append((n - i) + ends[j])
+    return lengths
+
+
+def run_system(a, shape, context, kind, n, blocks, points, work, device) -> dict:
+    from vllm_hisparse.vllm.simulation.engine import SimulationEngine
+
+    window = a.warmup_steps + a.timed_steps + 2
+    lengths = output_lengths(n, points, window, window + 1)
+    spec = sim_spec(a, shape, a.sim_layers, context, n, max(lengths), device, blocks)
+    probe = GraphStepProbe(work, tuple(points), a.warmup_steps, a.timed_steps,
+                           split_at=points[0])
+    engine = SimulationEngine(spec, probe=probe)
+    for plan, length in zip(engine.workload, lengths):
+        plan.output_len = length
+    t0 = time.perf_counter()
+    with_connector = kind != "full"
+    try:
+        r = engine.run(with_connector)
+    finally:
+        engine.close()
+    wall = time.perf_counter() - t0
+    by_point = {}
+    for p in points:
+        kinds = ("hybrid", "oracle") if with_connector else ("full",)
+        by_point[p] = {k: summarize(probe.steps, k, p) for k in kinds}
+    print(f"    {kind}: {n} requests, peak running {r.peak_running}, {r.preemptions} "
+          f"preemptions, {r.steps} steps, {probe.graphs_captured} graphs, {wall:.0f} s",
+          flush=True)
+    return dict(kind=kind, requests=n, device_blocks=blocks, peak_running=r.peak_running,
+                preemptions=r.preemptions, engine_steps=r.steps, wall_s=wall,
+                points=by_point, split=probe.split)
+
+
+def run_case(a, key: str, context: int, device: str, *, batch: int | None = None,
+             systems: tuple[str, ...] = ("full", "hybrid")) -> dict:
+    shape = LayerShape.named(key, **(TINY if device == "cpu" else {}),
+                             **({} if a.ep_comm_us is None else {"ep_comm_us": a.ep_comm_us}))
+    output_len = 64
+    plan = plan_batches(a, shape, context, output_len, device)
+    if batch is not None:  # the realism check: a fixed full batch
+        plan.update(full_requests=batch, hybrid_requests=batch, sim_blocks=dict(
+            full=1 + batch * plan["sim_full_blocks_per_request"]))
+    n_full, n_hybrid = plan["full_requests"], plan["hybrid_requests"]
+    print(f"  {shape.name} at {context} tokens: full {n_full}, hybrid {n_hybrid} requests per "
+          f"GPU ({shape.kv_gib} GiB KV, {a.host_gib} GiB host)", flush=True)
+    case = dict(geometry=key, shape=dataclasses.asdict(shape), context=context, **plan)
+    if n_full <= 0:
+        case["error"] = "the KV budget holds no full request"
+        return case
+    top = max(n_full, n_hybrid if "hybrid" in systems else 0)
+    work = ModelLayerWork(shape, max_batch=top, context=context, top_k=a.top_k, kv_rows=[],
+                          device=torch.device(device))
+    case["runs"] = {}
+    for kind in systems:
+        n = n_full if kind == "full" else n_hybrid
+        points = log_points(n, min(a.min_point, n))
+        case["runs"][kind] = run_system(a, shape, context, kind, n, plan["sim_blocks"][kind],
+                                        points, work, device)
+    case["scale"] = shape.num_layers / a.sim_layers
+    case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
+    del work
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return case
+
+
+def curve(case: dict) -> list[dict]:
+    """Tokens/s per GPU (real layer count) of each system at each concurrency."""
+    runs, scale = case.get("runs", {}), case.get("scale", 1.0)
+    full = runs.get("full", {}).get("points", {})
+    hyb = runs.get("hybrid", {}).get("points", {})
+    n_full = case["full_requests"]
+    rows = []
+    for c in sorted(set(full) | set(hyb), reverse=True):
+        f = full.get(c, {}).get("full") or full.get(n_full, {}).get("full", {})
+        h, o = hyb.get(c, {}).get("hybrid", {}), hyb.get(c, {}).get("oracle", {})
+        row = dict(concurrency=c, full_saturated=c > n_full)
+        for name, s in (("full", f), ("hybrid", h), ("oracle", o)):
+            if s:
+                row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
+                                 range=[t / scale for t in s["tokens_per_s_range"]],
+                                 step_ms=s["step_ms_median"], host_ms=s["host_ms_median"],
+                                 miss_rate=s.get("miss_rate"))
+        if "full" in row and "hybrid" in row:
+            row["hybrid_over_full"] = row["hybrid"]["tokens_per_s"] / row["full"]["tokens_per_s"]
+        if "oracle" in row and "hybrid" in row:
+            row["hybrid_over_oracle"] = (row["hybrid"]["tokens_per_s"]
+                                         / row["oracle"]["tokens_per_s"])
+        rows.append(row)
+    return rows
+
+
+def headline(case: dict) -> dict:
+    """Hybrid at its batch against full at its batch, and against the oracle."""
+    rows = curve(case)
+    if not rows:
+        return {}
+    top = rows[0]
+    out = dict(concurrency=top["concurrency"])
+    for k in ("hybrid_over_full", "hybrid_over_oracle"):
+        if k in top:
+            out[k] = top[k]
+    return out
+
+
+def print_case(case: dict) -> None:
+    nan = float("nan")
+    print(f"\n{case['shape']['name']}, context {case['context']}: full {case['full_requests']} "
+          f"/ hybrid {case['hybrid_requests']} requests per GPU; tokens/s per GPU of the "
+          f"{case['shape']['num_layers']}-layer model (median [range]), step ms of the "
+          f"simulated layers")
+    print("| concurrency | full tok/s | hybrid tok/s | oracle tok/s | hybrid / full "
+          "| hybrid / oracle | miss rate | step ms full / hybrid / oracle "
+          "| host ms full / hybrid / oracle |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in curve(case):
+        def cell(name):
+            s = r.get(name)
+            if not s:
+                return "–"
+            star = "*" if name == "full" and r["full_saturated"] else ""
+            return f"{s['tokens_per_s']:.0f}{star} [{s['range'][0]:.0f}-{s['range'][1]:.0f}]"
+
+        def ms(name, key):
+            s = r.get(name)
+            return f"{s[key]:.2f}" if s else "–"
+
+        miss = r.get("hybrid", {}).get("miss_rate")
+        print(f"| {r['concurrency']} | {cell('full')} | {cell('hybrid')} | {cell('oracle')} "
+              f"| {r.get('hybrid_over_full', nan):.2f} | {r.get('hybrid_over_oracle', nan):.2f} "
+              f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
+              f"| {ms('full', 'step_ms')} / {ms('hybrid', 'step_ms')} / {ms('oracle', 'step_ms')} "
+              f"| {ms('full', 'host_ms')} / {ms('hybrid', 'host_ms')} / {ms('oracle', 'host_ms')} |")
+    for kind, run in case.get("runs", {}).items():
+        split = run.get("split") or {}
+        if split.get("alone_ms"):
+            alone = ", ".join(f"{k} {v:.2f}" for k, v in sorted(split["alone_ms"].items()))
+            print(f"  {kind} at {run['requests']}: stand-ins alone (ms per simulated step): "
+                  f"{alone}")
+        if split.get("kernel_ms"):
+            ker = ", ".join(f"{k} {v:.2f}" for k, v in sorted(split["kernel_ms"].items(),
+                                                             key=lambda kv: -kv[1]))
+            print(f"  {kind} at {split['profiled_batch']}: profiled kernel ms: {ker}")
+
+
+def plot(path: str, cases: list[dict]) -> None:
+    from vllm_hisparse.cli.plots import _pyplot
+
+    plt = _pyplot()
+    cases = [c for c in cases if c.get("runs") and not c.get("realism")]
+    cols = max(1, len({c["context"] for c in cases}))
+    rows = max(1, len({c["geometry"] for c in cases}))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    geos = sorted({c["geometry"] for c in cases}, key=list(GEOMETRIES).index)
+    ctxs = sorted({c["context"] for c in cases})
+    for c in cases:
+        ax = axes[geos.index(c["geometry"])][ctxs.index(c["context"])]
+        pts = curve(c)
+        for name, style in (("full", dict(color="tab:gray", marker="s")),
+                            ("hybrid", dict(color="tab:blue", marker="o")),
+                            ("oracle", dict(color="tab:green", marker="^", linestyle=":"))):
+            xs = [p["concurrency"] for p in pts if name in p]
+            ys = [p[name]["tokens_per_s"] for p in pts if name in p]
+            if xs:
+                ax.plot(xs, ys, label=name, **style)
+        ax.set_title(f"{c['shape']['name']}, {c['context'] // 1024}K", fontsize=9)
+        ax.set_xlabel("concurrent requests per GPU", fontsize=8)
+        ax.set_ylabel("decode tokens/s per GPU", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = CliParser(prog="vllm-hisparse bench throughput", description=__doc__.splitlines()[0])
+    p.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES))
+    p.add_argument("--contexts", nargs="+", type=positive_int, help="prompt tokens per request")
+    p.add_argument("--sim-layers", type=positive_int,
+                   help="layers the engine runs (a whole number of index groups)")
+    p.add_argument("--host-gib", type=positive_float, help="pinned host memory per GPU")
+    p.add_argument("--top-k", type=positive_int)
+    p.add_argument("--block-size", type=positive_int)
+    p.add_argument("--warmup-steps", type=positive_int)
+    p.add_argument("--timed-steps", type=positive_int,
+                   help="timed steps per concurrency point (hybrid: half of them oracle)")
+    p.add_argument("--max-requests", type=positive_int)
+    p.add_argument("--min-point", type=positive_int, help="smallest concurrency point")
+    p.add_argument("--ep-comm-us", type=nonneg_float,
+                   help="EP dispatch + combine per layer, µs (0 drops the stand-in)")
+    p.add_argument("--no-realism", action="store_true",
+                   help="skip the full-residency step at the public figure's batch")
+    p.add_argument("--json", metavar="PATH", type=output_path)
+    p.add_argument("--plot", metavar="PNG", type=output_path)
+    a = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, value in (GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(a, name, None) is None:
+            setattr(a, name, value)
+    for key in a.geometries:
+        per = GEOMETRIES[key]["layers_per_indexer"]
+        if a.sim_layers % per:
+            p.error(f"--sim-layers={a.sim_layers} must be a whole number of {key}'s index "
+                    f"groups ({per} layers)")
+    if device == "cpu":
+        print("vllm-hisparse bench throughput: no CUDA device: a CPU smoke run with tiny shapes "
+              "and eager steps (the figures mean nothing)", file=sys.stderr)
+    print("stand-ins per layer (docs/benchmarks.md, \"Throughput\"):", flush=True)
+    for key in a.geometries:
+        print("  " + LayerShape.named(key, **({} if a.ep_comm_us is None else
+                                              {"ep_comm_us": a.ep_comm_us})).describe())
+    cases = []
+    for key in a.geometries:
+        for context in a.contexts:
+            cases.append(run_case(a, key, context, device))
+    if not a.no_realism and REALISM["geometry"] in a.geometries and device == "cuda":
+        r = run_case(a, REALISM["geometry"], REALISM["context"], device,
+                     batch=REALISM["batch"], systems=("full",))
+        r["realism"] = REALISM
+        cases.append(r)
+    for c in cases:
+        if c.get("runs") and not c.get("realism"):
+            print_case(c)
+    print("\n| geometry | context | full / hybrid requests | **hybrid / full** at peak "
+          "| **hybrid / oracle** at peak |")
+    print("|---|---|---|---|---|")
+    nan = float("nan")
+    for c in cases:
+        if c.get("realism") or not c.get("runs"):
+            continue
+        h = headline(c)
+        print(f"| {c['shape']['name']} | {c['context']} | {c['full_requests']} / "
+              f"{c['hybrid_requests']} | {h.get('hybrid_over_full', nan):.2f} "
+              f"| {h.get('hybrid_over_oracle', nan):.2f} |")
+    for c in cases:
+        if c.get("realism") and c.get("runs"):
+            s = c["runs"]["full"]["points"].get(REALISM["batch"], {}).get("full", {})
+            if s:
+                ms = s["step_ms_median"] * c["scale"]
+                print(f"\nrealism: full residency, {REALISM['batch']} requests x "
+                      f"{REALISM['context']} tokens: {ms:.1f} ms per step of the "
+                      f"{c['shape']['num_layers']}-layer model here, against "
+                      f"{REALISM['public_tpot_ms']:.0f} ms TPOT ({REALISM['source']})")
+    if a.plot:
+        plot(a.plot, cases)
+        print(f"plot: {a.plot}")
+    if a.json and not write_json("--json", a.json, dict(args=vars(a), device=device,
+                                                        cases=cases),
+                                 command="bench throughput"):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

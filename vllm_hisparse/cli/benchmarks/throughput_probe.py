@@ -1,0 +1,320 @@
+"""The decode step of ``bench throughput``: every sparse layer's top-k conversion (vLLM's
+index group, with the connector through our hook: ``resolve`` + the miss gathers) between the
+stand-in work of a model-shaped layer (:mod:`.model_layer`), captured once per batch size as
+one CUDA graph and replayed from fixed buffers, as vLLM's ``FULL_AND_PIECEWISE`` runs decode.
+
+A :class:`GraphStepProbe` attaches to the simulator's engine (vLLM 0.33's real ``Scheduler``,
+KV planning and ``BlockPool``, the connector's two roles; :mod:`vllm_hisparse.vllm.simulation`).
+Per decode-only step of a batch size in ``points`` it writes the step's inputs into fixed
+buffers (the indexers' selections, the batch row of each token, every KV cache group's block
+table: what vLLM's model runner copies into its persistent buffers) and replays that size's
+graph; the worker role's ``start_load_kv`` and ``wait_for_save`` run around it, outside the
+graph, as they do in vLLM. A batch size's graphs are captured between two steps (the step
+view inert, as at vLLM's startup capture) at its first decode-only step. With the connector
+two graphs are captured per size: the step, and the **oracle**, the same step with the miss
+copies left out (rows then stale; nothing is checked here: ``simulate`` checks this path);
+timed steps alternate between them. A step is timed between CUDA events from before
+``start_load_kv`` to after ``wait_for_save``; ``host_ms`` is the host's time for the same
+span (close to the step time: host-bound; far below it: GPU-bound).
+
+Without CUDA the same steps run eagerly (no capture): a smoke run of the plumbing.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
+from vllm_hisparse.vllm.simulation.probe import StepProbe
+
+#: Kernel-name patterns of the profiler split, first match wins.
+KERNEL_CLASSES = (
+    ("resolve", re.compile(r"resolve", re.I)),
+    ("gather", re.compile(r"gather_rows|copy_rows|zero_copy|rows_kernel", re.I)),
+    ("comm stand-in", re.compile(r"sleep|spin", re.I)),
+    ("top-k", re.compile(r"topk|radix|sort|bitonic", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|sm90_|cublas|bmm|matmul", re.I)),
+    ("row gather (attention)", re.compile(r"index_select|indexselect|index_kernel", re.I)),
+    ("softmax", re.compile(r"softmax", re.I)),
+    ("conversion (vLLM)", re.compile(r"convert|physical|triton|_kernel", re.I)),
+)
+
+
+class NoCopyGather:
+    """A binding's ``GroupGather`` on an oracle step: no copy, no wait."""
+
+    def launch(self, result) -> None:
+        pass
+
+    def wait(self, layer_index: int) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
+
+
+@dataclass
+class TimedStep:
+    kind: str  # "full", "hybrid" or "oracle"
+    batch: int
+    ms: float
+    host_ms: float
+    misses: int = 0
+    selections: int = 0
+    miss_bytes: int = 0
+
+
+@dataclass
+class GraphStepProbe(StepProbe):
+    """Replays each point's graph and times ``timed_steps`` steps per point after
+    ``warmup_steps`` (see the module docstring). ``work``: the stand-ins, shared by the runs of
+    one geometry and context (its ``kv_rows`` are set per run)."""
+
+    work: ModelLayerWork
+    points: tuple[int, ...]
+    warmup_steps: int
+    timed_steps: int
+    split_at: int | None = None  # batch size whose step is split by component and profiled
+    steps: list[TimedStep] = field(default_factory=list)
+    split: dict = field(default_factory=dict)
+    graphs_captured: int = 0
+
+    # -- StepProbe
+    def start_run(self, run) -> None:
+        self._run = run
+        model = run.model
+        self._cuda = model.device.type == "cuda"
+        self._model = model
+        names = sorted(model.layers, key=lambda n: model.layers[n][1])
+        self._layer_of = {n: i for i, n in enumerate(names)}
+        self.work.kv_rows = [model.layers[n][2] for n in names]
+        G, K = self.work.max_batch, model.spec.top_k
+        pages = -(-model.spec.max_model_len // model.block_size)
+        i32 = dict(dtype=torch.int32, device=model.device)
+        self._topk = torch.full((G, K), -1, **i32)
+        self._req = torch.zeros(G, **i32)
+        self._tables = {g: torch.zeros((G, pages), **i32) for g in model.sparse_groups}
+        self._q = torch.empty((G, 1), device=model.device)
+        self._md: dict[int, dict[str, SimpleNamespace]] = {}
+        self._graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self._cuda else None
+        self._seen: dict[int, int] = {}
+        self._kind: str | None = None
+        self._rows: dict[int, torch.Tensor] = {}
+        self._profile_next = False
+        self.steps, self.split, self.graphs_captured = [], {}, 0
+
+    def wants_attention(self, step) -> bool:
+        return step.decode_only  # prefill steps skip attention (nothing timed there)
+
+    def replaces_attention(self, step) -> bool:
+        return True
+
+    def before_forward(self, step) -> None:
+        self._kind = None
+        if not step.decode_only:
+            return
+        n = step.num_requests
+        if self._cuda and n in self.points and (n, "step") not in self._graphs:
+            self._capture(n)
+        index = self._seen.get(n, 0)
+        self._seen[n] = index + 1
+        timed = index - self.warmup_steps
+        self._graph_kind = "step"
+        if n in self.points and 0 <= timed < self.timed_steps:
+            if not self._run.with_connector:
+                self._kind = "full"
+            else:
+                self._kind = "hybrid" if timed % 2 == 0 else "oracle"
+                self._graph_kind = "step" if self._kind == "hybrid" else "oracle"
+                self._stats_before = self._counters()
+        elif n == self.split_at and timed == self.timed_steps and not self.split:
+            self._profile_next = True
+        if self._kind is not None:
+            if self._cuda:
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            self._host_start = time.perf_counter()
+
+    def attend(self, step, metadata, topk) -> None:
+        n = topk.shape[0]
+        self._topk[:n].copy_(topk)
+        seen: set[int] = set()
+        for name, md in metadata.items():
+            g = self._model.layers[name][0]
+            if g in seen:
+                continue
+            if not seen:  # every group's metadata has the same batch rows
+                self._req[:n].copy_(md.req_id_per_token[:n])
+            seen.add(g)
+            self._tables[g][:n, :md.block_table.shape[1]].copy_(md.block_table)
+        graph = self._graphs.get((n, self._graph_kind))
+        if graph is None:
+            self._forward(n, oracle=self._graph_kind == "oracle")
+        elif self._profile_next:
+            self._profile_next = False
+            self.split.update(self._profile(graph, n))
+        else:
+            graph.replay()
+
+    def after_forward(self, step) -> None:
+        if self._kind is None:
+            return
+        host_ms = (time.perf_counter() - self._host_start) * 1e3
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            ms = self._start.elapsed_time(end)
+        else:
+            ms = host_ms
+        timed = TimedStep(self._kind, step.num_requests, ms, host_ms)
+        if self._run.with_connector:
+            d = [a - b for a, b in zip(self._counters(), self._stats_before)]
+            timed.selections, timed.misses = d[0] + d[1] + d[2], d[2]
+            timed.miss_bytes = d[3] * self._model.row_bytes
+        self.steps.append(timed)
+        if (step.num_requests == self.split_at and "alone_ms" not in self.split
+                and self._seen[step.num_requests] == self.warmup_steps + self.timed_steps):
+            self.split["alone_ms"] = self._components_alone(step.num_requests)
+
+    def end_run(self) -> None:
+        self._graphs.clear()
+        self._md.clear()
+
+    # -- the forward
+
+    def _metadata(self, n: int) -> dict[str, SimpleNamespace]:
+        """Layer name -> fixed-buffer metadata of a batch of ``n`` decode tokens."""
+        if n not in self._md:
+            per_group = {g: SimpleNamespace(req_id_per_token=self._req[:n],
+                                            block_table=table[:n],
+                                            block_size=self._model.block_size,
+                                            num_actual_tokens=n, num_decode_tokens=n)
+                         for g, table in self._tables.items()}
+            self._md[n] = {name: per_group[g] for name, (g, *_r) in self._model.layers.items()}
+        return self._md[n]
+
+    def _forward(self, n: int, *, oracle: bool = False, components=None,
+                 convert: bool = True) -> None:
+        """Every layer at batch ``n``: the leader's indexer, the conversion (unless not
+        ``convert``: the last converted rows are read again), attention, MLP."""
+        model, work = self._model, self.work
+        md = self._metadata(n)
+        saved = work.components
+        if components is not None:
+            work.components = components
+        gathers = []
+        if oracle:
+            gathers = [b._gather for b in self._run.bindings]
+            for b in self._run.bindings:
+                b._gather = NoCopyGather()
+        try:
+            for leader, (_, names, _) in enumerate(model.units):
+                work.indexer(leader, n)
+                impl = model.impls[names[0]]
+                if convert:
+                    impl.topk_indices_buffer[:n].copy_(self._topk[:n])
+                for name in names:
+                    layer = self._layer_of[name]
+                    if convert:
+                        rows, _ = model.impls[name].forward_mqa(self._q[:n], model.kv[name],
+                                                                md[name], None)
+                        self._rows[layer] = rows
+                    work.attention(layer, self._rows[layer], n)
+                    work.mlp(layer, n)
+        finally:
+            work.components = saved
+            for b, g in zip(self._run.bindings, gathers):
+                b._gather = g
+
+    def _capture(self, n: int) -> None:
+        """Batch ``n``'s graphs (step, and with the connector the oracle), between steps."""
+        kinds = ("step", "oracle") if self._run.with_connector else ("step",)
+        for b in self._run.bindings:
+            b.gather.join()
+        for kind in kinds:
+            self._forward(n, oracle=kind == "oracle")  # warm-up: allocates, view inert
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(n, oracle=kind == "oracle")
+            self._graphs[(n, kind)] = graph
+            self.graphs_captured += 1
+        for m in [m for m, _ in self._graphs if m != n]:  # a finished point's graphs
+            self._graphs.pop((m, "step"), None)
+            self._graphs.pop((m, "oracle"), None)
+
+    def _components_alone(self, n: int) -> dict[str, float]:
+        """ms of each stand-in alone at batch ``n`` (its own graph, every layer, median of
+        5 replays; the rows are the last step's)."""
+        if not self._cuda:
+            return {}
+        out = {}
+        for comp in sorted(self.work.components):
+            graph = torch.cuda.CUDAGraph()
+            self._forward(n, components=frozenset({comp}), convert=False)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(n, components=frozenset({comp}), convert=False)
+            times = []
+            for _ in range(5):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            out[comp] = statistics.median(times)
+            del graph
+        return out
+
+    def _profile(self, graph, n: int) -> dict:
+        """One replay under ``torch.profiler``: GPU ms per kernel class."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        classes: dict[str, float] = {}
+        for ev in prof.key_averages():
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = getattr(ev, "self_cuda_time_total", 0.0)
+            if not us:
+                continue
+            label = next((c for c, rx in KERNEL_CLASSES if rx.search(ev.key)), "other")
+            classes[label] = classes.get(label, 0.0) + us / 1e3
+        return dict(profiled_batch=n, kernel_ms=classes)
+
+    def _counters(self) -> list[int]:
+        units = [(b, b.num_layers) for b in self._run.bindings]
+        if not units:
+            return [0, 0, 0, 0]
+        stats = torch.stack([b.hot_state.stats for b, _ in units]).cpu()
+        by_layers = int(sum(int(stats[i, 2]) * k for i, (_, k) in enumerate(units)))
+        return [*map(int, stats.sum(0).tolist()), by_layers]
+
+
+def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
+    """Median, range and tokens/s of one kind's timed steps at one batch size."""
+    chosen = [s for s in steps if s.kind == kind and s.batch == batch]
+    if not chosen:
+        return {}
+    ms = [s.ms for s in chosen]
+    out = dict(timed_steps=len(chosen), step_ms_median=statistics.median(ms),
+               step_ms_min=min(ms), step_ms_max=max(ms),
+               host_ms_median=statistics.median(s.host_ms for s in chosen))
+    out["tokens_per_s"] = batch / (out["step_ms_median"] / 1e3)
+    out["tokens_per_s_range"] = [batch / (max(ms) / 1e3), batch / (min(ms) / 1e3)]
+    sel = sum(s.selections for s in chosen)
+    if sel:
+        out["miss_rate"] = sum(s.misses for s in chosen) / sel
+        out["miss_bytes_per_step"] = sum(s.miss_bytes for s in chosen) / len(chosen)
+    return out
