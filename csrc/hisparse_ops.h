@@ -157,4 +157,13 @@ struct HostAllocation {
 HostAllocation host_alloc_registered(size_t bytes, int mode);
 int host_free_registered(void* ptr, size_t bytes);
 
+// ---------------------------------------------------------------------------------------
+// wall-clock spin (benchmarks: a stand-in for work of a known duration, e.g. expert-parallel
+// communication, that holds one SM and does not stretch when the SM clock drops)
+// ---------------------------------------------------------------------------------------
+
+// One CTA of one thread that returns once `nanoseconds` of the GPU's global timer have
+// passed since it started. Capturable; no allocation.
+cudaError_t launch_spin(uint64_t nanoseconds, cudaStream_t stream);
+
 }  // namespace hisparse

@@ -77,3 +77,16 @@ def test_cpu_smoke_run_through_the_scheduler(tmp_path, capsys):
     assert point["hybrid"]["miss_rate"] > 0
     printed = capsys.readouterr().out
     assert "hybrid / oracle" in printed and "DeepSeek-V3.2" in printed
+
+
+def test_device_plan_counts_one_backing_allocation():
+    """Every KVCacheTensor of a plan views one backing allocation, so a block id costs
+    545,792 B for DeepSeek-V3.2 (what ``vllm-hisparse plan`` and vLLM's allocation say), not
+    the sum over the six tensors (3,274,752 B: the bug sized benchmark pools 6x too small)."""
+    import argparse
+
+    a = argparse.Namespace(block_size=64, top_k=2048)
+    spec = throughput.sim_spec(a, LayerShape.named("dsv32"), 61, 32768, 1, 64, "cpu")
+    plan = throughput.device_plan(spec)
+    assert plan["bytes_per_block"] == 545_792
+    assert (plan["num_sparse_groups"], plan["num_indexer_groups"]) == (5, 1)

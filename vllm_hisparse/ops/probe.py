@@ -17,6 +17,7 @@ measures them (``vllm-hisparse bench kernels``, ``benchmarks/profile_resolve.py`
   with explicit tuning and grid cap;
 * :func:`host_alloc_registered` / :func:`host_free_registered`: mmap'ed, registered host
   buffers with 4 KiB, transparent huge or ``MAP_HUGETLB`` pages (the host page experiment);
+* :func:`spin`: a one-thread kernel that waits a number of µs of the GPU's global timer;
 * :func:`check_errors`: synchronize and raise a recorded
   :class:`~vllm_hisparse.ops.errors.ResolveError`.
 
@@ -123,3 +124,11 @@ def host_alloc_registered(num_bytes: int, mode: str) -> dict:
 def host_free_registered(ptr: int, num_bytes: int) -> int:
     """Unregister and unmap a buffer of :func:`host_alloc_registered`; returns the CUDA error."""
     return cuda._module().host_free_registered(int(ptr), int(num_bytes))
+
+
+def spin(microseconds: float) -> None:
+    """Hold one SM for ``microseconds`` of the GPU's global timer on the current stream (a
+    stand-in for work of a known duration that does not stretch when the SM clock drops, as
+    a cycle count does; capturable)."""
+    stream = torch.cuda.current_stream().cuda_stream
+    cuda._module().spin(int(microseconds * 1000), int(stream))

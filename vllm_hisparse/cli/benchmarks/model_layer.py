@@ -33,10 +33,11 @@ weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`
                           with ``T`` the most tokens any local expert got from a uniform top-k
                           router over the tokens of all ``ep_ranks`` (memory-bound: a batched
                           GEMM reads each expert's weights once whatever ``T``).
-EP dispatch + combine     a spin of ``ep_comm_us`` on the GPU (``torch.cuda._sleep``, calibrated
-                          at start); 0 drops it. Default 191 µs: DeepEP's low-latency kernels
-                          on 8 GPUs, dispatch 77 µs + combine 114 µs at 128 tokens per rank,
-                          hidden 7168, top-8 (DeepEP README's table).
+EP dispatch + combine     a wait of ``ep_comm_us`` on one SM (the extension's global-timer
+                          spin, in two halves around the experts); 0 drops it. Default
+                          191 µs: DeepEP's low-latency kernels on 8 GPUs, dispatch 77 µs +
+                          combine 114 µs at 128 tokens per rank, hidden 7168, top-8
+                          (DeepEP README's table).
 ========================  ======================================================================
 
 Left out: embeddings, norms, rotary embeddings, the LM head and sampling (per step, not per
@@ -162,13 +163,23 @@ def tokens_per_expert(shape: LayerShape, batch: int, seed: int = 0) -> int:
     return max(1, int(counts.max()))
 
 
-class SpinCalibration:
-    """Cycles of ``torch.cuda._sleep`` per µs on this GPU, measured once."""
+class Spin:
+    """A wait of a number of µs on the GPU: the extension's global-timer spin
+    (:func:`vllm_hisparse.ops.probe.spin`), or ``torch.cuda._sleep`` calibrated once where the
+    extension is not built (a cycle count, which stretches when the SM clock drops)."""
 
     def __init__(self, device: torch.device):
+        from vllm_hisparse.ops import probe
+
+        self.kind = "none"
+        self._probe = probe
         self.cycles_per_us = 0.0
         if device.type != "cuda":
             return
+        if probe.available():
+            self.kind = "global timer"
+            return
+        self.kind = "cycles (torch.cuda._sleep)"
         cycles = 2_000_000
         torch.cuda._sleep(cycles)  # warm-up
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -178,8 +189,12 @@ class SpinCalibration:
         end.synchronize()
         self.cycles_per_us = cycles / (start.elapsed_time(end) * 1e3)
 
-    def spin(self, us: float) -> None:
-        if us > 0 and self.cycles_per_us > 0:
+    def __call__(self, us: float) -> None:
+        if us <= 0 or self.kind == "none":
+            return
+        if self.kind == "global timer":
+            self._probe.spin(us)
+        else:
             torch.cuda._sleep(int(us * self.cycles_per_us))
 
 
@@ -241,7 +256,7 @@ class ModelLayerWork:
         self.expert_out = torch.empty((shape.local_experts, self.max_expert_tokens,
                                        shape.hidden // 2), **bf16)
         self._expert_tokens: dict[int, int] = {}
-        self.spin = SpinCalibration(device)
+        self.spin = Spin(device)
 
     # ------------------------------------------------------------------ per layer
 
@@ -274,13 +289,13 @@ class ModelLayerWork:
             for (_, i, o), w in zip(self.gemm_shapes, dense):
                 torch.matmul(self.act_in[:batch, :i], w, out=self.act_out[:batch, :o])
         if "comm" in self.components:
-            self.spin.spin(self.shape.ep_comm_us / 2)  # dispatch
+            self.spin(self.shape.ep_comm_us / 2)  # dispatch
         if "weights" in self.components:
             t = self.expert_tokens(batch)
             torch.bmm(self.expert_in[:, :t], up, out=self.expert_mid[:, :t])
             torch.bmm(self.expert_mid[:, :t], down, out=self.expert_out[:, :t])
         if "comm" in self.components:
-            self.spin.spin(self.shape.ep_comm_us / 2)  # combine
+            self.spin(self.shape.ep_comm_us / 2)  # combine
 
     def expert_tokens(self, batch: int) -> int:
         if batch not in self._expert_tokens:

@@ -134,7 +134,7 @@ class GraphStepProbe(StepProbe):
                 self._kind = "hybrid" if timed % 2 == 0 else "oracle"
                 self._graph_kind = "step" if self._kind == "hybrid" else "oracle"
                 self._stats_before = self._counters()
-        elif n == self.split_at and timed == self.timed_steps and not self.split:
+        elif n == self.split_at and timed == self.timed_steps and "kernel_ms" not in self.split:
             self._profile_next = True
         if self._kind is not None:
             if self._cuda:

@@ -162,7 +162,8 @@ class SimulationEngine:
 
     def device_plan(self) -> dict[str, int]:
         """The plan both runs use, from planning alone (nothing allocated):
-        ``bytes_per_block`` (device bytes of one block id, every KV cache group),
+        ``bytes_per_block`` (device bytes of one block id: its share of the one backing
+        allocation every KV cache group overlays),
         ``num_groups``, ``num_sparse_groups``, ``num_indexer_groups`` and
         ``host_block_bytes`` (one page of every sparse-MLA and indexer layer)."""
         from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
@@ -170,7 +171,9 @@ class SimulationEngine:
         # Enough blocks for vLLM's max_model_len check whatever spec.device_blocks says.
         blocks = 16 * cdiv(self.spec.max_model_len, self.spec.block_size)
         full, _ = self._plan(self._config(self.spec.host_pool_gib or _probe_host_gib()), blocks)
-        return dict(bytes_per_block=sum(t.size for t in full.kv_cache_tensors) // full.num_blocks,
+        # Every KVCacheTensor is a view of one backing allocation (the groups overlay it), so
+        # a block id costs one tensor's share, not the sum over the tensors.
+        return dict(bytes_per_block=max(t.size for t in full.kv_cache_tensors) // full.num_blocks,
                     num_groups=len(full.kv_cache_groups),
                     num_sparse_groups=len(sparse_group_ids(full)),
                     num_indexer_groups=len(indexer_group_ids(full)),
