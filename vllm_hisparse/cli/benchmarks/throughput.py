@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -59,7 +60,9 @@ CPU_DEFAULTS = dict(geometries=["dsv32", "glm52"], contexts=[512], sim_layers=4,
 #: A CPU smoke run's layer dimensions (the real ones would take minutes per step there).
 TINY = dict(hidden=256, heads=4, q_lora_rank=64, kv_lora_rank=64, rope_dim=16, qk_nope_dim=16,
             v_head_dim=16, experts=16, moe_intermediate=64, index_heads=4, index_head_dim=16,
-            kv_gib=1.2)
+            kv_gib=0.15)
+#: vLLM's KV-cache admission watermark (``KVCacheManager``'s default, a fraction of the pool).
+WATERMARK = 0.01
 #: Public full-residency decode figure the realism check compares with.
 REALISM = dict(geometry="dsv32", batch=12, context=2048, public_tpot_ms=39.0,
                source="DeepSeek-V3.2 on 8 x H200, DP 8 attention + EP 8, ~12 requests per GPU, "
@@ -104,9 +107,11 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
     full_blocks = sim["num_groups"] * pages
     hybrid_blocks = (sim["num_indexer_groups"] * pages + sim["num_sparse_groups"]
                      * (cdiv(2 * a.top_k, a.block_size) + 3))
-    pools = dict(full=1 + n_full * full_blocks,
-                 hybrid=max(1 + n_full * full_blocks,
-                            1 + full_blocks + (n_hybrid - 1) * hybrid_blocks))
+    # vLLM admits a waiting request only above its watermark (1 % of the pool): room for it
+    pools = {k: math.ceil(v / (1 - WATERMARK)) + 1 for k, v in dict(
+        full=1 + n_full * full_blocks,
+        hybrid=max(1 + n_full * full_blocks,
+                   1 + full_blocks + (n_hybrid - 1) * hybrid_blocks)).items()}
     return dict(real_plan=real, full_requests=n_full, hybrid_requests=n_hybrid,
                 sim_blocks=pools, sim_full_blocks_per_request=full_blocks,
                 sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages)
@@ -183,6 +188,7 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
         case["runs"][kind] = run_system(a, shape, context, kind, n, plan["sim_blocks"][kind],
                                         points, work, device)
     case["scale"] = shape.num_layers / a.sim_layers
+    case["sim_layers"] = a.sim_layers
     case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
     del work
     if device == "cuda":
@@ -193,8 +199,9 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
 def curve(case: dict) -> list[dict]:
     """Tokens/s per GPU (real layer count) of each system at each concurrency."""
     runs, scale = case.get("runs", {}), case.get("scale", 1.0)
-    full = runs.get("full", {}).get("points", {})
-    hyb = runs.get("hybrid", {}).get("points", {})
+    # (int keys in a run, str keys once read back from --json)
+    full = {int(k): v for k, v in runs.get("full", {}).get("points", {}).items()}
+    hyb = {int(k): v for k, v in runs.get("hybrid", {}).get("points", {}).items()}
     n_full = case["full_requests"]
     rows = []
     for c in sorted(set(full) | set(hyb), reverse=True):
@@ -205,8 +212,8 @@ def curve(case: dict) -> list[dict]:
             if s:
                 row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
                                  range=[t / scale for t in s["tokens_per_s_range"]],
-                                 step_ms=s["step_ms_median"], host_ms=s["host_ms_median"],
-                                 miss_rate=s.get("miss_rate"))
+                                 step_ms=s["step_ms_median"], gpu_ms=s["gpu_ms_median"],
+                                 host_ms=s["host_ms_median"], miss_rate=s.get("miss_rate"))
         if "full" in row and "hybrid" in row:
             row["hybrid_over_full"] = row["hybrid"]["tokens_per_s"] / row["full"]["tokens_per_s"]
         if "oracle" in row and "hybrid" in row:
@@ -233,10 +240,11 @@ def print_case(case: dict) -> None:
     nan = float("nan")
     print(f"\n{case['shape']['name']}, context {case['context']}: full {case['full_requests']} "
           f"/ hybrid {case['hybrid_requests']} requests per GPU; tokens/s per GPU of the "
-          f"{case['shape']['num_layers']}-layer model (median [range]), step ms of the "
+          f"{case['shape']['num_layers']}-layer model (median [range]; a step takes the "
+          f"larger of its GPU and host time), ms per step of the {case.get('sim_layers', '')} "
           f"simulated layers")
     print("| concurrency | full tok/s | hybrid tok/s | oracle tok/s | hybrid / full "
-          "| hybrid / oracle | miss rate | step ms full / hybrid / oracle "
+          "| hybrid / oracle | miss rate | GPU ms full / hybrid / oracle "
           "| host ms full / hybrid / oracle |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in curve(case):
@@ -255,7 +263,7 @@ def print_case(case: dict) -> None:
         print(f"| {r['concurrency']} | {cell('full')} | {cell('hybrid')} | {cell('oracle')} "
               f"| {r.get('hybrid_over_full', nan):.2f} | {r.get('hybrid_over_oracle', nan):.2f} "
               f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
-              f"| {ms('full', 'step_ms')} / {ms('hybrid', 'step_ms')} / {ms('oracle', 'step_ms')} "
+              f"| {ms('full', 'gpu_ms')} / {ms('hybrid', 'gpu_ms')} / {ms('oracle', 'gpu_ms')} "
               f"| {ms('full', 'host_ms')} / {ms('hybrid', 'host_ms')} / {ms('oracle', 'host_ms')} |")
     for kind, run in case.get("runs", {}).items():
         split = run.get("split") or {}
@@ -340,6 +348,9 @@ def main(argv=None) -> int:
     for key in a.geometries:
         for context in a.contexts:
             cases.append(run_case(a, key, context, device))
+            if a.json:  # what is done so far survives a time-out
+                write_json("--json", a.json, dict(args=vars(a), device=device, cases=cases,
+                                                  partial=True), command="bench throughput")
     if not a.no_realism and REALISM["geometry"] in a.geometries and device == "cuda":
         r = run_case(a, REALISM["geometry"], REALISM["context"], device,
                      batch=REALISM["batch"], systems=("full",))

@@ -13,9 +13,14 @@ graph, as they do in vLLM. A batch size's graphs are captured between two steps 
 view inert, as at vLLM's startup capture) at its first decode-only step. With the connector
 two graphs are captured per size: the step, and the **oracle**, the same step with the miss
 copies left out (rows then stale; nothing is checked here: ``simulate`` checks this path);
-timed steps alternate between them. A step is timed between CUDA events from before
-``start_load_kv`` to after ``wait_for_save``; ``host_ms`` is the host's time for the same
-span (close to the step time: host-bound; far below it: GPU-bound).
+timed steps alternate between them. A timed step's GPU time runs between CUDA events from
+before ``start_load_kv`` to after ``wait_for_save``, with the host's issue hidden: a
+``GATE_US`` wait is queued on the GPU first and the start event after it, so the host queues
+the whole step before the GPU reaches it (what vLLM's async scheduling gives while the host
+is the faster of the two). ``host_ms`` is the host's issue time for the same span, less the
+simulator's synthetic KV writes (an op inside vLLM's forward). A step takes the larger of
+the two (``ms``): GPU-bound when ``gpu_ms`` is the larger. A host that waited on the GPU
+inside the step (a sync: the gate would show in ``host_ms``) is flagged ``host_waited``.
 
 Without CUDA the same steps run eagerly (no capture): a smoke run of the plumbing.
 """
@@ -31,7 +36,11 @@ from types import SimpleNamespace
 import torch
 
 from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
+from vllm_hisparse.ops import probe as ops_probe
 from vllm_hisparse.vllm.simulation.probe import StepProbe
+
+#: The wait queued ahead of a timed step (longer than any step's host issue time).
+GATE_US = 60_000
 
 #: Kernel-name patterns of the profiler split, first match wins.
 KERNEL_CLASSES = (
@@ -63,8 +72,10 @@ class NoCopyGather:
 class TimedStep:
     kind: str  # "full", "hybrid" or "oracle"
     batch: int
-    ms: float
+    ms: float  # max(gpu_ms, host_ms)
+    gpu_ms: float
     host_ms: float
+    host_waited: bool = False
     misses: int = 0
     selections: int = 0
     miss_bytes: int = 0
@@ -137,10 +148,19 @@ class GraphStepProbe(StepProbe):
         elif n == self.split_at and timed == self.timed_steps and "kernel_ms" not in self.split:
             self._profile_next = True
         if self._kind is not None:
+            self._gated = self._cuda and ops_probe.available()
             if self._cuda:
+                if self._gated:
+                    ops_probe.spin(GATE_US)
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._start.record()
+            self._kv_write_s = 0.0
             self._host_start = time.perf_counter()
+
+    def write_kv(self, step, write) -> None:
+        t0 = time.perf_counter()
+        write()
+        self._kv_write_s = getattr(self, "_kv_write_s", 0.0) + time.perf_counter() - t0
 
     def attend(self, step, metadata, topk) -> None:
         n = topk.shape[0]
@@ -166,15 +186,17 @@ class GraphStepProbe(StepProbe):
     def after_forward(self, step) -> None:
         if self._kind is None:
             return
-        host_ms = (time.perf_counter() - self._host_start) * 1e3
+        issue_ms = (time.perf_counter() - self._host_start) * 1e3
+        host_ms = issue_ms - self._kv_write_s * 1e3
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
-            ms = self._start.elapsed_time(end)
+            gpu_ms = self._start.elapsed_time(end)
         else:
-            ms = host_ms
-        timed = TimedStep(self._kind, step.num_requests, ms, host_ms)
+            gpu_ms = host_ms
+        timed = TimedStep(self._kind, step.num_requests, max(gpu_ms, host_ms), gpu_ms, host_ms,
+                          host_waited=self._gated and issue_ms * 1e3 >= GATE_US)
         if self._run.with_connector:
             d = [a - b for a, b in zip(self._counters(), self._stats_before)]
             timed.selections, timed.misses = d[0] + d[1] + d[2], d[2]
@@ -283,6 +305,7 @@ class GraphStepProbe(StepProbe):
             graph.replay()
             torch.cuda.synchronize()
         classes: dict[str, float] = {}
+        kernels = []
         for ev in prof.key_averages():
             us = getattr(ev, "self_device_time_total", None)
             if us is None:
@@ -291,7 +314,11 @@ class GraphStepProbe(StepProbe):
                 continue
             label = next((c for c, rx in KERNEL_CLASSES if rx.search(ev.key)), "other")
             classes[label] = classes.get(label, 0.0) + us / 1e3
-        return dict(profiled_batch=n, kernel_ms=classes)
+            kernels.append((us / 1e3, ev.key[:120], label))
+        kernels.sort(reverse=True)
+        return dict(profiled_batch=n, kernel_ms=classes,
+                    top_kernels=[dict(ms=ms, name=name, class_=label)
+                                 for ms, name, label in kernels[:25]])
 
     def _counters(self) -> list[int]:
         units = [(b, b.num_layers) for b in self._run.bindings]
@@ -310,7 +337,9 @@ def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
     ms = [s.ms for s in chosen]
     out = dict(timed_steps=len(chosen), step_ms_median=statistics.median(ms),
                step_ms_min=min(ms), step_ms_max=max(ms),
-               host_ms_median=statistics.median(s.host_ms for s in chosen))
+               gpu_ms_median=statistics.median(s.gpu_ms for s in chosen),
+               host_ms_median=statistics.median(s.host_ms for s in chosen),
+               host_waited=sum(s.host_waited for s in chosen))
     out["tokens_per_s"] = batch / (out["step_ms_median"] / 1e3)
     out["tokens_per_s_range"] = [batch / (max(ms) / 1e3), batch / (min(ms) / 1e3)]
     sel = sum(s.selections for s in chosen)

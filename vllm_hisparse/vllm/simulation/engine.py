@@ -107,7 +107,8 @@ class SimulationEngine:
             self._tmp = tempfile.TemporaryDirectory(prefix="vllm-hisparse-sim-")
             workdir = Path(self._tmp.name)
         self.model_dir = write_model_dir(Path(workdir) / "dsa-tiny", index_topk=spec.top_k,
-                                         num_hidden_layers=spec.num_layers)
+                                         num_hidden_layers=spec.num_layers,
+                                         max_position_embeddings=spec.max_model_len)
         from vllm_hisparse.vllm.plugin import register
 
         register()  # what vLLM's plugin loader does in every process
@@ -439,7 +440,9 @@ class _Run:
                 kwargs = dict(scheduler_output=so, request_ids=req_ids,
                               num_tokens=sum(n for *_, n in batch), attn_metadata=metadata)
             worker.start_load_kv(None, **kwargs)
-        if batch:
+        if batch and probe is not None:
+            probe.write_kv(info, lambda: model.write_kv(batch, self.step, slots))
+        elif batch:
             model.write_kv(batch, self.step, slots)
         # After the writes: vLLM's prefix cache may hand a request blocks that another
         # request of this very step computes.

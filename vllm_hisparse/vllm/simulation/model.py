@@ -75,16 +75,21 @@ DSV32_TINY: dict[str, Any] = {
 
 
 def write_model_dir(root: Path, *, with_index_topk: bool = True, index_topk: int | None = None,
-                    num_hidden_layers: int | None = None) -> Path:
+                    num_hidden_layers: int | None = None,
+                    max_position_embeddings: int | None = None) -> Path:
     """A directory with a tiny DSA (or, without index_topk, plain MLA) ``config.json``.
 
     ``index_topk`` overrides the indexer's k (the default hot region is k rows, so a small k
-    keeps runs on small device pools)."""
+    keeps runs on small device pools); ``max_position_embeddings`` raises the model's length
+    limit (64K) for longer workloads."""
     config = dict(DSV32_TINY)
     if index_topk is not None:
         config["index_topk"] = index_topk
     if num_hidden_layers is not None:
         config["num_hidden_layers"] = num_hidden_layers
+    if max_position_embeddings is not None:
+        config["max_position_embeddings"] = max(config["max_position_embeddings"],
+                                                max_position_embeddings)
     if not with_index_topk:
         config = {k: v for k, v in config.items() if not k.startswith("index_")}
         config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")

@@ -75,6 +75,11 @@ class StepProbe:
         selection of that step, as if its tracked requests had not attended."""
         return True
 
+    def write_kv(self, step: StepInfo, write) -> None:
+        """The step's KV writes (``write()``; in vLLM an op inside the forward, here the
+        synthetic model's own): a timing probe may leave their host time out."""
+        write()
+
     def replaces_attention(self, step: StepInfo) -> bool:
         """Whether :meth:`attend` runs the step's layers instead of the model (asked only of
         steps :meth:`wants_attention` accepted). The step's rows are then not checked."""
