@@ -162,8 +162,9 @@ int host_free_registered(void* ptr, size_t bytes);
 // communication, that holds one SM and does not stretch when the SM clock drops)
 // ---------------------------------------------------------------------------------------
 
-// One CTA of one thread that returns once `nanoseconds` of the GPU's global timer have
-// passed since it started. Capturable; no allocation.
-cudaError_t launch_spin(uint64_t nanoseconds, cudaStream_t stream);
+// `ctas` CTAs of one thread each that return once `nanoseconds` of the GPU's global timer
+// have passed since they started; `busy` polls without sleeping (keeps the SMs issuing, so
+// the GPU's clocks stay up). Capturable; no allocation.
+cudaError_t launch_spin(uint64_t nanoseconds, int ctas, bool busy, cudaStream_t stream);
 
 }  // namespace hisparse

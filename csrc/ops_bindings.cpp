@@ -190,8 +190,8 @@ py::dict host_alloc_py(size_t bytes, int mode) {
   return d;
 }
 
-void spin_py(uint64_t nanoseconds, uint64_t stream) {
-  check(launch_spin(nanoseconds, as_stream(stream)), "spin");
+void spin_py(uint64_t nanoseconds, int ctas, bool busy, uint64_t stream) {
+  check(launch_spin(nanoseconds, ctas, busy, as_stream(stream)), "spin");
 }
 
 int host_free_py(uint64_t ptr, size_t bytes) {
@@ -262,6 +262,7 @@ void register_ops(py::module_& m) {
         "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
         py::arg("mode"));
   m.def("host_free_registered", &host_free_py, py::arg("ptr"), py::arg("bytes"));
-  m.def("spin", &spin_py, "Benchmarks only: a 1-thread kernel that waits `nanoseconds` of "
-        "the GPU's global timer on `stream`.", py::arg("nanoseconds"), py::arg("stream"));
+  m.def("spin", &spin_py, "Benchmarks only: `ctas` 1-thread CTAs that wait `nanoseconds` of "
+        "the GPU's global timer on `stream` (`busy`: without sleeping).",
+        py::arg("nanoseconds"), py::arg("ctas"), py::arg("busy"), py::arg("stream"));
 }

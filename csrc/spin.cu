@@ -14,17 +14,18 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-__global__ void spin_kernel(uint64_t nanoseconds) {
+__global__ void spin_kernel(uint64_t nanoseconds, bool busy) {
   const uint64_t start = global_ns();
   while (global_ns() - start < nanoseconds) {
-    __nanosleep(1000);  // the timer ticks coarsely (~1 us): no need to poll faster
+    if (!busy) __nanosleep(1000);  // the timer ticks coarsely (~1 us): no need to poll faster
   }
 }
 
 }  // namespace
 
-cudaError_t launch_spin(uint64_t nanoseconds, cudaStream_t stream) {
-  spin_kernel<<<1, 1, 0, stream>>>(nanoseconds);
+cudaError_t launch_spin(uint64_t nanoseconds, int ctas, bool busy, cudaStream_t stream) {
+  if (ctas < 1) return cudaErrorInvalidValue;
+  spin_kernel<<<ctas, 1, 0, stream>>>(nanoseconds, busy);
   return cudaGetLastError();
 }
 

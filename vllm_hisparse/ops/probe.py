@@ -126,9 +126,10 @@ def host_free_registered(ptr: int, num_bytes: int) -> int:
     return cuda._module().host_free_registered(int(ptr), int(num_bytes))
 
 
-def spin(microseconds: float) -> None:
-    """Hold one SM for ``microseconds`` of the GPU's global timer on the current stream (a
-    stand-in for work of a known duration that does not stretch when the SM clock drops, as
-    a cycle count does; capturable)."""
+def spin(microseconds: float, *, ctas: int = 1, busy: bool = False) -> None:
+    """Hold ``ctas`` SMs for ``microseconds`` of the GPU's global timer on the current stream
+    (a stand-in for work of a known duration that does not stretch when the SM clock drops,
+    as a cycle count does; capturable). ``busy`` polls without sleeping, which keeps the
+    GPU's clocks up."""
     stream = torch.cuda.current_stream().cuda_stream
-    cuda._module().spin(int(microseconds * 1000), int(stream))
+    cuda._module().spin(int(microseconds * 1000), int(ctas), bool(busy), int(stream))

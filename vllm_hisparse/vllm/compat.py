@@ -401,6 +401,13 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: Any, layout: KVCac
     return _allocate(kv_cache_config, device, layout, kernel_block_sizes)
 
 
+def set_request_max_tokens(request: Any, max_tokens: int) -> None:
+    """Make a running vLLM ``Request`` stop after ``max_tokens`` output tokens (the length
+    ``check_stop`` compares ``num_output_tokens`` with; ``bench throughput`` sets when each
+    cohort of its batch leaves)."""
+    request.max_tokens = max_tokens
+
+
 def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
     """``SchedulerOutput.num_scheduled_tokens`` (request id → tokens this step)."""
     return dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})

@@ -117,32 +117,16 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
                 sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages)
 
 
-def output_lengths(n: int, points: list[int], window: int, first_window: int) -> list[int]:
-    """Request i (prefilling in about step i + 1) decodes until its cohort leaves: all ``n``
-    decode together for ``first_window`` steps, then the batch steps down to each next point
-    for ``window`` steps."""
-    ends, total = [], first_window
-    for j in range(len(points)):
-        ends.append(total)
-        total += window
-    lengths = []
-    for i in range(n):
-        j = max([k for k, p in enumerate(points) if i < p], default=0)
-        lengths.append((n - i) + ends[j])
-    return lengths
-
-
-def run_system(a, shape, context, kind, n, blocks, points, work, device) -> dict:
+def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine
 
     window = a.warmup_steps + a.timed_steps + 2
-    lengths = output_lengths(n, points, window, window + 1)
-    spec = sim_spec(a, shape, a.sim_layers, context, n, max(lengths), device, blocks)
-    probe = GraphStepProbe(work, tuple(points), a.warmup_steps, a.timed_steps,
-                           split_at=points[0])
+    # long enough that no request leaves before the probe sets the departures at the first
+    # decode-only step (every request admitted, however long admission took)
+    output_len = 4 * n + 64 + window * (2 + len(log_points(n, min(a.min_point, n))))
+    spec = sim_spec(a, shape, a.sim_layers, context, n, output_len, device, blocks)
+    probe = GraphStepProbe(work, a.warmup_steps, a.timed_steps, min_point=a.min_point)
     engine = SimulationEngine(spec, probe=probe)
-    for plan, length in zip(engine.workload, lengths):
-        plan.output_len = length
     t0 = time.perf_counter()
     with_connector = kind != "full"
     try:
@@ -150,6 +134,7 @@ def run_system(a, shape, context, kind, n, blocks, points, work, device) -> dict
     finally:
         engine.close()
     wall = time.perf_counter() - t0
+    points = probe.points
     by_point = {}
     for p in points:
         kinds = ("hybrid", "oracle") if with_connector else ("full",)
@@ -184,9 +169,8 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     case["runs"] = {}
     for kind in systems:
         n = n_full if kind == "full" else n_hybrid
-        points = log_points(n, min(a.min_point, n))
         case["runs"][kind] = run_system(a, shape, context, kind, n, plan["sim_blocks"][kind],
-                                        points, work, device)
+                                        work, device)
     case["scale"] = shape.num_layers / a.sim_layers
     case["sim_layers"] = a.sim_layers
     case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
@@ -202,7 +186,7 @@ def curve(case: dict) -> list[dict]:
     # (int keys in a run, str keys once read back from --json)
     full = {int(k): v for k, v in runs.get("full", {}).get("points", {}).items()}
     hyb = {int(k): v for k, v in runs.get("hybrid", {}).get("points", {}).items()}
-    n_full = case["full_requests"]
+    n_full = max(full, default=case["full_requests"])  # the batch the full run reached
     rows = []
     for c in sorted(set(full) | set(hyb), reverse=True):
         f = full.get(c, {}).get("full") or full.get(n_full, {}).get("full", {})

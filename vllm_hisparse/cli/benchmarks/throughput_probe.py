@@ -5,7 +5,9 @@ one CUDA graph and replayed from fixed buffers, as vLLM's ``FULL_AND_PIECEWISE``
 
 A :class:`GraphStepProbe` attaches to the simulator's engine (vLLM 0.33's real ``Scheduler``,
 KV planning and ``BlockPool``, the connector's two roles; :mod:`vllm_hisparse.vllm.simulation`).
-Per decode-only step of a batch size in ``points`` it writes the step's inputs into fixed
+At the first decode-only step it sets when each running request stops (vLLM's
+``max_tokens``), so that the batch steps down through the concurrency ``points``. Per
+decode-only step of a batch size in ``points`` it writes the step's inputs into fixed
 buffers (the indexers' selections, the batch row of each token, every KV cache group's block
 table: what vLLM's model runner copies into its persistent buffers) and replays that size's
 graph; the worker role's ``start_load_kv`` and ``wait_for_save`` run around it, outside the
@@ -39,8 +41,13 @@ from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
 from vllm_hisparse.ops import probe as ops_probe
 from vllm_hisparse.vllm.simulation.probe import StepProbe
 
-#: The wait queued ahead of a timed step (longer than any step's host issue time).
+#: The wait queued ahead of a timed step (longer than any step's host issue time), busy on
+#: every SM so that the GPU's clocks are up when the step starts, as under steady load.
 GATE_US = 60_000
+GATE_CTAS = 132
+#: Decode-only steps to wait for the last requests to be admitted before the departures are
+#: set without them.
+STALL_STEPS = 8
 
 #: Kernel-name patterns of the profiler split, first match wins.
 KERNEL_CLASSES = (
@@ -88,13 +95,34 @@ class GraphStepProbe(StepProbe):
     one geometry and context (its ``kv_rows`` are set per run)."""
 
     work: ModelLayerWork
-    points: tuple[int, ...]
     warmup_steps: int
     timed_steps: int
+    min_point: int = 8  # the smallest concurrency point
+    points: tuple[int, ...] = ()  # set at the first decode-only step (_plan_departures)
     split_at: int | None = None  # batch size whose step is split by component and profiled
     steps: list[TimedStep] = field(default_factory=list)
     split: dict = field(default_factory=dict)
     graphs_captured: int = 0
+
+    # -- departures
+
+    def _plan_departures(self, first_window: int, window: int) -> None:
+        """At the first decode-only step: the running requests (by id) leave in cohorts so
+        that the batch steps down through ``points`` (from the running count), each held
+        for ``window`` steps (``first_window`` for the first)."""
+        from vllm_hisparse.cli.benchmarks.model_layer import log_points
+        from vllm_hisparse.vllm import compat
+
+        scheduler = self._run.scheduler
+        running = sorted(scheduler.running, key=lambda r: r.request_id)
+        for request in scheduler.waiting:  # what the pool could not admit: one token, gone
+            compat.set_request_max_tokens(request, 1)
+        self.points = tuple(log_points(len(running), min(self.min_point, len(running))))
+        self.split_at = self.points[0]
+        ends = [first_window + j * window for j in range(len(self.points))]
+        for rank, request in enumerate(running):
+            j = max(k for k, p in enumerate(self.points) if rank < p)
+            compat.set_request_max_tokens(request, request.num_output_tokens + ends[j])
 
     # -- StepProbe
     def start_run(self, run) -> None:
@@ -120,6 +148,7 @@ class GraphStepProbe(StepProbe):
         self._rows: dict[int, torch.Tensor] = {}
         self._profile_next = False
         self.steps, self.split, self.graphs_captured = [], {}, 0
+        self.points, self.split_at, self._stalled = (), None, 0
 
     def wants_attention(self, step) -> bool:
         return step.decode_only  # prefill steps skip attention (nothing timed there)
@@ -128,16 +157,22 @@ class GraphStepProbe(StepProbe):
         return True
 
     def before_forward(self, step) -> None:
-        self._kind = None
+        self._kind, self._graph_kind = None, "step"
         if not step.decode_only:
             return
+        if not self.points:
+            # once every request is in, or decode-only steps keep coming with some waiting
+            self._stalled = getattr(self, "_stalled", 0) + 1
+            if self._run.scheduler.waiting and self._stalled <= STALL_STEPS:
+                return
+            window = self.warmup_steps + self.timed_steps + 2
+            self._plan_departures(window + 1, window)
         n = step.num_requests
         if self._cuda and n in self.points and (n, "step") not in self._graphs:
             self._capture(n)
         index = self._seen.get(n, 0)
         self._seen[n] = index + 1
         timed = index - self.warmup_steps
-        self._graph_kind = "step"
         if n in self.points and 0 <= timed < self.timed_steps:
             if not self._run.with_connector:
                 self._kind = "full"
@@ -151,7 +186,7 @@ class GraphStepProbe(StepProbe):
             self._gated = self._cuda and ops_probe.available()
             if self._cuda:
                 if self._gated:
-                    ops_probe.spin(GATE_US)
+                    ops_probe.spin(GATE_US, ctas=GATE_CTAS, busy=True)
                 self._start = torch.cuda.Event(enable_timing=True)
                 self._start.record()
             self._kv_write_s = 0.0

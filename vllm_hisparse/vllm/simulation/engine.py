@@ -282,7 +282,8 @@ class _Run:
             bindings = tuple(getattr(group, BINDING_ATTR) for *_, group in self.model.units
                              ) if with_connector else ()
             self.probe.start_run(ProbeRun(label, with_connector, self.model, bindings,
-                                          self.worker.worker_role if with_connector else None))
+                                          self.worker.worker_role if with_connector else None,
+                                          self.scheduler))
 
     def close(self) -> None:
         if self.probe is not None:

@@ -35,6 +35,7 @@ class ProbeRun:
             layer order (empty without the connector).
         worker_role: the connector's ``HiSparseWorkerRole`` (its ``host_pool``, lanes), or
             None without the connector.
+        scheduler: the run's vLLM ``Scheduler`` (its ``running`` requests).
     """
 
     label: str
@@ -42,6 +43,7 @@ class ProbeRun:
     model: Any
     bindings: tuple[Any, ...]
     worker_role: Any = None
+    scheduler: Any = None
 
 
 @dataclass(frozen=True)
