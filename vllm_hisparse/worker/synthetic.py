@@ -28,7 +28,7 @@ def kv_rows(request: int, positions: torch.Tensor, layer: int, row_bytes: int) -
     pos = positions.to(torch.int64).reshape(-1, 1)
     n = pos.shape[0]
     out = torch.empty((n, row_bytes), dtype=torch.uint8, device=positions.device)
-    shifts = torch.tensor([0, 8, 16, 24], device=positions.device)
+    shifts = torch.arange(0, 32, 8, device=positions.device)  # no host copy: no sync
     out[:, 0:4] = ((pos >> shifts) & 0xFF).to(torch.uint8)
     out[:, 4] = layer & 0xFF
     out[:, 5] = (layer >> 8) & 0xFF

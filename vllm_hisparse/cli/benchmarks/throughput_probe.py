@@ -32,6 +32,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -183,6 +184,13 @@ class GraphStepProbe(StepProbe):
         elif n == self.split_at and timed == self.timed_steps and "kernel_ms" not in self.split:
             self._profile_next = True
         if self._kind is not None:
+            self._watch_syncs = (self._cuda and n == self.split_at and timed == 0
+                                 and "syncs" not in self.split)
+            if self._watch_syncs:  # name what makes the host wait inside one step
+                torch.cuda.set_sync_debug_mode("warn")
+                self._sync_log = warnings.catch_warnings(record=True)
+                self._sync_records = self._sync_log.__enter__()
+                warnings.simplefilter("always")
             self._gated = self._cuda and ops_probe.available()
             if self._cuda:
                 if self._gated:
@@ -223,6 +231,10 @@ class GraphStepProbe(StepProbe):
             return
         issue_ms = (time.perf_counter() - self._host_start) * 1e3
         host_ms = issue_ms - self._kv_write_s * 1e3
+        if self._watch_syncs:
+            torch.cuda.set_sync_debug_mode("default")
+            self._sync_log.__exit__(None, None, None)
+            self.split["syncs"] = [_where(w) for w in self._sync_records][:12]
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -362,6 +374,11 @@ class GraphStepProbe(StepProbe):
         stats = torch.stack([b.hot_state.stats for b, _ in units]).cpu()
         by_layers = int(sum(int(stats[i, 2]) * k for i, (_, k) in enumerate(units)))
         return [*map(int, stats.sum(0).tolist()), by_layers]
+
+
+def _where(w) -> str:
+    """A sync warning as ``file:line: message`` (the Python line that made the call)."""
+    return f"{w.filename}:{w.lineno}: {str(w.message)[:100]}"
 
 
 def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
