@@ -161,3 +161,18 @@ def test_gather_mode_is_checked_at_bind_time():
     assert binding.gather.chunks == (1, 1)
     with pytest.raises(RuntimeError, match="layer 2 of an index group bound with 2 layers"):
         binding.wait_for_layer(2)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (64, 2048), (5, 0), (0, 4)])
+@pytest.mark.parametrize("invalid", [0.0, 0.3, 1.0])
+def test_compaction_is_a_stable_partition(shape, invalid):
+    """compact_valid_to_front (prefix sums) equals the stable sort it replaced: valid rows in
+    their order, then -1, and per-token counts."""
+    g = torch.Generator().manual_seed(hash((shape, invalid)) % 1000)
+    rows = torch.randint(0, 10**6, shape, generator=g, dtype=torch.int32)
+    rows[torch.rand(shape, generator=g) < invalid] = -1
+    got, counts = compact_valid_to_front(rows)
+    valid = rows >= 0
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+    assert torch.equal(got, torch.gather(rows, 1, order)) and got.dtype == torch.int32
+    assert torch.equal(counts, valid.sum(dim=1, dtype=torch.int32))
