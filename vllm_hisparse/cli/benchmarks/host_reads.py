@@ -352,3 +352,53 @@ def bench_layout(quick: bool):
         RESULTS["layout"] = res
         del buf, arr
         probe.host_free_registered(a["ptr"], a["bytes"])
+
+
+def bench_reach(quick: bool):
+    """One layer's miss gather against the span of host memory its rows are drawn from: the
+    address-translation reach that decides which host-pool layout a geometry wants (an
+    indexer in every layer gathers one layer's rows per step; a position-major pool spreads
+    them over the whole pool, a layer-major one over that layer's slab)."""
+    log("\n== one layer's gather against the host span its rows come from (GB/s) ==")
+    pool_bytes = 8 << 30
+    t0 = time.perf_counter()
+    a = probe.host_alloc_registered(pool_bytes, "thp")
+    if not a["ptr"]:
+        a = probe.host_alloc_registered(pool_bytes, "4k")
+    if not a["ptr"]:
+        raise RuntimeError(f"could not register 8 GiB: {a['message']}")
+    import ctypes
+
+    import numpy as np
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * a["bytes"]).from_address(a["ptr"]))
+    buf = torch.from_numpy(arr)
+    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=DEV)
+    for off in range(0, pool_bytes, 1 << 30):  # never time on zeros
+        buf[off:off + (1 << 30)].copy_(chunk, non_blocking=True)
+    torch.cuda.synchronize()
+    del chunk
+    log(f"8 GiB host buffer ({a['mode']}) registered and filled in "
+        f"{time.perf_counter() - t0:.1f} s")
+    res = dict(mode=a["mode"], runs=[])
+    # 80 requests x 205 misses (DeepSeek-V3.2 at 32K, 10 % of K 2048), and 8x that
+    sizes = (16_384,) if quick else (16_384, 131_072)
+    try:
+        for row_bytes in (656, 1152):
+            rows_total = pool_bytes // row_bytes
+            src = buf[:rows_total * row_bytes].view(rows_total, row_bytes)
+            for n in sizes:
+                dst = torch.empty((n, row_bytes), dtype=torch.uint8, device=DEV)
+                line = []
+                for span_mib in (256, 512, 1024, 1760, 2048, 4096, 8192):
+                    span = min(rows_total, (span_mib << 20) // row_bytes)
+                    gb, us = gather_gbps([src], [dst], n, row_bytes, 5 if quick else 10,
+                                         span_rows=span)
+                    res["runs"].append(dict(row_bytes=row_bytes, rows=n, span_mib=span_mib,
+                                            gbps=gb, us=us))
+                    line.append(f"{span_mib} MiB {gb:.1f}")
+                log(f"{row_bytes:>4} B rows, {n:>7} rows: " + ", ".join(line))
+                del dst
+    finally:
+        RESULTS["reach"] = res
+        del buf, arr
+        probe.host_free_registered(a["ptr"], a["bytes"])

@@ -17,7 +17,10 @@
 * host pool layouts (``--only layout``): one 24 GiB registered host buffer, gathers of 128K random
   positions x all layers (8 and 61 layers, 656 and 1152 B rows) from a layer-major,
   position-major (``[row][layer]``) and page-major (``[block][layer][offset]``) carving of it,
-  plus a rows-in-flight x CTAs/SM sweep and the work order (pair-major vs layer-major).
+  plus a rows-in-flight x CTAs/SM sweep and the work order (pair-major vs layer-major);
+* translation reach (``--only reach``): one layer's gather of 16K (and 128K) random rows drawn
+  from 256 MiB ... 8 GiB of one registered host buffer, 656 and 1152 B rows: the span beyond
+  which scattered reads slow down, i.e. how large one layer's slab of a host pool may be.
 
 Prints a table and writes every number as JSON with --json.
 """
@@ -35,7 +38,8 @@ import time
 import torch
 
 from vllm_hisparse.cli.benchmarks.gpu_timing import DEV, RESULTS, flush_l2, log, spin_clocks
-from vllm_hisparse.cli.benchmarks.host_reads import bench_copies, bench_gather, bench_huge_pages, bench_layout
+from vllm_hisparse.cli.benchmarks.host_reads import (bench_copies, bench_gather, bench_huge_pages,
+                                                    bench_layout, bench_reach)
 from vllm_hisparse.ops import probe, reference
 from vllm_hisparse.ops.tuning import KernelTuning
 
@@ -344,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--quick", action="store_true", help="fewer points and repetitions")
-    ap.add_argument("--only", default="resolve,gather,copies,huge,layout",
-                    help="comma-separated subset of resolve,gather,copies,huge,layout")
+    ap.add_argument("--only", default="resolve,gather,copies,huge,layout,reach",
+                    help="comma-separated subset of resolve,gather,copies,huge,layout,reach")
     ap.add_argument("--profile-resolve", type=int, metavar="BATCH",
                     help="only run 4 resolve launches of this batch (D 4096, miss 5 %%) for a "
                          "profiler, e.g. ncu -k regex:resolve_ --launch-skip 3")
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     only = set(args.only.split(","))
     steps = [("resolve", bench_resolve), ("layout", bench_layout), ("gather", bench_gather),
-             ("copies", bench_copies), ("huge", bench_huge_pages)]
+             ("copies", bench_copies), ("huge", bench_huge_pages), ("reach", bench_reach)]
     for name, fn in steps:
         if name in only:
             try:
