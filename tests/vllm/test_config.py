@@ -153,6 +153,25 @@ def test_host_pool_gib_bounded_by_ram_and_cgroup(machine, value):
     assert parse({"host_pool_gib": 17}).host_pool_gib == 17.0
 
 
+def test_host_memory_can_be_stated_to_validate_a_config_for_a_larger_node(machine, monkeypatch):
+    """VLLM_HISPARSE_HOST_MEMORY_GIB: the deployment node's memory, so a deployment's config
+    (examples/: 384 GiB pools) validates on a small machine; still a bound."""
+    machine(16, 8)
+    with pytest.raises(HiSparseConfigError, match="set VLLM_HISPARSE_HOST_MEMORY_GIB to that "
+                       "node's memory"):
+        parse({"host_pool_gib": 384})
+    monkeypatch.setenv("VLLM_HISPARSE_HOST_MEMORY_GIB", "2048")
+    assert parse({"host_pool_gib": 384}).host_pool_gib == 384.0
+    with pytest.raises(HiSparseConfigError, match=r"more than this machine can pin "
+                       r"\(VLLM_HISPARSE_HOST_MEMORY_GIB=2048\)"):
+        parse({"host_pool_gib": 4096})
+    for bad in ("lots", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("VLLM_HISPARSE_HOST_MEMORY_GIB", bad)
+        with pytest.raises(HiSparseConfigError, match=r"VLLM_HISPARSE_HOST_MEMORY_GIB=.* is "
+                           "invalid; accepted: a finite number > 0"):
+            parse({"host_pool_gib": 1})
+
+
 def test_host_memory_limit_reads_cgroup_v2_and_v1(tmp_path):
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "self").mkdir(parents=True)

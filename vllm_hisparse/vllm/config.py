@@ -236,26 +236,46 @@ def _parse_host_pool_gib(extra: Mapping[str, Any]) -> float:
     return float(value)
 
 
+#: Environment variable that states the deployment node's memory (GiB) for the check below,
+#: so a config can be validated on a smaller machine (a laptop, CI). The workers still pin
+#: the pool for real: a pool larger than the node fails there.
+ENV_HOST_MEMORY_GIB = "VLLM_HISPARSE_HOST_MEMORY_GIB"
+
+
 def _check_host_pool_fits_memory(host_pool_gib: float | int) -> None:
     """Refuse a budget larger than this machine's RAM or memory cgroup can ever pin.
 
-    Checked against the smaller of the two; a budget that passes may still be too large
-    with several replicas or private per-rank pools on one node (the worker's pinning
-    then fails with its own message)."""
-    limit = host_memory_limit()
-    if limit.limit_bytes is None:
-        return
+    Checked against the smaller of the two, or against ``VLLM_HISPARSE_HOST_MEMORY_GIB``
+    when set; a budget that passes may still be too large with several replicas or private
+    per-rank pools on one node (the worker's pinning then fails with its own message)."""
+    stated = os.environ.get(ENV_HOST_MEMORY_GIB, "").strip()
+    if stated:
+        try:
+            limit_gib = float(stated)
+        except ValueError:
+            limit_gib = math.nan
+        if not math.isfinite(limit_gib) or limit_gib <= 0:
+            raise HiSparseConfigError(
+                f"{ENV_HOST_MEMORY_GIB}={stated!r} is invalid; accepted: a finite number > 0 "
+                "(GiB of memory of the node that will serve this config), or unset.")
+        limit_bytes, described = int(limit_gib * GIB), f"{ENV_HOST_MEMORY_GIB}={stated}"
+    else:
+        limit = host_memory_limit()
+        if limit.limit_bytes is None:
+            return
+        limit_bytes, described = limit.limit_bytes, limit.describe()
     # int/float comparison is exact in Python (no overflow for 10**400).
-    if host_pool_gib > limit.limit_bytes / GIB:
+    if host_pool_gib > limit_bytes / GIB:
         try:
             shown = f"{host_pool_gib:g}"
         except OverflowError:  # an int beyond float range
             shown = f"<an integer of {len(str(host_pool_gib))} digits>"
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: host_pool_gib={shown} is more than this machine can pin "
-            f"({limit.describe()}); accepted: host_pool_gib <= "
-            f"{limit.limit_bytes / GIB:.2f} (GiB of pinned host memory per data-parallel "
-            "replica, on every node that runs one)."
+            f"({described}); accepted: host_pool_gib <= {limit_bytes / GIB:.2f} (GiB of pinned "
+            "host memory per data-parallel replica, on every node that runs one). To validate "
+            f"a config for a larger node here, set {ENV_HOST_MEMORY_GIB} to that node's memory "
+            "in GiB."
         )
 
 
