@@ -179,5 +179,3 @@ def test_async_scheduling_with_drafts_is_refused(small_topk_model_dir):
     vllm_config.scheduler_config.async_scheduling = True
     with pytest.raises(HiSparseConfigError, match=message):
         resolve_config(vllm_config)
-
-

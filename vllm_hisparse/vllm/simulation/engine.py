@@ -320,6 +320,8 @@ class _Run:
                                         f"{exc}") from exc
             engine_outputs = self.scheduler.update_from_output(output, runner_output)
             for outputs in engine_outputs.values():
+                if self.probe is not None and outputs.scheduler_stats is not None:
+                    self.probe.scheduler_stats(self.step, outputs.scheduler_stats)
                 for out in outputs.outputs:
                     result.generated_tokens += len(out.new_token_ids)
                     if out.finish_reason is not None:
@@ -465,9 +467,11 @@ class _Run:
             if stats is not None:
                 self._add_worker_stats(stats)
             worker.clear_connector_metadata()
+            # The worker's counters ride to the scheduler as vLLM's model runner sends them,
+            # which folds them into its own connector's report (Scheduler.update_from_output).
             connector_output = KVConnectorOutput(
                 kv_connector_worker_meta=meta, finished_recving=loads.finished_recving or None,
-                failed_recving=loads.failed_recving)
+                failed_recving=loads.failed_recving, kv_connector_stats=stats)
         sampled = []
         for rid, state, start, n in batch:
             sampled.append([SAMPLED_TOKEN] if start + n >= state.plan.prompt_len else [])
