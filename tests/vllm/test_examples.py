@@ -66,9 +66,15 @@ def test_runnable_examples_run_exact_through_simulate(name, tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--connector-config", str(EXAMPLES / name), "--json", str(out)]
                 + TINY) == 0
-    assert re.search(r"exact: all [\d,]+ rows read", capsys.readouterr().out)
+    stdout = capsys.readouterr().out
+    assert re.search(r"exact: all [\d,]+ rows read", stdout)
+    # The file's host pool is replaced by the simulator's, and the output says so.
+    assert re.search(rf"--connector-config {re.escape(str(EXAMPLES / name))}: host_pool_gib=384 "
+                     r"replaced by [\d.]+ GiB \(the simulator's default: enough for every "
+                     r"request at once\)", stdout)
     report = json.loads(out.read_text())
     assert report["status"] == "ok"
+    assert report["connector_config_overridden"]["host_pool_gib"][0] == 384
     # host_pool_gib is the simulator's own; the report always names the eviction it ran
     assert report["spec"]["connector_extra"] == {"hot_region_eviction": "lru"}
 

@@ -101,6 +101,8 @@ class SimulationEngine:
         self.spec = spec
         self.progress = progress
         self.probe = probe
+        #: The host pool of the last run, GiB (``spec.host_pool_gib`` or the sized default).
+        self.host_pool_gib_used: float | None = None
         self.workload = make_workload(spec)
         self._tmp = None
         if workdir is None:
@@ -193,6 +195,7 @@ class SimulationEngine:
                 "accepted: more blocks or shorter "
                 f"--prompt-len / --output-len (vLLM: {exc})") from exc
         host_gib = self.host_pool_gib(full)
+        self.host_pool_gib_used = host_gib  # the CLI says so when it replaced a file's value
         vllm_config = self._config(host_gib)
         full, sched_config = self._plan(vllm_config)
         if not with_connector:
