@@ -26,7 +26,7 @@ RUNS = ("both", "with", "without")
 # Defaults: a 4-layer IndexShare model (2 index units of 2 layers), block 64, top-k 128 (hot
 # region 256 rows = 4 blocks per request), 400 device blocks (5 KV cache groups, so about 80
 # pages of tokens), 32 requests of ~1024 + ~256 tokens arriving at once. Without the connector
-# about 7 requests fit; with it about twice as many. About 20 s on a 2-core machine.
+# about 7 requests fit; with it about twice as many (README, "Use", says how long it runs).
 DEFAULTS = dict(requests=32, prompt_len=1024, output_len=256, length_jitter=0.0,
                 device_blocks=400, layers=4, layers_per_indexer=2, block_size=64, top_k=128,
                 prefill_top_k=16, max_num_seqs=32, max_num_batched_tokens=1024)
