@@ -63,6 +63,7 @@ def test_bench_decode_capacity_runs_on_cpu(tmp_path):
                                                  str(results[1]["hybrid_batch"])}
 
 
+@pytest.mark.slow  # a second capacity run in a fresh interpreter (the one above covers the run)
 def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_path):
     out = tmp_path / "cap.json"
     r = run_bench("capacity", "--contexts", "2048", "--hbm-gib", "0.01",
@@ -77,9 +78,13 @@ def test_bench_decode_capacity_sum_weight_pass_and_trace_flag_run_on_cpu(tmp_pat
     assert "timeline" not in data["results"][0]["modes"]["single"]
 
 
-def test_bench_decode_capacity_rejects_a_bad_gather_mode():
-    r = run_bench("capacity", "--gather-modes", "side:0")
-    assert r.returncode == 2 and "expected side[:C1,C2,...][@N][#M][~P]" in r.stderr
+def test_bench_decode_capacity_rejects_a_bad_gather_mode(capsys):
+    from vllm_hisparse.cli.main import main
+
+    with pytest.raises(SystemExit) as info:  # in this process: an argument error needs no run
+        main(["bench", "capacity", "--gather-modes", "side:0"])
+    assert info.value.code == 2
+    assert "expected side[:C1,C2,...][@N][#M][~P]" in capsys.readouterr().err
 
 
 def test_ncu_phases_sums_each_barrier_delimited_phase(tmp_path):

@@ -47,6 +47,10 @@ def run_ranks(cfg):
     (["--rows"], "argument --rows: expected at least one argument"),
     (["--shm-dir", "/no/such/dir"], "--shm-dir=/no/such/dir is not a directory"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    # Refused against this machine's memory like every command's pool (it used to shrink
+    # silently to /dev/shm's room).
+    (["--pool-gib", "100000"], "--pool-gib=100000 does not fit: the shared host pool would take "
+     "100000 GiB, this machine can allocate"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
     with pytest.raises(SystemExit) as info:

@@ -480,8 +480,14 @@ def test_random_corrupt_lru_against_naive(seed):
     check_against_naive(case)
 
 
-@pytest.mark.parametrize("name,case", list(adversarial_cases()),
-                         ids=[c[0] for c in adversarial_cases()])
+#: Cases whose pure-Python naive check takes seconds (the largest sizes: D = 32768, K = 2048):
+#: the slow tier runs them; the GPU tests compare the kernel with the reference on every case.
+_SLOW_CASES = ("max sizes, ids at the int32 edge",)
+
+
+@pytest.mark.parametrize("name,case", [
+    pytest.param(name, case, marks=[pytest.mark.slow] if name in _SLOW_CASES else [])
+    for name, case in adversarial_cases()], ids=[c[0] for c in adversarial_cases()])
 def test_adversarial_valid_cases_against_naive(name, case):
     check_against_naive(case)
 

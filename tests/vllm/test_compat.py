@@ -332,6 +332,22 @@ def test_parallel_layout_accessors(dsa_model_dir):
         "ensure_kv_transfer_initialized(")
 
 
+def test_config_time_accessors(dsa_model_dir):
+    """What the checks at VllmConfig time read (vllm/engine_checks.py)."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+
+    from tests.vllm.vllm_configs import make_vllm_config
+
+    config = make_vllm_config(dsa_model_dir)  # block_size=64 given
+    assert compat.user_specified_block_size(config)
+    assert "user_specified_block_size" in CacheConfig.__dataclass_fields__
+    assert not compat.is_submodel_config(config)
+    assert "is_submodel_config" in ModelConfig.__dataclass_fields__
+    assert isinstance(compat.platform_supports_hybrid_kv_cache(), bool)
+    assert callable(VllmConfig._get_v2_model_runner_unsupported_features)
+    assert compat.v2_model_runner_unsupported_features(config) == []
+
+
 def test_offloading_interop_fields():
     """The public fields OffloadingConnector keys on, and what vLLM does with them
     (``compat.scope_offloading``, ``offloading_scope.py``)."""

@@ -153,6 +153,25 @@ def test_host_pool_gib_bounded_by_ram_and_cgroup(machine, value):
     assert parse({"host_pool_gib": 17}).host_pool_gib == 17.0
 
 
+def test_host_memory_can_be_stated_to_validate_a_config_for_a_larger_node(machine, monkeypatch):
+    """VLLM_HISPARSE_HOST_MEMORY_GIB: the deployment node's memory, so a deployment's config
+    (examples/: 384 GiB pools) validates on a small machine; still a bound."""
+    machine(16, 8)
+    with pytest.raises(HiSparseConfigError, match="set VLLM_HISPARSE_HOST_MEMORY_GIB to that "
+                       "node's memory"):
+        parse({"host_pool_gib": 384})
+    monkeypatch.setenv("VLLM_HISPARSE_HOST_MEMORY_GIB", "2048")
+    assert parse({"host_pool_gib": 384}).host_pool_gib == 384.0
+    with pytest.raises(HiSparseConfigError, match=r"more than this machine can pin "
+                       r"\(VLLM_HISPARSE_HOST_MEMORY_GIB=2048\)"):
+        parse({"host_pool_gib": 4096})
+    for bad in ("lots", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("VLLM_HISPARSE_HOST_MEMORY_GIB", bad)
+        with pytest.raises(HiSparseConfigError, match=r"VLLM_HISPARSE_HOST_MEMORY_GIB=.* is "
+                           "invalid; accepted: a finite number > 0"):
+            parse({"host_pool_gib": 1})
+
+
 def test_host_memory_limit_reads_cgroup_v2_and_v1(tmp_path):
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "self").mkdir(parents=True)
@@ -371,10 +390,21 @@ def test_supported_engine_resolves(dsa_model_dir):
     assert (config.top_k, config.block_size, config.max_decode_query_len) == (2048, 64, 1)
 
 
+def _our_error(excinfo) -> HiSparseConfigError:
+    """The HiSparseConfigError inside the ValidationError vLLM's pydantic config raised."""
+    error = excinfo.value.errors()[0]["ctx"]["error"]
+    assert isinstance(error, HiSparseConfigError)
+    return error
+
+
 def test_pipeline_parallel_rejected(dsa_model_dir):
-    vllm_config = make_vllm_config(
-        dsa_model_dir, kv_transfer=kv_transfer_config(), pipeline_parallel_size=2
-    )
+    """Refused when the VllmConfig is built (tests/vllm/test_config_serve_path.py builds it
+    as `vllm serve` does); the engine's second line refuses a config changed afterwards."""
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2; accepted: 1") as err:
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config(), pipeline_parallel_size=2)
+    _our_error(err)
+    vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
+    vllm_config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(HiSparseConfigError, match="pipeline_parallel_size=2; accepted: 1"):
         resolve_config(vllm_config)
 
@@ -415,14 +445,22 @@ def test_v1_model_runner_rejected(dsa_model_dir, monkeypatch):
     import vllm.envs as envs
     vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
     monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False)
-    with pytest.raises(HiSparseConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
+    with pytest.raises(HiSparseConfigError) as err:
         resolve_config(vllm_config)
+    # One sentence that says what runs, why, and what to change (it used to read
+    # "...(VLLM_USE_V2_MODEL_RUNNER=0 or a feature V2 lacks)=True; accepted: ...").
+    assert str(err.value) == (
+        "HiSparseResidencyConnector needs vLLM's Model Runner V2, but this config runs the V1 "
+        "model runner (VLLM_USE_V2_MODEL_RUNNER=0); accepted: Model Runner V2 (unset "
+        "VLLM_USE_V2_MODEL_RUNNER or set it to 1, and drop the options V2 does not support).")
+    with pytest.raises(ValueError, match=r"runs the V1 model runner \(VLLM_USE_V2_MODEL_RUNNER=0\)"):
+        make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config())
 
 
 def test_model_without_index_topk_rejected(mla_model_dir):
-    vllm_config = make_vllm_config(mla_model_dir, kv_transfer=kv_transfer_config())
-    with pytest.raises(HiSparseConfigError, match="index_topk=None; accepted: a DSA"):
-        resolve_config(vllm_config)
+    with pytest.raises(ValueError, match="index_topk=None; accepted: a DSA") as err:
+        make_vllm_config(mla_model_dir, kv_transfer=kv_transfer_config())
+    _our_error(err)
 
 
 def test_hybrid_kv_manager_disabled_rejected(dsa_model_dir):

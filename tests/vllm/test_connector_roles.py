@@ -41,7 +41,9 @@ class _RecordingWorkerRole:
         return HiSparseWorkerMetadata()
 
     def get_stats(self):
-        return HiSparseConnectorStats(data={"num_hot_hits": 3})
+        from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+
+        return HiSparseWorkerStats(data={"hot_hits": 3})
 
     def shutdown(self):
         self.calls.append(("shutdown",))
@@ -65,7 +67,10 @@ def test_worker_role_delegates_to_hisparse_worker_role(dsa_model_dir, monkeypatc
     connector.wait_for_save()
     assert isinstance(connector.build_connector_worker_meta(), HiSparseWorkerMetadata)
     connector.clear_connector_metadata()
-    assert connector.get_kv_connector_stats().data == {"num_hot_hits": 3}
+    # Reported as the scheduler role's class: vLLM folds the two (one type, under
+    # MultiConnector an assert), tests/vllm/test_metrics_prometheus.py.
+    stats = connector.get_kv_connector_stats()
+    assert type(stats) is HiSparseConnectorStats and stats.data["hot_hits"] == 3
     connector.shutdown()
     assert [c[0] for c in role.calls] == [
         "init", "register_kv_caches", "bind_step_metadata", "start_load_kv", "wait_for_save",
@@ -80,7 +85,7 @@ def test_stats_sum_counters_keep_latest_gauges_and_extend():
     a.add("num_spilled_pages", 2)
     a.set_gauge("num_pending_transfers", 5)
     b = HiSparseConnectorStats(data={"num_spilled_pages": 3, "num_pending_transfers": 1,
-                                     "num_hot_hits": 6, "num_hot_misses": 2})  # worker fields
+                                     "hot_hits": 6, "misses": 2})  # worker fields
     merged = a.aggregate(b)
     assert merged.data["num_spilled_pages"] == 5
     assert merged.data["num_pending_transfers"] == 1
@@ -122,11 +127,12 @@ def test_prometheus_metrics_names_and_observe(dsa_model_dir):
     prom = HiSparseResidencyConnector.build_prom_metrics(
         vllm_config, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
         ["model_name", "engine"], {0: ["m", "0"]})
-    prom.observe({"num_released_pages": 4, "num_pending_transfers": 2, "num_hot_hits": 9}, engine_idx=0)
+    prom.observe({"num_released_pages": 4, "num_pending_transfers": 2, "hot_hits": 9,
+                  "a_key_of_another_version": 1}, engine_idx=0)
     prom.observe({"num_released_pages": 1, "num_pending_transfers": 0}, engine_idx=0)
     labels = {"model_name": "m", "engine": "0"}
     assert registry.get_sample_value("vllm:hisparse_residency_released_pages_total", labels) == 5
     assert registry.get_sample_value("vllm:hisparse_residency_pending_transfers", labels) == 0
+    assert registry.get_sample_value("vllm:hisparse_residency_hot_hits_total", labels) == 9
     for key, (name, kind, _) in PROMETHEUS_METRICS.items():
-        assert name.startswith("vllm:hisparse_residency_")
         assert (kind == "gauge") == (key in GAUGES)

@@ -17,8 +17,6 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from tests.vllm.vllm_configs import make_vllm_config  # noqa: E402
 from vllm_hisparse.cli.main import main  # noqa: E402
-from vllm_hisparse.core.capacity import HostMemoryLimit  # noqa: E402
-from vllm_hisparse.vllm import config as config_module  # noqa: E402
 from vllm_hisparse.vllm.config import find_connector_extra_config, resolve_config  # noqa: E402
 from vllm_hisparse.vllm.plugin import register  # noqa: E402
 
@@ -32,9 +30,9 @@ TINY = ["--requests", "6", "--prompt-len", "384", "--output-len", "48", "--devic
 
 @pytest.fixture
 def big_host(monkeypatch):
-    """A deployment host: 2 TiB of RAM, so the examples' 384 GiB pools are accepted."""
-    monkeypatch.setattr(config_module, "host_memory_limit",
-                        lambda: HostMemoryLimit(2048 << 30, None, None))
+    """A deployment host of 2 TiB, stated as examples/README.md says (the examples' 384 GiB
+    pools are then accepted on this machine)."""
+    monkeypatch.setenv("VLLM_HISPARSE_HOST_MEMORY_GIB", "2048")
 
 
 def test_every_deployment_has_its_folder():
@@ -66,9 +64,15 @@ def test_runnable_examples_run_exact_through_simulate(name, tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--connector-config", str(EXAMPLES / name), "--json", str(out)]
                 + TINY) == 0
-    assert re.search(r"exact: all [\d,]+ rows read", capsys.readouterr().out)
+    stdout = capsys.readouterr().out
+    assert re.search(r"exact: all [\d,]+ rows read", stdout)
+    # The file's host pool is replaced by the simulator's, and the output says so.
+    assert re.search(rf"--connector-config {re.escape(str(EXAMPLES / name))}: host_pool_gib=384 "
+                     r"replaced by [\d.]+ GiB \(the simulator's default: enough for every "
+                     r"request at once\)", stdout)
     report = json.loads(out.read_text())
     assert report["status"] == "ok"
+    assert report["connector_config_overridden"]["host_pool_gib"][0] == 384
     # host_pool_gib is the simulator's own; the report always names the eviction it ran
     assert report["spec"]["connector_extra"] == {"hot_region_eviction": "lru"}
 
@@ -101,3 +105,53 @@ def test_plan_sizing_config_is_what_plan_prints(capsys):
     printed = re.search(r"--kv-transfer-config '(.*)'", capsys.readouterr().out).group(1)
     expected = json.loads((EXAMPLES / "plan-sizing" / "kv_transfer_config.json").read_text())
     assert json.loads(printed) == expected
+
+
+def _proxy_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pd_proxy", EXAMPLES / "pd-nixl" / "proxy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_proxy_sends_the_prefill_first_then_the_decode_with_its_kv_transfer_params(stream):
+    """examples/pd-nixl/proxy.py against stand-ins of both nodes (httpx's mock transport)."""
+    import httpx
+    from fastapi.testclient import TestClient
+
+    proxy = _proxy_module()
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
+              "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.1", "remote_port": 5600,
+              "remote_request_id": "cmpl-1"}
+    seen = []
+
+    def nodes(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.host, body))
+        if request.url.host == "prefill":
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": params})
+        if body.get("stream"):
+            return httpx.Response(200, content=b"data: {\"text\": \"ok\"}\n\ndata: [DONE]\n\n")
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(nodes))
+    app = proxy.make_app(["http://prefill:8100"], ["http://decode:8200"], client=upstream)
+    request = {"model": "m", "prompt": "hello", "max_tokens": 64, "stream": stream}
+    response = TestClient(app).post("/v1/completions", json=request)
+    assert response.status_code == 200
+    assert (b"[DONE]" in response.content) if stream else (
+        response.json()["choices"][0]["text"] == "decoded")
+    (p_host, p_body), (d_host, d_body) = seen
+    assert (p_host, d_host) == ("prefill", "decode")
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert d_body == {**request, "kv_transfer_params": params}
+
+
+def test_pd_proxy_names_a_prefill_that_is_not_a_nixl_producer():
+    proxy = _proxy_module()
+    with pytest.raises(ValueError, match="returned no kv_transfer_params"):
+        proxy.decode_request({"prompt": "x"}, {"choices": []})

@@ -120,6 +120,7 @@ def test_register_logs_name_and_version_once(monkeypatch, caplog, dsa_model_dir)
     assert patches.CONFIG_CHECK.installed()
 
 
+@pytest.mark.slow  # a fresh interpreter importing vLLM: 9-12 s on 2 cores
 def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):
     """A process set up like ``vllm serve``: vLLM loads the entry point, then configures its
     logging, then builds the config. Our lines are printed through vLLM's handler."""

@@ -167,8 +167,15 @@ def test_device_buffer_default_follows_the_spec_config(small_topk_model_dir):
 
 
 def test_async_scheduling_with_drafts_is_refused(small_topk_model_dir):
+    """Refused when the VllmConfig is built; the engine's second line refuses a config
+    switched to async scheduling afterwards."""
+    message = (r"async_scheduling=True with speculative decoding \(num_speculative_tokens=2\); "
+               r"accepted: --no-async-scheduling")
+    with pytest.raises(ValueError, match=message):
+        make_vllm_config(small_topk_model_dir, kv_transfer=kv_transfer_config(),
+                         num_speculative_tokens=2, async_scheduling=True)
     vllm_config = make_vllm_config(small_topk_model_dir, kv_transfer=kv_transfer_config(),
-                                   num_speculative_tokens=2, async_scheduling=True)
-    with pytest.raises(HiSparseConfigError, match="async_scheduling=True with speculative decoding"
-                       r" \(num_speculative_tokens=2\); accepted: --no-async-scheduling"):
+                                   num_speculative_tokens=2)
+    vllm_config.scheduler_config.async_scheduling = True
+    with pytest.raises(HiSparseConfigError, match=message):
         resolve_config(vllm_config)

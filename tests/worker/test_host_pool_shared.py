@@ -369,6 +369,7 @@ def test_racing_creators_never_both_publish(shm_dir):
     winner.close_file()
 
 
+@pytest.mark.slow  # two real processes; test_racing_creators_never_both_publish is the fast twin
 def test_two_creator_processes_racing_one_name(shm_dir):
     name = new_name()
     go, release, out = CTX.Event(), CTX.Event(), CTX.Queue()

@@ -12,6 +12,10 @@ import math
 import os
 
 
+#: Exit status after Ctrl-C (128 + SIGINT, what a shell reports for it).
+EXIT_INTERRUPTED = 130
+
+
 class CliParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line: ``PROG: error: MESSAGE``."""
 

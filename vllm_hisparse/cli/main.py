@@ -3,7 +3,8 @@
 Subcommands live in their own modules and register themselves here; each gets a parser and a
 ``run(args) -> int``. Bad arguments end with a one-line message naming the flag or file and
 exit status 2 (argparse's convention); a failed check or a file that could not be written ends
-with status 1. vLLM's and torch's logging and warnings stay out of the output unless
+with status 1; Ctrl-C with one line and status 130 (``simulate`` writes its partial report
+first). vLLM's and torch's logging and warnings stay out of the output unless
 ``--verbose`` (before or after the subcommand).
 """
 
@@ -14,7 +15,7 @@ import sys
 
 from vllm_hisparse import __version__
 from vllm_hisparse.cli import bench, plan, replay, simulate
-from vllm_hisparse.cli.args import CliParser
+from vllm_hisparse.cli.args import EXIT_INTERRUPTED, CliParser
 from vllm_hisparse.cli.quiet import quiet
 
 SUBCOMMANDS = {"simulate": simulate, "bench": bench, "plan": plan, "replay": replay}
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         except (CliError, ValueError, OSError) as exc:
             message = " ".join(_message(exc).split())  # one line, whatever raised it
             parser.exit(2, f"vllm-hisparse {args.command}: error: {message}\n")
+        except KeyboardInterrupt:  # a subcommand that writes a partial report catches it first
+            parser.exit(EXIT_INTERRUPTED, f"vllm-hisparse {args.command}: interrupted (Ctrl-C)\n")
 
 
 def _message(exc: BaseException) -> str:

@@ -9,6 +9,9 @@ the LRU (``hisparse``, the kernel's policy) → Bélády gap each online policy 
 sized from each request's miss rate (``core.hot_sizing``), on the trace or, by default, on a
 synthetic trace of four requests whose selections drift differently: the miss rates, the hot
 blocks per request, and what they mean for concurrency.
+
+Tables go to stdout; a plot (miss rate against hot-region size) is written only with
+``--plot PNG``, the numbers as JSON only with ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -30,14 +33,29 @@ from vllm_hisparse.core.units import GIB
 
 DEFAULT_CAPACITIES = (2048, 3072, 4096, 6144, 8192)
 
+#: One line per policy of ``core.replacement.POLICIES`` (``--help`` and docs/cli.md).
+POLICY_HELP = {
+    "hisparse": "this package's kernel: LRU, a step's hits more recent than its misses",
+    "lru": "every position used this step becomes most recent",
+    "fifo": "the oldest inserted position goes first; hits do not move",
+    "random": "a random victim",
+    "current": "keep only this step's selections (no reuse across steps: the baseline a "
+               "hot region must beat)",
+    "belady": "the position used again furthest in the future (offline optimum)",
+    "score": "lowest indexer-score class first (needs a trace with score classes)",
+    "frequency": "fewest recent selections first, weighed against recency",
+}
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="score replacement policies x hot-region sizes on a trace",
-                       description=__doc__)
+                       description=__doc__, epilog="policies: " + "; ".join(
+                           f"{name}: {POLICY_HELP[name]}" for name in POLICIES))
     p.add_argument("--trace", metavar="PATH", help="a .npz selection trace (default: the "
                    "embedded synthetic trace)")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
-                   metavar="POLICY", help=f"from {', '.join(POLICIES)} (default: all)")
+                   metavar="POLICY", help=f"from {', '.join(POLICIES)} (default: all; each is "
+                   "described below)")
     p.add_argument("--capacities", nargs="+", type=positive_int,
                    default=list(DEFAULT_CAPACITIES), metavar="ROWS",
                    help="hot-region sizes in rows (default: %(default)s)")
@@ -53,7 +71,8 @@ def add_parser(sub) -> None:
                         "miss rate (default trace: four requests that drift differently)")
     p.add_argument("--json", metavar="PATH", type=output_path, help="write the results as JSON")
     p.add_argument("--plot", metavar="PNG", type=output_path,
-                   help="plot miss rate vs hot-region size (matplotlib)")
+                   help="plot miss rate vs hot-region size (matplotlib); without it no plot "
+                   "is written")
 
 
 def load_trace(path: str) -> SelectionTrace:

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 import time
 
-from vllm_hisparse.cli.args import output_path
+from vllm_hisparse.cli.args import EXIT_INTERRUPTED, output_path
 from vllm_hisparse.cli.memory import check_fits_in_memory
 from vllm_hisparse.cli.output import write_file, write_json
 
@@ -26,7 +26,7 @@ RUNS = ("both", "with", "without")
 # Defaults: a 4-layer IndexShare model (2 index units of 2 layers), block 64, top-k 128 (hot
 # region 256 rows = 4 blocks per request), 400 device blocks (5 KV cache groups, so about 80
 # pages of tokens), 32 requests of ~1024 + ~256 tokens arriving at once. Without the connector
-# about 7 requests fit; with it about twice as many. About 20 s on a 2-core machine.
+# about 7 requests fit; with it about twice as many (README, "Use", says how long it runs).
 DEFAULTS = dict(requests=32, prompt_len=1024, output_len=256, length_jitter=0.0,
                 device_blocks=400, layers=4, layers_per_indexer=2, block_size=64, top_k=128,
                 prefill_top_k=16, max_num_seqs=32, max_num_batched_tokens=1024)
@@ -105,8 +105,9 @@ def add_parser(sub) -> None:
     m.add_argument("--connector-config", metavar="PATH", default=None,
                    help="a --kv-transfer-config JSON file (alone or MultiConnector, as in "
                    "examples/): the connector runs with its extra-config keys; host_pool_gib "
-                   "and ops_backend stay the simulator's (--host-pool-gib, --ops-backend) and "
-                   "the other connectors of a composition are not simulated")
+                   "and ops_backend stay the simulator's (--host-pool-gib, --ops-backend; the "
+                   "output says when the file's value was replaced) and the other connectors "
+                   "of a composition are not simulated")
     m.add_argument("--adaptive-hot-region", action="store_true",
                    help="the connector's adaptive_hot_region: each host-backed request's hot "
                    "region sized from its miss rate (default: fixed regions)")
@@ -115,9 +116,9 @@ def add_parser(sub) -> None:
                    "--adaptive-hot-region; default: the connector's)")
     m.add_argument("--hot-region-eviction", choices=("lru", "score"), default=None,
                    help="the connector's hot_region_eviction: which hot slot a miss takes, "
-                   "the least recently used or the one the indexer scored lowest (needs "
-                   "indexer scores: --topk-drift scored) (default: --connector-config's, "
-                   "else lru)")
+                   "the least recently used or the one the indexer scored lowest (score "
+                   "needs indexer scores: refused without --topk-drift scored) (default: "
+                   "--connector-config's, else lru)")
     m.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch CPU threads (default: %(default)s; the per-step tensors are "
                    "small, more threads mostly spin)")
@@ -127,14 +128,15 @@ def add_parser(sub) -> None:
     r.add_argument("--max-steps", type=int, default=20_000, metavar="N",
                    help="fail a run that has not finished after N steps (default: %(default)s)")
     r.add_argument("--json", metavar="PATH", type=output_path, help="write the spec, both "
-                   "runs and the verdict as JSON (also on failure)")
+                   "runs and the verdict as JSON (also on failure, and on Ctrl-C with the runs "
+                   "completed so far: status 'interrupted', exit status 130)")
     r.add_argument("--plot", metavar="PNG", type=output_path, help="plot running requests, "
                    "free device blocks and hit / miss rates per step of each run (matplotlib)")
     r.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def _spec(args):
-    from vllm_hisparse.vllm.simulation.engine import SimulationSpec
+def _spec(args, file_extra: dict | None):
+    from vllm_hisparse.vllm.simulation.spec import SimulationSpec  # no vLLM, no torch
 
     return SimulationSpec(
         num_layers=args.layers, layers_per_indexer=args.layers_per_indexer,
@@ -147,50 +149,74 @@ def _spec(args):
         arrival=args.arrival, arrival_rate=args.arrival_rate, topk_drift=args.topk_drift,
         seed=args.seed, device=args.device, ops_backend=args.ops_backend,
         tensor_parallel_size=args.tensor_parallel_size,
-        attention=args.attention, connector_extra=_extra_keys(args), max_steps=args.max_steps)
+        attention=args.attention, connector_extra=_extra_keys(args, file_extra),
+        max_steps=args.max_steps)
 
 
-def _extra_keys(args) -> dict | None:
-    """Extra-config keys from --connector-config, then the options that set one (an option
-    given wins over the file)."""
-    extra = _connector_extra(args.connector_config)
+def _extra_keys(args, file_extra: dict | None) -> dict:
+    """Extra-config keys from --connector-config (without the keys the simulator sets), then
+    the options that set one (an option given wins over the file)."""
+    extra = {k: v for k, v in (file_extra or {}).items() if k not in _SIMULATOR_KEYS}
     if args.adaptive_hot_region:
-        extra = {**(extra or {}), "adaptive_hot_region": True}
+        extra["adaptive_hot_region"] = True
     if args.hot_region_target_miss_rate is not None:
-        extra = {**(extra or {}), "hot_region_target_miss_rate": args.hot_region_target_miss_rate}
+        extra["hot_region_target_miss_rate"] = args.hot_region_target_miss_rate
     # Always set, so that the report's spec says which eviction ran.
-    eviction = args.hot_region_eviction or (extra or {}).get("hot_region_eviction", "lru")
-    return {**(extra or {}), "hot_region_eviction": eviction}
+    extra["hot_region_eviction"] = args.hot_region_eviction or extra.get("hot_region_eviction",
+                                                                         "lru")
+    return extra
 
 
 #: Extra-config keys of a --connector-config file the simulator sets itself.
 _SIMULATOR_KEYS = ("host_pool_gib", "ops_backend")
 
+#: The connector's name (``vllm.config.CONNECTOR_NAME``, whose module imports vLLM; a test
+#: checks they agree).
+CONNECTOR_NAME = "HiSparseResidencyConnector"
 
-def _connector_extra(path: str | None) -> dict | None:
-    """Our connector's ``kv_connector_extra_config`` from a ``--kv-transfer-config`` JSON
-    file (top level or a MultiConnector child), without the keys the simulator sets; None
-    without a file. A file that is not such a config, or names no HiSparseResidencyConnector,
-    is a ValueError naming the option."""
+
+def _read_connector_config(path: str | None) -> tuple[dict | None, dict | None]:
+    """``(the file's JSON, our connector's kv_connector_extra_config)`` of a
+    ``--kv-transfer-config`` JSON file (top level or a MultiConnector child); ``(None, None)``
+    without a file. Plain JSON, before vLLM is imported: a file that is not a JSON object, or
+    names no HiSparseResidencyConnector, is a ValueError naming the option
+    (:func:`_check_connector_config` validates it with vLLM's ``KVTransferConfig`` later)."""
     if path is None:
-        return None
+        return None, None
     import json
+
+    from vllm_hisparse.vllm.connector_entries import connector_entries
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--connector-config={path} is invalid: {exc}".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--connector-config={path} is invalid: expected a JSON object (a "
+                         f"--kv-transfer-config), got {type(raw).__name__}")
+    ours = [entry.extra for entry in connector_entries(raw.get("kv_connector"),
+                                                       raw.get("kv_connector_extra_config"))
+            if entry.name == CONNECTOR_NAME]
+    if not ours:
+        raise ValueError(f"--connector-config={path} is invalid: it names no {CONNECTOR_NAME} "
+                         "(top level or a MultiConnector child)")
+    return raw, dict(ours[0]) if isinstance(ours[0], dict) else {}
+
+
+def _check_connector_config(path: str, raw: dict) -> None:
+    """vLLM's own validation of the file (``KVTransferConfig``) and our entry's shape."""
     import types
 
     from vllm.config import KVTransferConfig
 
-    from vllm_hisparse.vllm.config import CONNECTOR_NAME, find_connector_extra_config
+    from vllm_hisparse.vllm.config import find_connector_extra_config
 
     try:
-        with open(path) as f:
-            kv_transfer_config = KVTransferConfig(**json.load(f))
-    except (OSError, TypeError, ValueError) as exc:
+        kv_transfer_config = KVTransferConfig(**raw)
+        find_connector_extra_config(types.SimpleNamespace(kv_transfer_config=kv_transfer_config))
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"--connector-config={path} is invalid: {exc}".splitlines()[0]) from None
-    extra = find_connector_extra_config(types.SimpleNamespace(kv_transfer_config=kv_transfer_config))
-    if extra is None:
-        raise ValueError(f"--connector-config={path} is invalid: it names no {CONNECTOR_NAME} "
-                         "(top level or a MultiConnector child)")
-    return {k: v for k, v in extra.items() if k not in _SIMULATOR_KEYS}
 
 
 class ProgressBar:
@@ -331,14 +357,13 @@ class StepSeries:
             self.forward(p)
 
 
-def run(args) -> int:
+def validate(args):
+    """Every argument check that needs neither torch nor vLLM (those imports take a minute on
+    a loaded machine): ``(spec, connector config file's JSON, its extra config)``."""
     if args.threads <= 0:
         raise ValueError(f"--threads={args.threads} is invalid; accepted: a positive integer")
-    import torch  # before vLLM: its logging is set up at first import (cli/quiet.py)
-
-    from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationFailure
-
-    spec = _spec(args)
+    raw, file_extra = _read_connector_config(args.connector_config)
+    spec = _spec(args, file_extra)
     spec.validate()  # ValueError -> exit 2 with the option's name
     if spec.device_blocks < 2:  # vLLM's own message would blame gpu_memory_utilization
         raise ValueError(f"--device-blocks={spec.device_blocks} is invalid: vLLM keeps one "
@@ -346,11 +371,35 @@ def run(args) -> int:
                          "one request of --prompt-len + --output-len in every KV cache group")
     if spec.host_pool_gib is not None:
         check_fits_in_memory("--host-pool-gib", spec.host_pool_gib)
+    return spec, raw, file_extra
+
+
+class _LastProgress:
+    """Remembers the engine's last progress report (for an interrupted run's report)."""
+
+    def __init__(self, forward=None):
+        self.forward, self.last = forward, None
+
+    def __call__(self, p) -> None:
+        self.last = p
+        if self.forward is not None:
+            self.forward(p)
+
+
+def run(args) -> int:
+    spec, raw, file_extra = validate(args)
+    import torch  # before vLLM: its logging is set up at first import (cli/quiet.py)
+
+    from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationFailure
+
+    if raw is not None:
+        _check_connector_config(args.connector_config, raw)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     bar = None if args.quiet else ProgressBar()
     series = StepSeries(bar) if args.plot else None
-    engine = SimulationEngine(spec, progress=series or bar)
+    progress = _LastProgress(series or bar)
+    engine = SimulationEngine(spec, progress=progress)
     results: dict = {}
     report = {"command": "simulate", "spec": dataclasses.asdict(spec),
               "workload": [dataclasses.asdict(p) for p in engine.workload],
@@ -374,12 +423,26 @@ def run(args) -> int:
                                     "layer": exc.layer, "position": exc.position})
         print(f"vllm-hisparse simulate: FAILED: {exc}", file=sys.stderr)
         status = 1
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.end()
+        where = _interrupted_at(progress.last)
+        report.update(status="interrupted", error=f"interrupted (Ctrl-C){where}",
+                      interrupted=None if progress.last is None
+                      else dataclasses.asdict(progress.last))
+        print(f"vllm-hisparse simulate: interrupted (Ctrl-C){where}", file=sys.stderr)
+        status = EXIT_INTERRUPTED
     finally:
         torch.set_num_threads(threads)
         engine.close()
         report["wall_s"] = time.perf_counter() - started
+    overridden = _overridden_keys(file_extra, engine, spec)
+    if overridden:
+        report["connector_config_overridden"] = overridden
     if results:
         print(_workload_line(spec))
+        if overridden:
+            print(_overridden_line(args.connector_config, overridden, args))
         print(format_table(results))
         for label, result in results.items():
             if result.ranks:
@@ -391,12 +454,44 @@ def run(args) -> int:
     written = True
     if args.json:
         written &= write_json("--json", args.json, report, command="simulate")
-    if args.plot and series.runs:
+    if args.plot and series.runs and status != EXIT_INTERRUPTED:
         from vllm_hisparse.cli.plots import simulate_plot
 
         written &= write_file("--plot", args.plot, lambda path: simulate_plot(
             path, series.runs, _workload_line(spec)), command="simulate")
     return status or (0 if written else 1)
+
+
+def _interrupted_at(progress) -> str:
+    if progress is None:
+        return " before the first step"
+    return (f" during the run {progress.label}, at step {progress.step} "
+            f"({progress.finished}/{progress.total} requests finished)")
+
+
+def _overridden_keys(file_extra: dict | None, engine, spec) -> dict:
+    """The --connector-config file's keys the simulator replaced: key -> (file's, used)."""
+    if not file_extra:
+        return {}
+    used = {"host_pool_gib": getattr(engine, "host_pool_gib_used", None) or spec.host_pool_gib,
+            "ops_backend": spec.ops_backend}
+    return {key: (file_extra[key], used[key]) for key in _SIMULATOR_KEYS
+            if key in file_extra and file_extra[key] != used[key]}
+
+
+def _overridden_line(path: str, overridden: dict, args) -> str:
+    """One line: which of the file's keys the simulator replaced, by what, and why."""
+    parts = []
+    for key, (given, used) in overridden.items():
+        if key == "host_pool_gib":
+            how = ("--host-pool-gib" if args.host_pool_gib is not None else
+                   "the simulator's default: enough for every request at once")
+            shown = "?" if used is None else f"{used:.3g}"
+            parts.append(f"host_pool_gib={given:g} replaced by {shown} GiB ({how})")
+        else:
+            parts.append(f"{key}={given} replaced by {used} (--{key.replace('_', '-')})")
+    return (f"--connector-config {path}: " + "; ".join(parts)
+            + "; the file's other keys are the connector's")
 
 
 def _workload_line(spec) -> str:

@@ -525,6 +525,41 @@ def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
     return int(pc.rank) % max(1, int(pc.tensor_parallel_size))
 
 
+# --------------------------------------------------------------------------------------
+# Config time (vllm_hisparse/vllm/engine_checks.py). Checked by
+# tests/vllm/test_compat.py::test_config_time_accessors.
+# --------------------------------------------------------------------------------------
+
+
+def is_submodel_config(vllm_config: VllmConfig) -> bool:
+    """``ModelConfig.is_submodel_config``: a view of a validated config that
+    ``VllmConfig.__post_init__`` skips."""
+    return bool(getattr(vllm_config.model_config, "is_submodel_config", False))
+
+
+def user_specified_block_size(vllm_config: VllmConfig) -> bool:
+    """``CacheConfig.user_specified_block_size``; otherwise the engine process picks the block
+    size with the attention backends (``Platform.update_block_size_for_backend``)."""
+    return bool(getattr(vllm_config.cache_config, "user_specified_block_size", False))
+
+
+def platform_supports_hybrid_kv_cache() -> bool:
+    """``current_platform.support_hybrid_kv_cache()`` (False: vLLM always turns it off)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.support_hybrid_kv_cache())
+
+
+def v2_model_runner_unsupported_features(vllm_config: VllmConfig) -> list[str]:
+    """Why vLLM falls back to the V1 model runner
+    (``VllmConfig._get_v2_model_runner_unsupported_features``); [] when it does not say."""
+    method = getattr(vllm_config, "_get_v2_model_runner_unsupported_features", None)
+    try:
+        return [str(feature) for feature in method()] if callable(method) else []
+    except Exception:  # a diagnostic only: never hide the real error behind this one
+        return []
+
+
 # ======================================================================================
 # Used by the simulator (vllm_hisparse/vllm/simulation): the engine pieces it drives for
 # real on CPU. Checked by tests/vllm/test_compat.py::test_simulator_internals_exist.

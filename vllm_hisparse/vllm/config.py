@@ -9,8 +9,10 @@ changes vLLM state. Two entry points:
   entry). The plugin runs it when vLLM builds a ``VllmConfig`` (``patches.CONFIG_CHECK``), so
   ``vllm serve`` fails in the API-server process, before any engine process starts.
 * ``resolve_config(vllm_config)`` is the one parse: the above plus the engine facts
-  (``top_k``, ``block_size``, speculative tokens) and engine compatibility. The planner
-  calls it once per planning and the connector once per role; the roles get the result.
+  (``top_k``, ``block_size``, speculative tokens) and engine compatibility
+  (``engine_checks.py``, which also runs those checks while the ``VllmConfig`` is built).
+  The planner calls it once per planning and the connector once per role; the roles get
+  the result.
 
 The keys (all per data-parallel replica), their meaning and defaults: README.md, "Use", and
 docs/vllm-integration.md, "Configuration keys"; ``ACCEPTED_KEYS`` below is the list the
@@ -29,8 +31,8 @@ from typing import Any
 from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
-from vllm_hisparse.vllm.compat import CUDAGraphMode, VllmConfig
-from vllm_hisparse.vllm.connector_entries import connector_entries
+from vllm_hisparse.vllm.compat import VllmConfig
+from vllm_hisparse.vllm.connector_entries import ConnectorEntry, connector_entries
 # The default grid cap of the followers' copies (its docstring says why 16).
 from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
 
@@ -149,18 +151,18 @@ def _raise_malformed(where: str, problem: str, accepted: str) -> None:
     )
 
 
-def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
-    """Our ``kv_connector_extra_config`` (top level or a MultiConnector child), or None.
+def find_connector_entry(vllm_config: VllmConfig) -> ConnectorEntry | None:
+    """Our entry of ``kv_transfer_config`` (top level or a MultiConnector child), or None.
 
-    Raises if the connector is configured more than once: one engine has one KV
-    residency policy.
-    """
+    Raises if the connector is configured more than once (one engine has one KV residency
+    policy), if a MultiConnector entry on the way is malformed, or if our extra config is
+    not an object."""
     kv_transfer_config = vllm_config.kv_transfer_config
     if kv_transfer_config is None:
         return None
     # A malformed MultiConnector entry would otherwise surface as an AttributeError deep
     # in vLLM: each gets a named error here, with its path.
-    entries = [entry.extra for entry in connector_entries(
+    entries = [entry for entry in connector_entries(
         kv_transfer_config.kv_connector, kv_transfer_config.kv_connector_extra_config,
         on_malformed=_raise_malformed, max_depth=MAX_MULTI_CONNECTOR_DEPTH,
     ) if entry.name == CONNECTOR_NAME]
@@ -171,12 +173,18 @@ def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
         )
     if not entries:
         return None
-    if not isinstance(entries[0], Mapping):
+    if not isinstance(entries[0].extra, Mapping):
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: kv_connector_extra_config must be a JSON object; "
-            f"got {type(entries[0]).__name__}."
+            f"got {type(entries[0].extra).__name__}."
         )
-    return dict(entries[0])
+    return entries[0]
+
+
+def find_connector_extra_config(vllm_config: VllmConfig) -> dict | None:
+    """Our ``kv_connector_extra_config`` (a copy), or None (:func:`find_connector_entry`)."""
+    entry = find_connector_entry(vllm_config)
+    return None if entry is None else dict(entry.extra)
 
 
 def is_connector_configured(vllm_config: VllmConfig) -> bool:
@@ -228,26 +236,46 @@ def _parse_host_pool_gib(extra: Mapping[str, Any]) -> float:
     return float(value)
 
 
+#: Environment variable that states the deployment node's memory (GiB) for the check below,
+#: so a config can be validated on a smaller machine (a laptop, CI). The workers still pin
+#: the pool for real: a pool larger than the node fails there.
+ENV_HOST_MEMORY_GIB = "VLLM_HISPARSE_HOST_MEMORY_GIB"
+
+
 def _check_host_pool_fits_memory(host_pool_gib: float | int) -> None:
     """Refuse a budget larger than this machine's RAM or memory cgroup can ever pin.
 
-    Checked against the smaller of the two; a budget that passes may still be too large
-    with several replicas or private per-rank pools on one node (the worker's pinning
-    then fails with its own message)."""
-    limit = host_memory_limit()
-    if limit.limit_bytes is None:
-        return
+    Checked against the smaller of the two, or against ``VLLM_HISPARSE_HOST_MEMORY_GIB``
+    when set; a budget that passes may still be too large with several replicas or private
+    per-rank pools on one node (the worker's pinning then fails with its own message)."""
+    stated = os.environ.get(ENV_HOST_MEMORY_GIB, "").strip()
+    if stated:
+        try:
+            limit_gib = float(stated)
+        except ValueError:
+            limit_gib = math.nan
+        if not math.isfinite(limit_gib) or limit_gib <= 0:
+            raise HiSparseConfigError(
+                f"{ENV_HOST_MEMORY_GIB}={stated!r} is invalid; accepted: a finite number > 0 "
+                "(GiB of memory of the node that will serve this config), or unset.")
+        limit_bytes, described = int(limit_gib * GIB), f"{ENV_HOST_MEMORY_GIB}={stated}"
+    else:
+        limit = host_memory_limit()
+        if limit.limit_bytes is None:
+            return
+        limit_bytes, described = limit.limit_bytes, limit.describe()
     # int/float comparison is exact in Python (no overflow for 10**400).
-    if host_pool_gib > limit.limit_bytes / GIB:
+    if host_pool_gib > limit_bytes / GIB:
         try:
             shown = f"{host_pool_gib:g}"
         except OverflowError:  # an int beyond float range
             shown = f"<an integer of {len(str(host_pool_gib))} digits>"
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME}: host_pool_gib={shown} is more than this machine can pin "
-            f"({limit.describe()}); accepted: host_pool_gib <= "
-            f"{limit.limit_bytes / GIB:.2f} (GiB of pinned host memory per data-parallel "
-            "replica, on every node that runs one)."
+            f"({described}); accepted: host_pool_gib <= {limit_bytes / GIB:.2f} (GiB of pinned "
+            "host memory per data-parallel replica, on every node that runs one). To validate "
+            f"a config for a larger node here, set {ENV_HOST_MEMORY_GIB} to that node's memory "
+            "in GiB."
         )
 
 
@@ -455,12 +483,6 @@ def parse_extra_config(
 # --------------------------------------------------------------------------------------
 
 
-def _unsupported(option: str, value: Any, accepted: str) -> HiSparseConfigError:
-    return HiSparseConfigError(
-        f"{CONNECTOR_NAME} does not support {option}={value}; accepted: {accepted}."
-    )
-
-
 def model_top_k(vllm_config: VllmConfig) -> int:
     """The model's ``index_topk`` (positions the DSA indexer selects per token)."""
     model_config = vllm_config.model_config
@@ -474,7 +496,7 @@ def model_top_k(vllm_config: VllmConfig) -> int:
         raise HiSparseConfigError(
             f"{CONNECTOR_NAME} does not support model {model_config.model!r}: its HF "
             f"config has index_topk={top_k!r}; accepted: a DSA (top-k sparse "
-            "attention) model whose HF config sets index_topk > 0."
+            "attention) model whose HF config sets index_topk > 0 (DeepSeek-V3.2, GLM-5.x)."
         )
     return top_k
 
@@ -487,43 +509,6 @@ def max_decode_query_len(vllm_config: VllmConfig) -> int:
     return 1 + (spec.num_speculative_tokens or 0)
 
 
-def check_engine_compatible(vllm_config: VllmConfig) -> None:
-    """Reject engine options this connector cannot run under (names the option)."""
-    parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1:
-        raise _unsupported(
-            "pipeline_parallel_size", parallel.pipeline_parallel_size, "1"
-        )
-    if parallel.decode_context_parallel_size > 1:
-        raise _unsupported(
-            "decode_context_parallel_size", parallel.decode_context_parallel_size, "1"
-        )
-    # The worker role maps batch rows to request-state rows with the request ids that only
-    # Model Runner V2 passes to start_load_kv.
-    if not vllm_config.use_v2_model_runner:
-        raise _unsupported(
-            "the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 or a feature V2 lacks)", True,
-            "Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER or set it to 1)")
-    # Rejected drafts are rolled back when their step's output arrives (spec_decode.py).
-    # Under async scheduling the next step is planned before that, and the worker moves
-    # its positions on the GPU, so the rows a step writes are unknown when it is planned.
-    spec_tokens = max_decode_query_len(vllm_config) - 1
-    if spec_tokens and vllm_config.scheduler_config.async_scheduling:
-        raise _unsupported(
-            "async_scheduling", f"True with speculative decoding (num_speculative_tokens="
-            f"{spec_tokens})", "--no-async-scheduling when speculative decoding is on")
-    # Residency keeps sparse-MLA and indexer KV in separate KV cache groups, which
-    # needs the hybrid (multi-group) KV cache manager.
-    if vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        raise _unsupported(
-            "disable_hybrid_kv_cache_manager",
-            True,
-            "the hybrid KV cache manager enabled (remove "
-            "--disable-hybrid-kv-cache-manager)",
-        )
-    model_top_k(vllm_config)
-
-
 def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
     """Validate the engine and our extra config; the one entry point for callers."""
     extra = find_connector_extra_config(vllm_config)
@@ -532,6 +517,9 @@ def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
             f"kv_transfer_config does not name {CONNECTOR_NAME}; accepted: "
             f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
         )
+    # engine_checks imports this module, hence the import here.
+    from vllm_hisparse.vllm.engine_checks import check_engine_compatible, check_trace_recording
+
     check_engine_compatible(vllm_config)
     config = parse_extra_config(
         extra,
@@ -539,16 +527,7 @@ def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
         block_size=vllm_config.cache_config.block_size,
         max_decode_query_len=max_decode_query_len(vllm_config),
     )
-    # Every cudagraph_mode runs (attention_hook.py: a captured forward reads each step's
-    # values from fixed buffers), but the trace recorder reads each step's selections back to
-    # the host, which a graph replay cannot do.
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if config.record_trace and mode is not None and mode.has_full_cudagraphs():
-        raise HiSparseConfigError(
-            f"{CONNECTOR_NAME}: record_trace cannot record steps replayed in full CUDA graphs "
-            f"(cudagraph_mode={mode.name}); accepted: cudagraph_mode PIECEWISE or NONE while "
-            "recording a trace, or no record_trace."
-        )
+    check_trace_recording(vllm_config, config.record_trace)
     return config
 
 

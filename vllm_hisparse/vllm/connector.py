@@ -114,7 +114,7 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Any:
         if self._scheduler is not None:
             return self._scheduler.get_kv_connector_stats()
-        return self._worker.get_stats()
+        return HiSparseConnectorStats.from_worker(self._worker.get_stats())
 
     @property
     def scheduler_role(self) -> HiSparseSchedulerRole:

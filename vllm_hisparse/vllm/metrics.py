@@ -1,12 +1,16 @@
 """Connector statistics (``KVConnectorStats``) and their Prometheus metrics.
 
-Two kinds of fields travel in :class:`HiSparseConnectorStats.data`:
+Both roles report :class:`HiSparseConnectorStats`: the scheduler role its counters and
+gauges, the worker role its data-plane counters (``worker_stats.HiSparseWorkerStats``,
+converted by :meth:`HiSparseConnectorStats.from_worker`), because vLLM folds the workers'
+report into the scheduler's (``Scheduler.update_from_output``: ``worker_stats.aggregate(
+scheduler_stats)``) and, inside ``MultiConnector``, asserts that both have one type. Two kinds
+of fields travel in ``data``:
 
-* **counters** — events since the previous report (pages spilled, pages released, ...).
+* **counters** — events since the previous report (pages spilled, hot hits, bytes, ...).
   They are *summed* when vLLM aggregates reports: across the scheduler and every worker
   of a step, and across the steps of a logging interval. Any numeric key not listed
-  as a gauge is a counter, so the worker role can add its own (hot hits, misses,
-  bytes) without touching this file.
+  as a gauge is a counter.
 * **gauges** — a level observed at report time (host blocks in use, transfers in
   flight, ...). When two reports are combined, the later one wins.
 
@@ -15,7 +19,8 @@ Inside ``MultiConnector`` the stats live under our connector's class name in a
 ``HiSparseResidencyConnector.build_kv_connector_stats`` and hands each child's dict to
 its own Prometheus object, so the aggregation above applies unchanged.
 
-Metric names are stable and documented in ``docs/metrics.md``.
+Every key of :data:`PROMETHEUS_METRICS` is exported as ``vllm:hisparse_residency_<name>``
+(counters with the ``_total`` suffix); the names are stable and listed in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -24,22 +29,40 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hisparse.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, VllmConfig
+from vllm_hisparse.vllm.worker_stats import COUNTER_KEYS as WORKER_COUNTER_KEYS
+from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+
+#: The residency policy's monotonic counters (``core.stats.PolicyStats`` field) the scheduler
+#: role reports as deltas, under their stats key.
+POLICY_COUNTERS = {
+    "num_spill_pages": "num_spilled_pages",
+    "num_restore_pages": "num_restored_pages",
+    "num_pages_released": "num_released_pages",
+    "num_pages_reused": "num_reused_pages",
+    "num_demotions": "num_demotions",
+    "num_promotions": "num_promotions",
+    "num_failed_transfers": "num_failed_transfers",
+    "num_rolled_back_tokens": "num_rolled_back_tokens",
+    "num_host_prefix_hit_pages": "num_host_prefix_hit_pages",
+    "num_prefix_load_pages": "num_host_prefix_loaded_pages",
+    "num_failed_prefix_load_pages": "num_host_prefix_failed_pages",
+    "num_published_pages": "num_host_prefix_published_pages",
+    "num_hot_grows": "num_hot_region_grows",
+    "num_hot_shrinks": "num_hot_region_shrinks",
+}
 
 #: Scheduler-side counters (events since the previous report).
 SCHEDULER_COUNTERS = (
-    "num_spilled_pages",
-    "num_restored_pages",
-    "num_released_pages",
-    "num_reused_pages",
-    "num_demotions",
-    "num_promotions",
-    "num_failed_transfers",
+    *POLICY_COUNTERS.values(),
     "num_duplicate_acks",
     "num_preemptions",
     "num_preemptions_avoided",
     "num_admissions_deferred",
-    "num_rolled_back_tokens",
     "num_unmanaged_admissions",
+    "num_pd_resident_landings",
+    "num_pd_host_landings",
+    "num_pd_imported_pages",
+    "num_pd_import_failures",
 )
 
 #: Scheduler-side gauges (level at report time; the later report wins).
@@ -51,50 +74,103 @@ GAUGES = (
     "num_mixed_requests",
 )
 
-#: Prometheus names: data key -> (metric name, kind, help). Stable; see docs/metrics.md.
+#: Worker-side counters (``worker_stats.COUNTER_KEYS``), summed over the workers of an
+#: engine (its tensor-parallel ranks) and over reports.
+WORKER_COUNTERS = WORKER_COUNTER_KEYS
+
+#: The prefix of every metric name.
+PREFIX = "vllm:hisparse_residency_"
+
+#: Prometheus metrics: stats key -> (name after :data:`PREFIX`, kind, help). Stable; every
+#: counter is exported with prometheus_client's ``_total`` suffix; docs/metrics.md lists the
+#: same table (``tests/vllm/test_metrics_prometheus.py`` compares the two).
 PROMETHEUS_METRICS: dict[str, tuple[str, str, str]] = {
-    "num_spilled_pages": ("vllm:hisparse_residency_spilled_pages", "counter",
+    # scheduler role: residency transitions and page moves
+    "num_spilled_pages": ("spilled_pages", "counter",
                           "Pages copied device to host as whole-page spills."),
-    "num_restored_pages": ("vllm:hisparse_residency_restored_pages", "counter",
+    "num_restored_pages": ("restored_pages", "counter",
                            "Pages copied host to device (promotion, resume)."),
-    "num_released_pages": ("vllm:hisparse_residency_released_pages", "counter",
+    "num_released_pages": ("released_pages", "counter",
                            "Clean pages given back to the device pool, readable until reused."),
-    "num_reused_pages": ("vllm:hisparse_residency_reused_pages", "counter",
+    "num_reused_pages": ("reused_pages", "counter",
                          "Released pages whose device block was reused (now host-only)."),
-    "num_demotions": ("vllm:hisparse_residency_demotions", "counter",
+    "num_demotions": ("demotions", "counter",
                       "Requests moved from full residency to a hot region (Full to Mixed)."),
-    "num_promotions": ("vllm:hisparse_residency_promotions", "counter",
-                       "Requests moved back to full residency."),
-    "num_failed_transfers": ("vllm:hisparse_residency_failed_transfers", "counter",
+    "num_promotions": ("promotions", "counter", "Requests moved back to full residency."),
+    "num_failed_transfers": ("failed_transfers", "counter",
                              "Transfers a worker reported failed (retried; nothing is lost)."),
-    "num_preemptions": ("vllm:hisparse_residency_preemptions", "counter",
-                        "Requests vLLM preempted while the connector was active."),
-    "num_duplicate_acks": ("vllm:hisparse_residency_duplicate_acks", "counter",
+    "num_duplicate_acks": ("duplicate_acks", "counter",
                            "Transfer acks a worker repeated (dropped: acks are idempotent)."),
-    "num_preemptions_avoided": ("vllm:hisparse_residency_preemptions_avoided", "counter",
+    "num_preemptions": ("preemptions", "counter",
+                        "Requests vLLM preempted while the connector was active."),
+    "num_preemptions_avoided": ("preemptions_avoided", "counter",
                                 "Allocation failures answered by waiting for in-flight "
                                 "transfers that free device blocks instead of preempting."),
-    "num_admissions_deferred": ("vllm:hisparse_residency_admissions_deferred", "counter",
+    "num_admissions_deferred": ("admissions_deferred", "counter",
                                 "Steps whose admission stopped at a waiting request because "
                                 "admitting it would leave running requests no free blocks to "
                                 "grow into (or the pool was full)."),
-    "num_unmanaged_admissions": ("vllm:hisparse_residency_unmanaged_admissions", "counter",
+    "num_unmanaged_admissions": ("unmanaged_admissions", "counter",
                                  "Requests admitted without residency (all pages on the "
                                  "device, no host copy) because the host pool could not "
                                  "back them."),
-    "num_rolled_back_tokens": ("vllm:hisparse_residency_rolled_back_tokens", "counter",
+    "num_rolled_back_tokens": ("rolled_back_tokens", "counter",
                                "Positions written by a step and then discarded (rejected "
                                "draft tokens): their host copies stop counting as valid."),
-    "num_hot_leases": ("vllm:hisparse_residency_hot_leases", "gauge",
+    "num_hot_region_grows": ("hot_region_grows", "counter",
+                             "Hot regions grown by the adaptive sizing (adaptive_hot_region)."),
+    "num_hot_region_shrinks": ("hot_region_shrinks", "counter",
+                               "Hot regions shrunk by the adaptive sizing (adaptive_hot_region)."),
+    # scheduler role: the host tier as a prefix cache
+    "num_host_prefix_hit_pages": ("host_prefix_hit_pages", "counter",
+                                  "Prompt pages found in the host pool's prefix cache (not "
+                                  "recomputed)."),
+    "num_host_prefix_loaded_pages": ("host_prefix_loaded_pages", "counter",
+                                     "Host-prefix pages copied into device blocks."),
+    "num_host_prefix_failed_pages": ("host_prefix_failed_pages", "counter",
+                                     "Host-prefix page loads a worker reported failed (the "
+                                     "request fails or is recomputed alone)."),
+    "num_host_prefix_published_pages": ("host_prefix_published_pages", "counter",
+                                        "Pages published to the host pool's prefix cache once "
+                                        "their host copy was complete."),
+    # scheduler role: P/D decode consumer (kv_role kv_consumer)
+    "num_pd_resident_landings": ("pd_resident_landings", "counter",
+                                 "P/D imports landed in resident device pages."),
+    "num_pd_host_landings": ("pd_host_landings", "counter",
+                             "P/D imports landed in the host tier (host blocks, hot region, "
+                             "tail)."),
+    "num_pd_imported_pages": ("pd_imported_pages", "counter",
+                              "Pages read from a NixlConnector prefill."),
+    "num_pd_import_failures": ("pd_import_failures", "counter",
+                               "P/D imports that failed (the request fails or is recomputed "
+                               "alone, per kv_load_failure_policy)."),
+    # scheduler role: levels
+    "num_hot_leases": ("hot_leases", "gauge",
                        "Requests holding a hot region (Mixed or None residency)."),
-    "num_host_blocks_used": ("vllm:hisparse_residency_host_blocks_used", "gauge",
-                             "Host pool blocks leased or cached."),
-    "num_host_blocks_total": ("vllm:hisparse_residency_host_blocks_total", "gauge",
-                              "Host pool size in blocks."),
-    "num_pending_transfers": ("vllm:hisparse_residency_pending_transfers", "gauge",
+    "num_host_blocks_used": ("host_blocks_used", "gauge",
+                             "Host pool blocks leased (cached blocks excluded)."),
+    "num_host_blocks_total": ("host_blocks_total", "gauge", "Host pool size in blocks."),
+    "num_pending_transfers": ("pending_transfers", "gauge",
                               "Transfers planned and not yet acknowledged by every worker."),
-    "num_mixed_requests": ("vllm:hisparse_residency_mixed_requests", "gauge",
+    "num_mixed_requests": ("mixed_requests", "gauge",
                            "Requests not fully resident on the device."),
+    # worker role: the data plane (summed over the engine's workers)
+    "resident": ("resident_selections", "counter",
+                 "Distinct selected positions read from resident pages (all workers)."),
+    "hot_hits": ("hot_hits", "counter",
+                 "Distinct host-backed selections found in the hot region (all workers)."),
+    "misses": ("hot_misses", "counter",
+               "Distinct host-backed selections copied from the host pool (all workers)."),
+    "gather_bytes": ("miss_gather_bytes", "counter",
+                     "Bytes the miss gathers copied host to device, all layers (all workers)."),
+    "bytes_to_device": ("restore_bytes", "counter",
+                        "Bytes of page restores and host-prefix loads, host to device (all "
+                        "workers)."),
+    "bytes_to_host": ("host_write_bytes", "counter",
+                      "Bytes of row mirrors and page spills, device to host (all workers)."),
+    "steps": ("worker_steps", "counter", "Step commands applied, summed over the workers."),
+    "failed_transfers": ("worker_failed_transfers", "counter",
+                         "Transfers that failed on a worker, summed over the workers."),
 }
 
 
@@ -130,12 +206,19 @@ class HiSparseConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         """The interval summary the logger prints: every field, plus the hot hit rate
-        when the worker reported hits and misses."""
+        (hits / host-backed selections) when the workers reported hits or misses."""
         out = {k: v for k, v in self.data.items() if isinstance(v, (int, float))}
-        hits, misses = out.get("num_hot_hits", 0), out.get("num_hot_misses", 0)
+        hits, misses = out.get("hot_hits", 0), out.get("misses", 0)
         if hits + misses:
             out["hot_hit_rate"] = round(hits / (hits + misses), 4)
         return out
+
+    @classmethod
+    def from_worker(cls, stats: HiSparseWorkerStats | None) -> HiSparseConnectorStats | None:
+        """The worker role's counters as this class: vLLM folds the workers' report into the
+        scheduler's with ``worker_stats.aggregate(scheduler_stats)`` (``MultiKVConnectorStats``
+        asserts both have one type), so both roles report one class."""
+        return None if stats is None else cls(data=dict(stats.data))
 
 
 class HiSparsePromMetrics(KVConnectorPromMetrics):
@@ -154,14 +237,14 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         self._metrics: dict[str, tuple[str, dict[int, Any]]] = {}
         for key, (name, kind, doc) in PROMETHEUS_METRICS.items():
             cls = self._counter_cls if kind == "counter" else self._gauge_cls
-            metric = cls(name=name, documentation=doc, labelnames=labelnames)
+            metric = cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
             self._metrics[key] = (kind, create_metric_per_engine(metric, per_engine_labelvalues))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             entry = self._metrics.get(key)
             if entry is None or not isinstance(value, (int, float)):
-                continue  # worker-side fields the worker role exports itself
+                continue  # a key of a newer or older version of this package
             kind, per_engine = entry
             if kind == "counter":
                 if value:

@@ -10,8 +10,9 @@ config names ``HiSparseResidencyConnector``:
 2. installs the planner hook (``patches.PLANNER_HOOK``), whose callback returns
    our KV-cache config builder only for configs that name the connector;
 3. installs the config check (``patches.CONFIG_CHECK``): every ``VllmConfig`` built from then
-   on validates our ``kv_connector_extra_config`` (top level or MultiConnector child),
-   so ``vllm serve`` rejects a bad key in the API-server process;
+   on validates our ``kv_connector_extra_config`` (top level or MultiConnector child) and
+   refuses every engine option the connector cannot run under (``engine_checks.py``), so
+   ``vllm serve`` stops in the API-server process, before any weights load;
 4. installs the capacity line (``patches.CAPACITY_LINE``): for configs that name the
    connector, vLLM's startup "Maximum concurrency" line reports the startup capacity
    report's steady-state figure (hybrid residency) instead of full residency's;
@@ -37,10 +38,10 @@ from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.config import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
-    check_extra_config,
     is_connector_configured,
     resolve_config,
 )
+from vllm_hisparse.vllm.engine_checks import check_after_vllm, check_before_vllm
 from vllm_hisparse.vllm.kv_planning import engine_capacity_report, select_builder
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def _check_config(vllm_config) -> None:
     # vllm serve configures logging after loading plugins: the first config built
     # afterwards announces the plugin, so the line is printed in the API server too.
     _announce()
-    check_extra_config(vllm_config)
+    check_before_vllm(vllm_config)
 
 
 def _max_concurrency(vllm_config, kv_cache_config) -> float | None:
@@ -115,7 +116,7 @@ def register() -> None:
         logger.debug("registered %s from %s", CONNECTOR_NAME, CONNECTOR_MODULE)
     if patches.PLANNER_HOOK.install(select_builder):
         logger.debug("installed the vllm_hisparse KV planner hook")
-    if patches.CONFIG_CHECK.install(_check_config):
+    if patches.CONFIG_CHECK.install(_check_config, check_after_vllm):
         logger.debug("installed the vllm_hisparse VllmConfig check")
         _route_logs_to_vllm()
     if patches.CAPACITY_LINE.install(_max_concurrency):

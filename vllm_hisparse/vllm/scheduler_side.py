@@ -69,25 +69,12 @@ from vllm_hisparse.vllm.kv_import import PDImports
 from vllm_hisparse.vllm.lockstep import lockstep_groups
 from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
-from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
+from vllm_hisparse.vllm.metrics import POLICY_COUNTERS, HiSparseConnectorStats
 from vllm_hisparse.vllm.offloading_scope import describe_scope, is_scoped
 from vllm_hisparse.vllm.scheduler_acks import AckIntake
 from vllm_hisparse.vllm.spec_decode import DraftRollback
 
 logger = logging.getLogger(__name__)
-
-#: PolicyStats field -> our stats counter.
-_POLICY_COUNTERS = {
-    "num_spill_pages": "num_spilled_pages",
-    "num_restore_pages": "num_restored_pages",
-    "num_pages_released": "num_released_pages",
-    "num_pages_reused": "num_reused_pages",
-    "num_demotions": "num_demotions",
-    "num_promotions": "num_promotions",
-    "num_failed_transfers": "num_failed_transfers",
-    "num_rolled_back_tokens": "num_rolled_back_tokens",
-}
-
 
 #: get_kv_connector_stats reports at most once per this many calls (steps).
 _STATS_EVERY_STEPS = 16
@@ -212,7 +199,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._duplicates_logged_s = -math.inf
         # Metrics.
         self._stats = HiSparseConnectorStats()
-        self._policy_stats_seen = {k: 0 for k in _POLICY_COUNTERS}
+        self._policy_stats_seen = {k: 0 for k in POLICY_COUNTERS}
         self.num_preemptions = 0  # lifetime count (tests, tools)
         self._init_pd_imports(vllm_config)  # P/D decode consumer (kv_import)
 
@@ -577,7 +564,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
             return None
         self._stats_calls = 0
         stats = self._stats
-        for field_name, key in _POLICY_COUNTERS.items():
+        for field_name, key in POLICY_COUNTERS.items():
             value = getattr(policy.stats, field_name)
             stats.add(key, value - self._policy_stats_seen[field_name])
             self._policy_stats_seen[field_name] = value

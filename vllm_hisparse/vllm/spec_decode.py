@@ -16,7 +16,7 @@ a rejected row can never turn clean, be released and be read back from the host
 
 Only synchronous scheduling: under async scheduling vLLM plans step N+1 before step N is
 verified and the worker shifts its positions on the GPU, so the positions a step writes are
-not known when its command is built (``config.check_engine_compatible`` refuses the
+not known when its command is built (``engine_checks.check_runner_and_scheduling`` refuses the
 combination). Cost: nothing without speculative tokens; otherwise one pass over the
 step's scheduled requests (reading ``num_computed_tokens``) and a vectorised rollback.
 

@@ -41,6 +41,7 @@ import traceback
 import uuid
 
 from vllm_hisparse.cli.args import output_path, positive_float, positive_int
+from vllm_hisparse.cli.memory import check_fits_in_memory
 
 #: DESIGN.md §8, measured on the H200 machine (one GPU, PCIe Gen5 x16): GB/s of the GPU
 #: zero-copy gather of scattered rows, by (row bytes, rows per launch).
@@ -71,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers gathered per launch at the same positions (an index group, "
                    "position-major pool; default: %(default)s)")
     p.add_argument("--pool-gib", type=positive_float, default=4.0, metavar="GIB",
-                   help="shared host pool size; shrunk to fit the segment directory's free "
-                   "space (default: %(default)s)")
+                   help="shared host pool size; refused when this machine cannot allocate it, "
+                   "else shrunk, with a note, to fit the segment directory's free space "
+                   "(default: %(default)s)")
     p.add_argument("--seconds", type=positive_float, default=0.5, metavar="S",
                    help="time per rank and phase (default: %(default)s)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -93,6 +95,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--ranks={args.ranks} is invalid; accepted: 1 to 8")
     if args.shm_dir is not None and not os.path.isdir(args.shm_dir):
         raise ValueError(f"--shm-dir={args.shm_dir} is not a directory")
+    # Refused against what this machine can allocate, like every command's host pool; only
+    # a pool that fits is shrunk (with a note) to the segment directory's room.
+    check_fits_in_memory("--pool-gib", args.pool_gib, what="the shared host pool")
 
 
 def plan_devices(requested: str, ranks: int) -> tuple[list[str], str]:

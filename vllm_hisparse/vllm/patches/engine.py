@@ -134,7 +134,11 @@ def _config_check_installed() -> bool:
     return is_ours(_config_post_init(), _CONFIG_CHECK)
 
 
-def _install_config_check(check: Callable[[Any], None]) -> bool:
+def _install_config_check(check: Callable[[Any], None],
+                          check_after: Callable[[Any], None] | None = None) -> bool:
+    """``check(vllm_config)`` runs before vLLM's body, on the options as given;
+    ``check_after(vllm_config)`` after it, on what vLLM resolved (async scheduling, the
+    model runner, the hybrid KV cache manager, CUDA graph mode)."""
     original = _config_post_init()
     if is_ours(original, _CONFIG_CHECK):
         return False
@@ -145,6 +149,8 @@ def _install_config_check(check: Callable[[Any], None]) -> bool:
         # AttributeError on the malformed shapes our check names.
         check(self)
         original(self)
+        if check_after is not None:
+            check_after(self)
 
     compat.VllmConfig.__post_init__ = marked(__post_init__, _CONFIG_CHECK, original)
     return True
@@ -163,10 +169,13 @@ CONFIG_CHECK = Patch(
     target="vllm.config.VllmConfig.__post_init__",
     why="vLLM gives a general plugin no hook between parsing the CLI and starting the engine "
         "processes, and kv_connector_extra_config is an untyped dict only the connector reads "
-        "(in the engine core): without it a bad key kills `vllm serve` far from its cause.",
+        "(in the engine core): without it a bad key or an unsupported option (pipeline "
+        "parallel, no index_topk, a host pool smaller than one request, ...) kills `vllm "
+        "serve` only after the weights loaded, far from its cause.",
     installed_by="plugin.register(), in every process vLLM starts",
-    install_args="check(vllm_config), a no-op for configs that do not name the connector "
-                 "(config.check_extra_config)",
+    install_args="check(vllm_config) before vLLM's body and check_after(vllm_config) after "
+                 "it, no-ops for configs that do not name the connector "
+                 "(engine_checks.check_before_vllm / check_after_vllm)",
     install=_install_config_check, installed=_config_check_installed,
     remove=_remove_config_check)
 

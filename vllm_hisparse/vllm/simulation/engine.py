@@ -101,6 +101,8 @@ class SimulationEngine:
         self.spec = spec
         self.progress = progress
         self.probe = probe
+        #: The host pool of the last run, GiB (``spec.host_pool_gib`` or the sized default).
+        self.host_pool_gib_used: float | None = None
         self.workload = make_workload(spec)
         self._tmp = None
         if workdir is None:
@@ -198,6 +200,7 @@ class SimulationEngine:
                 "accepted: more blocks or shorter "
                 f"--prompt-len / --output-len (vLLM: {exc})") from exc
         host_gib = self.host_pool_gib(full)
+        self.host_pool_gib_used = host_gib  # the CLI says so when it replaced a file's value
         vllm_config = self._config(host_gib)
         full, sched_config = self._plan(vllm_config)
         if not with_connector:
@@ -326,6 +329,8 @@ class _Run:
                                         f"{exc}") from exc
             engine_outputs = self.scheduler.update_from_output(output, runner_output)
             for outputs in engine_outputs.values():
+                if self.probe is not None and outputs.scheduler_stats is not None:
+                    self.probe.scheduler_stats(self.step, outputs.scheduler_stats)
                 for out in outputs.outputs:
                     result.generated_tokens += len(out.new_token_ids)
                     if out.finish_reason is not None:
@@ -475,9 +480,11 @@ class _Run:
             if stats is not None:
                 self._add_worker_stats(stats)
             worker.clear_connector_metadata()
+            # The worker's counters ride to the scheduler as vLLM's model runner sends them,
+            # which folds them into its own connector's report (Scheduler.update_from_output).
             connector_output = KVConnectorOutput(
                 kv_connector_worker_meta=meta, finished_recving=loads.finished_recving or None,
-                failed_recving=loads.failed_recving)
+                failed_recving=loads.failed_recving, kv_connector_stats=stats)
         sampled = []
         for rid, state, start, n in batch:
             sampled.append([SAMPLED_TOKEN] if start + n >= state.plan.prompt_len else [])

@@ -3,8 +3,8 @@
 A :class:`StepProbe` given to :class:`~.engine.SimulationEngine` is told when a run starts
 (:class:`ProbeRun`: the synthetic model and, with the connector, the attention-hook
 bindings of its index groups), right before and right after each step's forward
-(:class:`StepInfo`), and after every sparse-MLA layer's top-k conversion (the rows
-attention would read). ``vllm-hisparse bench connector`` uses it to add a stand-in for each
+(:class:`StepInfo`), after every sparse-MLA layer's top-k conversion (the rows
+attention would read), and of vLLM's ``SchedulerStats`` after each step. ``vllm-hisparse bench connector`` uses it to add a stand-in for each
 layer's attention read and weight pass, to time each decode step between CUDA events, and to
 turn the miss copies off on alternate steps (the no-IO oracle of the same run);
 ``bench throughput`` runs the layers itself (:meth:`StepProbe.attend`), replayed from CUDA
@@ -104,6 +104,11 @@ class StepProbe:
     def after_forward(self, step: StepInfo) -> None:
         """Right after the forward: after the worker role's ``wait_for_save`` (spills and
         mirrors launched) or, without the connector, after the last layer."""
+
+    def scheduler_stats(self, step: int, stats: Any) -> None:
+        """vLLM's ``SchedulerStats`` of the step (what the engine core sends the API server's
+        stat loggers): its ``kv_connector_stats`` is the connector's report, the scheduler
+        role's and the workers' folded by vLLM's scheduler, as a dict."""
 
     def end_run(self) -> None:
         """The run finished (or failed); called once."""

@@ -3,7 +3,9 @@
 :class:`SimulationSpec` is what ``vllm-hisparse simulate`` parses its flags into (both runs,
 with and without the connector, share it); :func:`make_workload` turns it into the requests
 (:class:`RequestPlan`: lengths and arrival steps) and :func:`token_ids` into each request's
-tokens. All of it is deterministic per ``seed``.
+tokens. All of it is deterministic per ``seed``. Nothing here imports vLLM, and torch only
+to check a ``cuda`` device: ``vllm-hisparse simulate`` validates its arguments before the
+heavy imports.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import math
 import random
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from vllm_hisparse.core.units import cdiv
 
@@ -118,7 +118,20 @@ class SimulationSpec:
         need(self.num_requests < 65536, "requests", "fewer than 65536", self.num_requests)
         need(self.max_model_len <= 1 << 20, "prompt-len",
              "prompt + output lengths up to 1M tokens", self.prompt_len)
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device == "cpu" and self.ops_backend == "cuda":
+            raise ValueError("--ops-backend=cuda is invalid with --device=cpu; accepted: auto "
+                             "or reference")
+        eviction = (self.connector_extra or {}).get("hot_region_eviction", "lru")
+        if eviction == "score" and self.topk_drift != SCORED_DRIFT:
+            raise ValueError(f"--hot-region-eviction=score is invalid with --topk-drift="
+                             f"{self.topk_drift}: score-aware eviction needs the indexer's "
+                             f"scores, which only --topk-drift {SCORED_DRIFT} computes; accepted: "
+                             f"--topk-drift {SCORED_DRIFT}, or --hot-region-eviction lru")
+        if not self.device.startswith("cuda"):
+            return
+        import torch
+
+        if not torch.cuda.is_available():
             raise ValueError(f"--device={self.device} is invalid: no CUDA device is visible; "
                              "accepted: cpu")
         if self.device == "cuda" and torch.cuda.device_count() < self.tensor_parallel_size:
@@ -126,9 +139,7 @@ class SimulationSpec:
                              f"with --device=cuda: {torch.cuda.device_count()} CUDA device(s) "
                              "visible, rank r runs on cuda:r; accepted: at most that many, or "
                              "--device=cpu")
-        if self.device == "cpu" and self.ops_backend == "cuda":
-            raise ValueError("--ops-backend=cuda is invalid with --device=cpu; accepted: auto "
-                             "or reference")
+
 
     @property
     def rank_devices(self) -> list[str]:
