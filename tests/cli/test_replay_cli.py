@@ -87,3 +87,70 @@ def test_replay_adaptive_rejects_a_size_off_the_block_grid(capsys):
               "4096"])
     assert info.value.code == 2
     assert "not a multiple of the trace's block size 64" in capsys.readouterr().err
+
+
+def _two_group_trace(tmp_path):
+    """The partial-overlap case of tests/core/test_miss_prediction.py: capacity 4, group 1
+    misses 8 rows, group 0's selections name 8 of which 5 miss."""
+    rec = TraceRecorder(top_k=4, block_size=4, source="test")
+    for step, (g0, g1) in enumerate([([1, 2, 3], [1, 2, 9]), ([4, 5, 6], [4, 5, 8]),
+                                     ([1, 7], [7, 9, 10])]):
+        rec.add(0, step, g0, group=0)
+        rec.add(0, step, g1, group=1)
+    path = tmp_path / "groups.npz"
+    rec.trace().save(str(path))
+    return path
+
+
+def test_replay_predict_prints_recall_precision_and_extra_traffic(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["replay", "--trace", str(_two_group_trace(tmp_path)), "--predict", "4",
+                 "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("| predictor | prefetches for group L+1 at step t | miss rows | "
+                        "predicted rows | covered rows | recall | precision | extra traffic |")
+    assert lines[3] == ("| previous layer | group L's selections at step t | 8 | 8 | 5 "
+                        "| 62.5 % | 62.5 % | 38 % |")
+    assert lines[4] == ("| previous step (own) | group L+1's selections at step t-1 | 8 | 0 "
+                        "| 0 | 0.0 % | - | 0 % |")
+    assert lines[-1].startswith("| 0 -> 1 | 88.89 % | 8 | 62.5 % / 62.5 % / 38 % |")
+    assert not any("independent by construction" in line for line in lines)  # a recorded trace
+    data = json.loads(out.read_text())
+    assert data["index_groups"] == [0, 1] and data["note"] is None
+    assert data["overall"]["union"] == {"miss_rows": 8, "predicted_rows": 10, "covered_rows": 5,
+                                        "extra_rows": 5, "recall": 0.625, "precision": 0.5,
+                                        "extra_traffic": 0.625}
+    assert data["gaps"][0]["predictors"]["layer_step"]["predicted_rows"] == 2
+
+
+def test_replay_predict_on_the_synthetic_trace_says_its_groups_are_independent(capsys):
+    assert main(SMALL[:-4] + ["--predict", "512", "--index-groups", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 index groups, 2 requests" in out and "| 1 -> 2 |" in out
+    assert "synthetic index groups are independent by construction" in out
+    assert "record_trace" in out
+
+
+def test_replay_predict_on_one_index_group_says_so(tmp_path, capsys):
+    rec = TraceRecorder(top_k=4, block_size=4, source="test")
+    rec.add(0, 0, [1, 2])
+    path = tmp_path / "one.npz"
+    rec.trace().save(str(path))
+    out = tmp_path / "one.json"
+    assert main(["replay", "--trace", str(path), "--predict", "4", "--json", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(
+        "one index group: nothing to predict across layers")
+    assert json.loads(out.read_text())["gaps"] == []
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["replay", "--predict", "0"], "argument --predict: expected an integer > 0"),
+    (["replay", "--predict", "512", "--adaptive", "512"], "separate reports"),
+    (["replay", "--predict", "2", "--top-k", "256", "--context", "4096", "--steps", "2"],
+     "smaller than the largest selection set"),
+])
+def test_replay_predict_bad_arguments_exit_2(argv, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert text in capsys.readouterr().err

@@ -180,3 +180,44 @@ def test_trace_score_classes_round_trip_and_are_checked(tmp_path):
     with pytest.raises(ValueError, match=r"score_classes must be in \[1, 4\)"):
         type(trace)(trace.request, trace.step, trace.offsets, trace.positions, {},
                     trace.score_offsets, trace.score_positions, trace.score_classes * 0)
+
+
+def test_trace_index_groups_round_trip(tmp_path):
+    rec = TraceRecorder(top_k=4, block_size=4)
+    for g, steps in ((0, [[1, 2], [3]]), (2, [[5], [5, 6, 7]])):
+        for step, positions in enumerate(steps):
+            rec.add(0, step, positions, group=g)
+    trace = rec.trace()
+    assert trace.index_groups == (0, 2)
+    path = str(tmp_path / "g.npz")
+    trace.save(path)
+    loaded = SelectionTrace.load(path)
+    assert loaded.meta["version"] == 2 and loaded.index_groups == (0, 2)
+    assert [[s.tolist() for s in ss] for _, ss in loaded.requests()] == [[[1, 2], [3]]]
+    assert [[s.tolist() for s in ss] for _, ss in loaded.requests(2)] == [[[5], [5, 6, 7]]]
+    assert [(steps, [s.tolist() for s in ss]) for _, steps, ss in
+            loaded.stepped_requests(2)] == [([0, 1], [[5], [5, 6, 7]])]
+    # each group has its own region: replay scores one group, the first by default
+    assert [(r.misses, r.references) for r in replay(loaded, ["hisparse"], [4])] == [(3, 3)]
+    assert [(r.misses, r.references) for r in replay(loaded, ["hisparse"], [4], group=2)] == \
+        [(3, 4)]
+    # one group: no group array, version 1 (what every earlier build reads)
+    rec = TraceRecorder(top_k=4, block_size=4)
+    rec.add(0, 0, [1])
+    single = rec.trace()
+    single.save(path)
+    assert single.group is None and SelectionTrace.load(path).meta["version"] == 1
+    assert list(single.requests(1)) == []
+    with pytest.raises(ValueError, match="one per record"):
+        SelectionTrace(trace.request, trace.step, trace.offsets, trace.positions, {},
+                       group=trace.group[:1])
+
+
+def test_synthetic_index_groups_are_independent_draws():
+    one = synthetic_trace(1, 4, 512, 4096, score_class_width=None)
+    three = synthetic_trace(1, 4, 512, 4096, score_class_width=None, index_groups=3)
+    assert one.group is None and three.index_groups == (0, 1, 2)
+    assert three.num_records == 3 * one.num_records and three.meta["index_groups_independent"]
+    first = [s.tolist() for _, ss in three.requests(0) for s in ss]
+    second = [s.tolist() for _, ss in three.requests(1) for s in ss]
+    assert first != second

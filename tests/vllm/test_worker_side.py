@@ -550,3 +550,11 @@ def test_record_trace_writes_host_backed_selections(model_dir, tmp_path):
     trace = SelectionTrace.load(path)
     assert trace.num_records > 0 and trace.positions.size > 0
     assert trace.meta["top_k"] == TOP_K
+    # Every index group is recorded (cross-layer prediction reads them all), numbered in
+    # model layer order, at the same (request, step)s: each leader resolves the same tokens.
+    assert trace.index_groups == (0, 1) and trace.meta["version"] == 2
+    leaders = trace.meta["index_group_leaders"]
+    assert [int(name.split(".")[2]) for name in leaders] == sorted(LEADERS)
+    keys = [{(rid, step) for rid, steps, _ in trace.stepped_requests(g) for step in steps}
+            for g in (0, 1)]
+    assert keys[0] == keys[1] and keys[0]

@@ -10,6 +10,14 @@ sized from each request's miss rate (``core.hot_sizing``), on the trace or, by d
 synthetic trace of four requests whose selections drift differently: the miss rates, the hot
 blocks per request, and what they mean for concurrency.
 
+``--predict ROWS`` instead measures cross-layer prediction (``core.miss_prediction``): with a
+hot region of ROWS rows per request in every index group, how many of group L+1's misses a
+prefetch named from group L's selections (this step or the last) or from L+1's own last step
+would have hidden (recall), how many of the prefetched rows were misses (precision) and the
+rows copied for nothing per miss row (extra traffic), overall and per pair of neighbouring
+groups. Only a trace recorded with ``record_trace`` on a real model says anything: the
+synthetic trace's index groups (``--index-groups``) are independent by construction.
+
 Tables go to stdout; a plot (miss rate against hot-region size) is written only with
 ``--plot PNG``, the numbers as JSON only with ``--json PATH``.
 """
@@ -26,6 +34,7 @@ from vllm_hisparse.cli.output import write_file, write_json
 from vllm_hisparse.cli.plots import replay_plot
 from vllm_hisparse.core.capacity import PRESETS, concurrency_report, layout_for_geometry
 from vllm_hisparse.core.hot_sizing import compare_sizing
+from vllm_hisparse.core.miss_prediction import PREDICTORS, evaluate_prediction
 from vllm_hisparse.core.replacement import POLICIES, gap_closed, replay
 from vllm_hisparse.core.trace import (PAPER_MISS_RATES, SelectionTrace, mixed_trace,
                                       synthetic_trace)
@@ -48,7 +57,8 @@ POLICY_HELP = {
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="score replacement policies x hot-region sizes on a trace",
+    p = sub.add_parser("replay", help="score replacement policies x hot-region sizes on a trace "
+                       "(--adaptive: per-request sizes; --predict: cross-layer miss prediction)",
                        description=__doc__, epilog="policies: " + "; ".join(
                            f"{name}: {POLICY_HELP[name]}" for name in POLICIES))
     p.add_argument("--trace", metavar="PATH", help="a .npz selection trace (default: the "
@@ -69,6 +79,16 @@ def add_parser(sub) -> None:
     p.add_argument("--adaptive", type=positive_int, metavar="ROWS",
                    help="compare a fixed region of ROWS rows with per-request sizing from the "
                         "miss rate (default trace: four requests that drift differently)")
+    p.add_argument("--predict", type=positive_int, metavar="ROWS",
+                   help="measure how well index group L's selections (this step or the last) "
+                        "and L+1's own last step predict L+1's misses with ROWS hot rows per "
+                        "request and group: recall, precision, extra link traffic. Needs a "
+                        "trace with several index groups; the synthetic one's are independent "
+                        "by construction, so only a trace recorded with record_trace on a real "
+                        "model gives a figure that means anything")
+    p.add_argument("--index-groups", type=positive_int, metavar="N",
+                   help="synthetic trace: independent index groups (default: 4 with "
+                        "--predict, else 1)")
     p.add_argument("--json", metavar="PATH", type=output_path, help="write the results as JSON")
     p.add_argument("--plot", metavar="PNG", type=output_path,
                    help="plot miss rate vs hot-region size (matplotlib); without it no plot "
@@ -158,17 +178,84 @@ def run_adaptive(args) -> int:
     return 0
 
 
+def _percent(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f} %"
+
+
+#: Table labels of the predictors (``core.miss_prediction.PREDICTORS``).
+_PREDICTOR_LABELS = {"layer": "previous layer", "step": "previous step (own)",
+                     "layer_step": "previous layer, previous step", "union": "union"}
+INDEPENDENT_NOTE = ("synthetic index groups are independent by construction: these cross-layer "
+                    "figures are chance, not a measurement. The figure that matters comes from "
+                    "a trace recorded with record_trace on a real model (docs/core.md, "
+                    "\"Cross-layer prediction: how to measure it\").")
+
+
+def run_predict(args) -> int:
+    if args.trace:
+        trace, source = load_trace(args.trace), args.trace
+    else:
+        groups = args.index_groups or 4
+        trace = synthetic_trace(args.requests, args.steps, args.top_k, args.context, args.seed,
+                                score_class_width=None, index_groups=groups)
+        source = (f"synthetic ({args.requests} requests x {args.steps} steps, K = {args.top_k}, "
+                  f"{args.context}-token context, {groups} independent index groups)")
+    print(f"trace: {source}, {trace.num_records} records; replaying {len(trace.index_groups)} "
+          f"index groups ...", file=sys.stderr, flush=True)
+    report = evaluate_prediction(trace, args.predict, seed=args.seed)
+    independent = bool(trace.meta.get("index_groups_independent"))
+    if report.note:
+        print(f"{report.note} (the trace holds index group {report.index_groups[0]} only; "
+              "record_trace records every index group of the model)")
+    else:
+        print(f"hot region: {report.capacity_rows} rows per request per index group "
+              f"({report.policy}); {len(report.index_groups)} index groups, "
+              f"{report.requests} requests")
+        print("| predictor | prefetches for group L+1 at step t | miss rows | predicted rows "
+              "| covered rows | recall | precision | extra traffic |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, c in report.overall.items():
+            print(f"| {_PREDICTOR_LABELS[name]} | {PREDICTORS[name]} | {c.miss_rows} "
+                  f"| {c.predicted_rows} | {c.covered_rows} | {_percent(c.recall)} "
+                  f"| {_percent(c.precision)} | {_percent(c.extra_traffic, 0)} |")
+        print("\nper gap (recall / precision / extra traffic):")
+        print("| gap | miss rate of L+1 | miss rows | "
+              + " | ".join(_PREDICTOR_LABELS[name] for name in PREDICTORS) + " |")
+        print("|---" * (3 + len(PREDICTORS)) + "|")
+        for gap in report.gaps:
+            cells = [f"{_percent(c.recall)} / {_percent(c.precision)} / "
+                     f"{_percent(c.extra_traffic, 0)}" for c in gap.counts.values()]
+            print(f"| {gap.source_group} -> {gap.target_group} | {_percent(gap.miss_rate, 2)} "
+                  f"| {gap.miss_rows} | " + " | ".join(cells) + " |")
+        if independent:
+            print("\n" + INDEPENDENT_NOTE)
+    if args.json:
+        return 0 if write_json("--json", args.json, {
+            "trace": source, "index_groups_independent": independent, **report.to_dict()},
+            command="replay") else 1
+    return 0
+
+
 def run(args) -> int:
+    if args.adaptive and args.predict:
+        raise ValueError("--adaptive and --predict are separate reports: give one")
     if args.adaptive:
         return run_adaptive(args)
+    if args.predict:
+        return run_predict(args)
     if args.trace:
         trace = load_trace(args.trace)
         source = args.trace
     else:
-        trace = synthetic_trace(args.requests, args.steps, args.top_k, args.context, args.seed)
+        trace = synthetic_trace(args.requests, args.steps, args.top_k, args.context, args.seed,
+                                index_groups=args.index_groups or 1)
         source = (f"synthetic ({args.requests} requests x {args.steps} steps, K = {args.top_k}, "
                   f"{args.context}-token context)")
     print(f"trace: {source}, {trace.num_records} records", file=sys.stderr)
+    if len(trace.index_groups) > 1:
+        print(f"scoring index group {trace.index_groups[0]}, the first of "
+              f"{len(trace.index_groups)} (each group has its own hot region); --predict ROWS "
+              "measures prediction across them", file=sys.stderr)
     results = []
     for i, capacity in enumerate(sorted(set(args.capacities))):
         print(f"  [{i + 1}/{len(set(args.capacities))}] {capacity} rows ...", file=sys.stderr,

@@ -25,7 +25,7 @@ recency and selection history found on the default trace (the history a slot cou
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -73,6 +73,22 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
     Raises ValueError if a set holds more positions than ``capacity`` (the region could not
     serve that step at all), ``policy`` is unknown, or ``score`` has no scores.
     """
+    misses = references = 0
+    for needed, _, missing in replay_steps(policy, sets, capacity, seed, scores):
+        references += needed.shape[0]
+        misses += missing.shape[0]
+    return misses, references
+
+
+def replay_steps(policy: str, sets: Sequence[np.ndarray], capacity: int, seed: int = 0,
+                 scores: Sequence[tuple[np.ndarray, np.ndarray]] | None = None
+                 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The hot region of one request, a step at a time: per step of ``sets``,
+    ``(needed, held, missing)``: the step's distinct positions (int64, ascending), the
+    positions the region held before the step (int64, in the policy's order, empty slots left
+    out; a fresh array) and the step's misses (int64, ascending: ``needed`` less ``held``).
+
+    The same model and errors as :func:`replay_request` (which sums it)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if policy in SCORED_POLICIES and scores is None:
@@ -86,16 +102,14 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
         top = max((int(x[-1]) for x in sets if x.size), default=0) + 1
         last = np.zeros(top, dtype=np.int64)
         history = np.zeros(top, dtype=np.uint32)
-    misses = references = 0
     for s, needed in enumerate(sets):
         if needed.shape[0] > capacity:
             raise ValueError(f"step {s} selects {needed.shape[0]} host-backed positions, more "
                              f"than the capacity {capacity}")
-        references += needed.shape[0]
         hit = np.isin(order, needed)
         missing = needed[~np.isin(needed, order)]
         n = missing.shape[0]
-        misses += n
+        yield needed, order[order != _EMPTY], missing
         if policy == "hisparse":
             evictable = order[~hit]
             order = np.concatenate([evictable[n:], missing, order[hit]])
@@ -152,7 +166,6 @@ def replay_request(policy: str, sets: Sequence[np.ndarray], capacity: int,
             order[victims] = missing
             used = np.flatnonzero(np.isin(order, needed))
             next_use[used] = [nxt[int(p)] for p in order[used]]
-    return misses, references
 
 
 def _popcount32(x: np.ndarray) -> np.ndarray:
@@ -169,14 +182,15 @@ def gap_closed(online: float, lru: float, belady: float) -> float:
 
 
 def replay(trace, policies: Sequence[str], capacities: Sequence[int],
-           seed: int = 0) -> list[ReplayResult]:
-    """Score every (policy, capacity) on every request of ``trace`` (a SelectionTrace).
+           seed: int = 0, group: int | None = None) -> list[ReplayResult]:
+    """Score every (policy, capacity) on every request of ``trace`` (a SelectionTrace), in its
+    index group ``group`` (None: the first; each group has its own hot region).
 
     Capacities smaller than the largest selection set of the trace are skipped (no policy could
     serve it); the caller sees that as a missing row. Policies that need score classes are
     skipped on a trace without them.
     """
-    per_request = list(trace.scored_requests())
+    per_request = list(trace.scored_requests(group))
     largest = max((s.shape[0] for _, sets, _ in per_request for s in sets), default=0)
     if not trace.has_scores:
         policies = [p for p in policies if p not in SCORED_POLICIES]

@@ -11,8 +11,9 @@ File format (``.npz``, written by :meth:`SelectionTrace.save`, numpy only):
 | ``request`` | int32 ``[N]`` | request id of record i |
 | ``step`` | int32 ``[N]`` | decode step of record i (non-decreasing per request) |
 | ``offsets`` | int64 ``[N + 1]`` | record i's positions are ``positions[offsets[i]:offsets[i+1]]`` |
-| ``positions`` | int32 ``[M]`` | distinct host-backed positions selected (union over the step's tokens and the index group) |
-| ``meta`` | 0-d unicode | JSON: ``{"format": "vllm-hisparse-trace", "version": 1, "top_k": ..., "block_size": ..., "source": ...}`` |
+| ``positions`` | int32 ``[M]`` | distinct host-backed positions selected (union over the step's tokens and the index group's layers) |
+| ``meta`` | 0-d unicode | JSON: ``{"format": "vllm-hisparse-trace", "version": 1 or 2, "top_k": ..., "block_size": ..., "source": ...}`` |
+| ``group`` | int32 ``[N]`` | optional (version 2): index group of record i, ``0`` = the model's first index group, in layer order; without it every record is group 0 |
 | ``score_offsets`` | int64 ``[N + 1]`` | optional: record i's scored positions are ``score_positions[score_offsets[i]:score_offsets[i+1]]`` |
 | ``score_positions`` | int32 ``[S]`` | optional: positions *not* selected at that step whose indexer score was close below the selection threshold |
 | ``score_classes`` | uint8 ``[S]`` | optional: their eviction class, 1 .. ``NUM_SCORE_CLASSES - 1`` (higher = closer to the threshold); every other unselected position is class 0 |
@@ -20,6 +21,13 @@ File format (``.npz``, written by :meth:`SelectionTrace.save`, numpy only):
 Only host-backed positions are recorded: resident pages never touch the hot region, so they do
 not matter to its replacement policy. The score arrays are what the ``score`` replacement
 policy reads (``core/replacement.py``); a trace without them scores every other policy.
+
+A trace with several index groups (the connector records each group's leader; each group has
+its own hot region) holds one record per (request, step, group). Replacement policies are
+scored on one group at a time (``requests(group)``, the first by default); the cross-group
+miss predictors (``core/miss_prediction.py``) read them all. A trace without ``group`` is
+written as version 1, which every earlier build reads; one with it as version 2, which an
+earlier build refuses instead of mixing the groups' records into one sequence.
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from typing import Iterator
 import numpy as np
 
 FORMAT = "vllm-hisparse-trace"
-VERSION = 1
+#: The version written by a trace with index groups (``group``); one without is written as 1.
+VERSION = 2
+#: The versions :meth:`SelectionTrace.load` reads.
+READ_VERSIONS = (1, 2)
 #: Eviction classes of the score-aware policy (the resolve op's ``slot_class`` range).
 NUM_SCORE_CLASSES = 4
 #: Width of one score class, in units of how far the step's mean selected score lies above its
@@ -52,6 +63,8 @@ class SelectionTrace:
     score_offsets: np.ndarray | None = None
     score_positions: np.ndarray | None = None
     score_classes: np.ndarray | None = None
+    #: int32 ``[N]``: index group of each record, or None (every record is group 0).
+    group: np.ndarray | None = None
 
     def __post_init__(self):
         n = self.request.shape[0]
@@ -77,6 +90,19 @@ class SelectionTrace:
             if self.score_classes.size and (int(self.score_classes.min()) < 1 or int(
                     self.score_classes.max()) >= NUM_SCORE_CLASSES):
                 raise ValueError(f"trace: score_classes must be in [1, {NUM_SCORE_CLASSES})")
+        if self.group is not None:
+            if self.group.shape != (n,):
+                raise ValueError(f"trace: group has {self.group.shape[0] if self.group.ndim else 0}"
+                                 f" entries for {n} records (want one per record)")
+            if n and int(self.group.min()) < 0:
+                raise ValueError("trace: group ids must be >= 0")
+
+    @property
+    def index_groups(self) -> tuple[int, ...]:
+        """The distinct index groups of the records, ascending (``(0,)`` without ``group``)."""
+        if self.group is None:
+            return (0,)
+        return tuple(int(g) for g in np.unique(self.group)) or (0,)
 
     @property
     def has_scores(self) -> bool:
@@ -87,15 +113,26 @@ class SelectionTrace:
     def num_records(self) -> int:
         return int(self.request.shape[0])
 
-    def requests(self) -> Iterator[tuple[int, list[np.ndarray]]]:
-        """(request id, its selection sets in step order) for every request."""
-        for rid, records in self._records_by_request():
+    def requests(self, group: int | None = None) -> Iterator[tuple[int, list[np.ndarray]]]:
+        """(request id, its selection sets in step order) for every request, in index group
+        ``group`` (None: the first, ``index_groups[0]``)."""
+        for rid, records in self._records_by_request(group):
             yield rid, [self.positions[self.offsets[i]:self.offsets[i + 1]] for i in records]
 
-    def scored_requests(self) -> Iterator[tuple[int, list[np.ndarray], list | None]]:
-        """(request id, selection sets, score classes) per request: the classes are one
-        ``(positions, classes)`` pair per step, or None when the trace has no scores."""
-        for rid, records in self._records_by_request():
+    def stepped_requests(self, group: int | None = None
+                         ) -> Iterator[tuple[int, list[int], list[np.ndarray]]]:
+        """(request id, steps, selection sets) per request of index group ``group`` (None: the
+        first): ``steps[i]`` is the step of ``sets[i]`` (int32 sorted positions), ascending."""
+        for rid, records in self._records_by_request(group):
+            yield (rid, [int(self.step[i]) for i in records],
+                   [self.positions[self.offsets[i]:self.offsets[i + 1]] for i in records])
+
+    def scored_requests(self, group: int | None = None
+                        ) -> Iterator[tuple[int, list[np.ndarray], list | None]]:
+        """(request id, selection sets, score classes) per request of index group ``group``
+        (None: the first): the classes are one ``(positions, classes)`` pair per step, or None
+        when the trace has no scores."""
+        for rid, records in self._records_by_request(group):
             sets = [self.positions[self.offsets[i]:self.offsets[i + 1]] for i in records]
             scores = None
             if self.has_scores:
@@ -104,8 +141,13 @@ class SelectionTrace:
                            self.score_classes[so[i]:so[i + 1]]) for i in records]
             yield rid, sets, scores
 
-    def _records_by_request(self) -> Iterator[tuple[int, list[int]]]:
+    def _records_by_request(self, group: int | None = None) -> Iterator[tuple[int, list[int]]]:
         order = np.lexsort((self.step, self.request))
+        if self.group is not None:
+            wanted = self.index_groups[0] if group is None else group
+            order = order[self.group[order] == wanted]
+        elif group not in (None, 0):
+            order = order[:0]
         current, records = None, []
         for i in order:
             r = int(self.request[i])
@@ -123,25 +165,32 @@ class SelectionTrace:
             scores = dict(score_offsets=self.score_offsets.astype(np.int64),
                           score_positions=self.score_positions.astype(np.int32),
                           score_classes=self.score_classes.astype(np.uint8))
+        if self.group is not None:
+            scores["group"] = self.group.astype(np.int32)
+        version = VERSION if self.group is not None else 1
         np.savez_compressed(path, request=self.request.astype(np.int32),
                             step=self.step.astype(np.int32),
                             offsets=self.offsets.astype(np.int64),
                             positions=self.positions.astype(np.int32),
                             meta=np.array(json.dumps({**self.meta, "format": FORMAT,
-                                                      "version": VERSION})), **scores)
+                                                      "version": version})), **scores)
 
     @classmethod
     def load(cls, path: str) -> "SelectionTrace":
         try:
             with np.load(path, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in ("request", "step", "offsets", "positions", "meta")}
-                arrays.update({k: data[k] for k in _SCORE_ARRAYS if k in data.files})
+                arrays.update({k: data[k] for k in _SCORE_ARRAYS + ("group",)
+                               if k in data.files})
         except (OSError, ValueError, KeyError) as exc:
             raise ValueError(f"{path}: not a vllm-hisparse selection trace ({exc})") from exc
         meta = json.loads(str(arrays.pop("meta")))
-        if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        if meta.get("format") != FORMAT or meta.get("version") not in READ_VERSIONS:
             raise ValueError(f"{path}: trace format {meta.get('format')!r} version "
-                             f"{meta.get('version')!r}; this build reads {FORMAT!r} v{VERSION}")
+                             f"{meta.get('version')!r}; this build reads {FORMAT!r} "
+                             + " and ".join(f"v{v}" for v in READ_VERSIONS))
+        if meta["version"] == 1 and "group" in arrays:
+            raise ValueError(f"{path}: a version 1 trace with index groups ('group')")
         return cls(meta=meta, **arrays)
 
 
@@ -154,12 +203,17 @@ class TraceRecorder:
         self._step: list[int] = []
         self._sets: list[np.ndarray] = []
         self._scored: list[tuple[np.ndarray, np.ndarray]] = []
+        self._group: list[int] = []
 
-    def add(self, request: int, step: int, positions, scored=None) -> None:
+    def add(self, request: int, step: int, positions, scored=None, group: int = 0) -> None:
         """One record; ``scored`` = (positions, classes) of the step's score classes, given
-        for every record or for none."""
+        for every record or for none; ``group`` = the index group (0 = the model's first, in
+        layer order) whose selections these are."""
+        if group < 0:
+            raise ValueError(f"TraceRecorder: group {group} < 0")
         self._request.append(request)
         self._step.append(step)
+        self._group.append(int(group))
         self._sets.append(np.unique(np.asarray(positions, dtype=np.int32)))
         if scored is not None:
             where = np.asarray(scored[0], dtype=np.int32)
@@ -175,6 +229,8 @@ class TraceRecorder:
             scores["score_offsets"], scores["score_positions"] = _pack(
                 [p for p, _ in self._scored], np.int32)
             scores["score_classes"] = _pack([c for _, c in self._scored], np.uint8)[1]
+        if any(self._group):
+            scores["group"] = np.array(self._group, dtype=np.int32)
         return SelectionTrace(np.array(self._request, dtype=np.int32),
                               np.array(self._step, dtype=np.int32), offsets, positions, self.meta,
                               **scores)
@@ -272,13 +328,19 @@ class ScoreProcess:
 def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 2048,
                     context_tokens: int = 100_000, seed: int = 0, *, recent_tokens: int = 128,
                     profile: ScoreProfile = ScoreProfile(), resident_tail_tokens: int = 128,
-                    score_class_width: float | None = SCORE_CLASS_WIDTH) -> SelectionTrace:
+                    score_class_width: float | None = SCORE_CLASS_WIDTH,
+                    index_groups: int = 1) -> SelectionTrace:
     """The embedded default trace: an indexer's top-k over a score per position.
 
     Each step every request's :class:`ScoreProcess` (``profile``) advances, and the ``top_k``
     best positions are selected, the newest ``recent_tokens`` always (the recency window). The
     context grows by one token a step. The newest ``resident_tail_tokens`` are resident (the
     tail pages) and left out, as a recorded trace would.
+
+    ``index_groups`` > 1 gives each request one :class:`ScoreProcess` per index group, each
+    drawn on its own: the groups' selections are **independent by construction** (they share
+    only the statistics), so what one group's selections say about another's misses is chance.
+    With 1 (the default) the draws, and so the trace, are those of the calibrated default.
 
     Score classes (for the ``score`` replacement policy; None leaves them out): see
     :func:`score_classes`, with ``score_class_width`` as its width.
@@ -287,25 +349,32 @@ def synthetic_trace(num_requests: int = 2, num_steps: int = 300, top_k: int = 20
     With the defaults it reproduces :data:`PAPER_MISS_RATES` within half a point
     (``vllm-hisparse replay`` prints both; docs/core.md has the table).
     """
+    if index_groups < 1:
+        raise ValueError(f"synthetic_trace: index_groups {index_groups} < 1")
     rng = np.random.default_rng(seed)
-    rec = TraceRecorder(top_k=top_k, block_size=64, source="synthetic", seed=seed,
-                        context_tokens=context_tokens)
+    meta = dict(top_k=top_k, block_size=64, source="synthetic", seed=seed,
+                context_tokens=context_tokens)
+    if index_groups > 1:
+        meta["index_groups"] = index_groups
+        meta["index_groups_independent"] = True
+    rec = TraceRecorder(**meta)
     for r in range(num_requests):
         n = context_tokens + num_steps
-        process = ScoreProcess(n, rng, profile)
+        processes = [ScoreProcess(n, rng, profile) for _ in range(index_groups)]
         buffer = np.empty(n, dtype=np.float32)
         for s in range(num_steps):
             ctx = context_tokens + s
-            score = process.step(ctx, buffer)
-            score[max(0, ctx - recent_tokens):] = np.inf
-            k = min(top_k, ctx)
-            chosen = np.argpartition(-score, k - 1)[:k] if k < ctx else np.arange(ctx)
-            host_backed = np.sort(chosen[chosen < ctx - resident_tail_tokens])
-            scored = None
-            if score_class_width is not None:
-                scored = score_classes(score[:max(0, ctx - resident_tail_tokens)], chosen,
-                                       score_class_width)
-            rec.add(r, s, host_backed, scored)
+            for g, process in enumerate(processes):
+                score = process.step(ctx, buffer)
+                score[max(0, ctx - recent_tokens):] = np.inf
+                k = min(top_k, ctx)
+                chosen = np.argpartition(-score, k - 1)[:k] if k < ctx else np.arange(ctx)
+                host_backed = np.sort(chosen[chosen < ctx - resident_tail_tokens])
+                scored = None
+                if score_class_width is not None:
+                    scored = score_classes(score[:max(0, ctx - resident_tail_tokens)], chosen,
+                                           score_class_width)
+                rec.add(r, s, host_backed, scored, group=g)
     return rec.trace()
 
 

@@ -71,6 +71,15 @@ from vllm_hisparse.worker.indexer_pages import IndexerPageStore
 logger = logging.getLogger("vllm_hisparse.vllm")
 
 
+def _layer_number(name: str) -> float:
+    """The first dot-separated integer of a layer name (``model.layers.12.self_attn.attn``
+    -> 12), or infinity when it has none."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return float("inf")
+
+
 @dataclass
 class _Lane:
     """One sparse-MLA KV cache group's share of the data plane."""
@@ -157,6 +166,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._trace = (TraceRecorder(top_k=hisparse_config.top_k, block_size=self.block_size,
                                      source="vllm") if hisparse_config.record_trace else None)
         self._trace_ids: dict[str, int] = {}
+        # leader layer name -> the trace's index group (model layer order), set at binding.
+        self._trace_groups: dict[str, int] = {}
         self._row_request: dict[int, str] = {}
         self._step_id = -1
         self._closed = False
@@ -214,6 +225,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
             first_host_layer += len(names)
             self.lanes.append(self._build_lane(group_id, sparse_index, names, units, layout,
                                                views, host_layers, device))
+        if self._trace is not None:
+            self._number_trace_groups()
         if self.config.adaptive_hot_region:
             self.enable_hot_counts()
         self._bind_indexer_pages(kv_caches, self._indexer_segment)
@@ -280,8 +293,8 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
                 host_layers=[host_layers[i] for i in unit],
                 device_layers=[views[i] for i in unit],
                 layout=layout, step=self.step_view,
-                record=self._record if (self._trace is not None and not self.lanes
-                                        and not lane.bindings) else None,
+                record=(self._trace_recorder(names[unit[0]], state)
+                        if self._trace is not None else None),
                 gather_mode="side" if self.config.index_share_prefetch else "single",
                 prefetch_max_ctas=self.config.prefetch_max_ctas,
                 scores=self._scores))
@@ -568,9 +581,26 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
             return None
         return rows
 
-    def _record(self, token_rows: torch.Tensor, topk: torch.Tensor) -> None:
-        state = self.lanes[0].hot_states[0]
+    def _number_trace_groups(self) -> None:
+        """Number the index groups for the trace in model layer order (the layer number in
+        each leader's name; bind order where a name has none) and name their leaders in the
+        trace's meta (``index_group_leaders``)."""
+        leaders = [lane.layer_names[unit[0]] for lane in self.lanes for unit in lane.units]
+        order = sorted(range(len(leaders)), key=lambda i: (_layer_number(leaders[i]), i))
+        self._trace_groups = {leaders[i]: group for group, i in enumerate(order)}
+        self._trace.meta["index_group_leaders"] = [leaders[i] for i in order]
+
+    def _trace_recorder(self, leader: str, state: HotState
+                        ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The record callback of the index group led by ``leader``: every group records its
+        own selections (cross-layer prediction reads them all; ``core.miss_prediction``)."""
+        def record(token_rows: torch.Tensor, topk: torch.Tensor) -> None:
+            self._record(self._trace_groups[leader], state, token_rows, topk)
+        return record
+
+    def _record(self, group: int, state: HotState, token_rows: torch.Tensor,
+                topk: torch.Tensor) -> None:
         for row, positions in host_backed_positions(state, token_rows, topk).items():
             rid = self._row_request.get(row, f"row{row}")
             ident = self._trace_ids.setdefault(rid, len(self._trace_ids))
-            self._trace.add(ident, self._step_id, positions)
+            self._trace.add(ident, self._step_id, positions, group=group)
