@@ -259,6 +259,32 @@ def layout_views(buf: torch.Tensor, layout: str, L: int, H: int, row_bytes: int,
     return views, lambda p: (p // bs) * (L * bs) + p % bs
 
 
+def registered_random_buffer(num_bytes: int):
+    """``(allocation, uint8 tensor)``: ``num_bytes`` of registered host memory (transparent
+    huge pages, else 4 KiB) filled with random bytes (never time on zeros); free it with
+    ``probe.host_free_registered(a["ptr"], a["bytes"])`` once the tensor is gone."""
+    import ctypes
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    a = probe.host_alloc_registered(num_bytes, "thp")
+    if not a["ptr"]:
+        a = probe.host_alloc_registered(num_bytes, "4k")
+    if not a["ptr"]:
+        raise RuntimeError(f"could not register {num_bytes >> 30} GiB: {a['message']}")
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * a["bytes"]).from_address(a["ptr"]))
+    buf = torch.from_numpy(arr)
+    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=DEV)
+    for off in range(0, num_bytes, 1 << 30):
+        n = min(1 << 30, num_bytes - off)
+        buf[off:off + n].copy_(chunk[:n], non_blocking=True)
+    torch.cuda.synchronize()
+    log(f"{num_bytes >> 30} GiB host buffer ({'thp' if a['huge_requested_ok'] else '4k'}) "
+        f"allocated, registered and filled in {time.perf_counter() - t0:.1f} s")
+    return a, buf
+
+
 def layout_gather(views, dst, plans, count, pair_major: bool):
     """``fn(i, rpw=0, cps=0)``: one gather of plan ``i % len(plans)`` (``(src rows, dst rows)``)
     from ``views`` into ``dst``, with ``rpw`` rows per warp and ``cps`` CTAs per SM (0: the
@@ -277,25 +303,7 @@ def bench_layout(quick: bool):
         "buffer (GB/s of payload) ==")
     bs = 64
     pool_bytes = 24 << 30
-    t0 = time.perf_counter()
-    a = probe.host_alloc_registered(pool_bytes, "thp")
-    if not a["ptr"]:
-        a = probe.host_alloc_registered(pool_bytes, "4k")
-    if not a["ptr"]:
-        raise RuntimeError(f"could not register 24 GiB: {a['message']}")
-    import ctypes
-
-    import numpy as np
-    arr = np.ctypeslib.as_array((ctypes.c_uint8 * a["bytes"]).from_address(a["ptr"]))
-    buf = torch.from_numpy(arr)
-    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=DEV)
-    for off in range(0, pool_bytes, 1 << 30):  # never time on zeros
-        n = min(1 << 30, pool_bytes - off)
-        buf[off:off + n].copy_(chunk[:n], non_blocking=True)
-    torch.cuda.synchronize()
-    del chunk
-    log(f"24 GiB host buffer ({'thp' if a['huge_requested_ok'] else '4k'}) allocated, "
-        f"registered and filled in {time.perf_counter() - t0:.1f} s")
+    a, buf = registered_random_buffer(pool_bytes)
     res = dict(mode=a["mode"], huge_requested_ok=a["huge_requested_ok"], runs=[], sweep=[])
     N = 131072
     K = 2048
@@ -350,7 +358,7 @@ def bench_layout(quick: bool):
                 torch.cuda.empty_cache()
     finally:
         RESULTS["layout"] = res
-        del buf, arr
+        del buf
         probe.host_free_registered(a["ptr"], a["bytes"])
 
 
@@ -361,24 +369,7 @@ def bench_reach(quick: bool):
     them over the whole pool, a layer-major one over that layer's slab)."""
     log("\n== one layer's gather against the host span its rows come from (GB/s) ==")
     pool_bytes = 8 << 30
-    t0 = time.perf_counter()
-    a = probe.host_alloc_registered(pool_bytes, "thp")
-    if not a["ptr"]:
-        a = probe.host_alloc_registered(pool_bytes, "4k")
-    if not a["ptr"]:
-        raise RuntimeError(f"could not register 8 GiB: {a['message']}")
-    import ctypes
-
-    import numpy as np
-    arr = np.ctypeslib.as_array((ctypes.c_uint8 * a["bytes"]).from_address(a["ptr"]))
-    buf = torch.from_numpy(arr)
-    chunk = torch.randint(0, 256, (1 << 30,), dtype=torch.uint8, device=DEV)
-    for off in range(0, pool_bytes, 1 << 30):  # never time on zeros
-        buf[off:off + (1 << 30)].copy_(chunk, non_blocking=True)
-    torch.cuda.synchronize()
-    del chunk
-    log(f"8 GiB host buffer ({a['mode']}) registered and filled in "
-        f"{time.perf_counter() - t0:.1f} s")
+    a, buf = registered_random_buffer(pool_bytes)
     res = dict(mode=a["mode"], runs=[])
     # 80 requests x 205 misses (DeepSeek-V3.2 at 32K, 10 % of K 2048), and 8x that
     sizes = (16_384,) if quick else (16_384, 131_072)
@@ -400,5 +391,5 @@ def bench_reach(quick: bool):
                 del dst
     finally:
         RESULTS["reach"] = res
-        del buf, arr
+        del buf
         probe.host_free_registered(a["ptr"], a["bytes"])

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
+from vllm_hisparse.cli.benchmarks.connector import NoCopyGather
 from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
 from vllm_hisparse.ops import probe as ops_probe
 from vllm_hisparse.vllm.simulation.probe import StepProbe
@@ -61,19 +62,6 @@ KERNEL_CLASSES = (
     ("softmax", re.compile(r"softmax", re.I)),
     ("conversion (vLLM)", re.compile(r"convert|physical|triton|_kernel", re.I)),
 )
-
-
-class NoCopyGather:
-    """A binding's ``GroupGather`` on an oracle step: no copy, no wait."""
-
-    def launch(self, result) -> None:
-        pass
-
-    def wait(self, layer_index: int) -> None:
-        pass
-
-    def join(self) -> None:
-        pass
 
 
 @dataclass
