@@ -94,6 +94,11 @@ void resolve_py(const ResolveParams& p, int threads, int max_tokens_per_request,
 void resolve_probe_py(const ResolveParams& p, int threads, int max_tokens_per_request,
                       uint64_t stream, uint64_t times, int stop, bool general_only) {
   if (stop < 0 || stop > 5) throw std::invalid_argument("resolve_probe: stop must be in 0..5");
+  if ((times != 0 || stop != 0) && !has_probe_kernels()) {
+    throw std::runtime_error(
+        "resolve_probe: phase stamps and stop points need the probe kernels; rebuild with "
+        "-DHISPARSE_PROBE_KERNELS=ON (SKBUILD_CMAKE_DEFINE=\"HISPARSE_PROBE_KERNELS=ON\")");
+  }
   ResolveProbe probe;
   probe.times = as_ptr<unsigned long long>(times);
   probe.stop = stop;
@@ -205,6 +210,7 @@ int host_free_py(uint64_t ptr, size_t bytes) {
 void register_ops(py::module_& m) {
   using namespace hisparse;
   m.attr("has_data_plane") = true;
+  m.attr("has_probe_kernels") = has_probe_kernels();
   m.attr("COPY_PLAN") = static_cast<int>(kCopyPlan);
   m.attr("COPY_PAIRS") = static_cast<int>(kCopyPairs);
   m.attr("COPY_BLOCKS") = static_cast<int>(kCopyBlocks);

@@ -25,4 +25,8 @@ cudaError_t launch_resolve_general(const ResolveParams& p, const ResolveConfig& 
 cudaError_t launch_resolve_probe(const ResolveParams& p, const ResolveConfig& config,
                                  const ResolveProbe& probe, cudaStream_t stream);
 
+// Whether the phase-probe kernels were compiled (CMake option HISPARSE_PROBE_KERNELS);
+// without them launch_resolve_probe refuses stamps and stops (cudaErrorNotSupported).
+bool has_probe_kernels();
+
 }  // namespace hisparse

@@ -5,7 +5,8 @@
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
 #   simulate adaptive scored throughput connector bench capacity sanitize tp2
-#   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports)
+#   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports and
+#   holds the probe kernels: cmake -DHISPARSE_PROBE_KERNELS=ON)
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,14 +55,14 @@ if [[ -n "${HUGEPAGES_GIB:-}" ]]; then
   note "hugetlb: asked for $(( HUGEPAGES_GIB * 512 )) pages of 2 MiB: $(grep -E '^HugePages_(Total|Free)' /proc/meminfo | tr -s ' ' | tr '\n' ' ')"
 fi
 
-if has build && $PY -c 'import vllm_hisparse._C' 2>/dev/null; then
-  note "build skipped: a carried $(ls vllm_hisparse/_C*.so | head -n 1) imports"
+if has build && $PY -c 'import vllm_hisparse._C as c; assert c.has_probe_kernels' 2>/dev/null; then
+  note "build skipped: a carried $(ls vllm_hisparse/_C*.so | head -n 1) imports (probe kernels in)"
 elif has build; then
   BUILD="${BUILD_DIR:-/tmp/hisparse_build}"
   (
     set -e
     cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DHISPARSE_REQUIRE_CUDA=ON -DPython_EXECUTABLE="$(command -v $PY)" \
+      -DHISPARSE_REQUIRE_CUDA=ON -DHISPARSE_PROBE_KERNELS=ON -DPython_EXECUTABLE="$(command -v $PY)" \
       -Dpybind11_DIR="$($PY -m pybind11 --cmakedir)"
     ninja -C "$BUILD"
     cp "$BUILD"/_C*.so "$ROOT/vllm_hisparse/"

@@ -467,6 +467,8 @@ def run_counted(case: ResolveCase, with_stats: bool = True):
     gpu = case.clone(DEV)
     args_ref = ref.args()[:12] + (ref.stats if with_stats else None,) + ref.args()[13:]
     args_gpu = gpu.args()[:12] + (gpu.stats if with_stats else None,) + gpu.args()[13:]
+    if not probe.has_probe_kernels():
+        pytest.skip("needs the probe kernels (-DHISPARSE_PROBE_KERNELS=ON)")
     reference.resolve(*args_ref)
     dt = torch.zeros(probe.NUM_TIMES, dtype=torch.int64, device=DEV)
     probe.resolve(*args_gpu, tuning=TUNING, times=dt)

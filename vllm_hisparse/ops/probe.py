@@ -7,7 +7,8 @@ measures them (``vllm-hisparse bench kernels``, ``benchmarks/profile_resolve.py`
 
 * :func:`resolve`: one launch, unchecked, with an explicit :class:`KernelTuning` and, on
   request, the probe kernels of ``vllm_hisparse._C`` (compile-time probes,
-  ``csrc/resolve_probe.cuh``): ``times`` receives phase stamps, ``stop`` makes every CTA return
+  ``csrc/resolve_probe.cuh``, built with ``-DHISPARSE_PROBE_KERNELS=ON``:
+  :func:`has_probe_kernels`): ``times`` receives phase stamps, ``stop`` makes every CTA return
   at a stop point, ``general_only`` runs the general kernel for every request. Without
   ``times`` and ``stop`` it launches the production kernels (``general_only`` then picks the
   production general kernel), so timings of those options measure production code;
@@ -55,6 +56,12 @@ NUM_STOPS = 5
 NUM_TIMES = 10
 
 
+def has_probe_kernels() -> bool:
+    """Whether the extension holds resolve's phase-probe kernels (``times``, ``stop``; the
+    CMake option ``HISPARSE_PROBE_KERNELS``, off in a plain install)."""
+    return bool(getattr(cuda._module(), "has_probe_kernels", False))
+
+
 def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
             out_rows, miss_src, miss_dst, miss_count, stats=None, slot_class=None, *,
             tuning: KernelTuning = DEFAULT_TUNING, times: torch.Tensor | None = None,
@@ -74,6 +81,11 @@ def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
         raise ValueError(f"stop must be in 0..{NUM_STOPS}, got {stop!r}")
     if not isinstance(general_only, bool):
         raise ValueError(f"general_only must be a bool, got {general_only!r}")
+    if (times is not None or stop) and not has_probe_kernels():
+        raise RuntimeError("probe.resolve: phase stamps and stop points need the probe "
+                           "kernels; rebuild the extension with -DHISPARSE_PROBE_KERNELS=ON "
+                           "(pip: SKBUILD_CMAKE_DEFINE=\"HISPARSE_PROBE_KERNELS=ON\"; "
+                           "scripts/gpu_session.sh does)")
     probe = None
     if times is not None or stop or general_only:
         probe = {"times": 0 if times is None else times.data_ptr(), "stop": stop,
