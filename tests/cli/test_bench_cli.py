@@ -58,7 +58,7 @@ def test_connector_target_smoke_run_alternates_hybrid_and_oracle_steps(tmp_path,
         pytest.skip("the GPU sizes are for scripts/gpu_session.sh")
     out = tmp_path / "conn.json"
     assert main(["bench", "connector", "--geometries", "1", "--context", "256",
-                 "--timed-steps", "4", "--warmup-steps", "1", "--max-requests", "6", "--hbm-gib", "0.012",
+                 "--timed-steps", "4", "--warmup-steps", "1", "--max-requests", "6", "--hbm-gib", "0.0024",
                  "--json", str(out)]) == 0
     assert "hybrid / oracle" in capsys.readouterr().out
     (r,) = json.loads(out.read_text())["results"]
