@@ -25,7 +25,8 @@ class RemotePrefill:
     ``block_ids[g]`` are the prefill's blocks of its ``g``-th transfer group, page order;
     ``tp_size`` its tensor-parallel size (MLA KV is replicated over its ranks);
     ``generation`` changes when the prefill registers its KV cache again (a reader must
-    then ask for its registration again).
+    then ask for its registration again); ``num_tokens`` the tokens the prefill computed
+    (``remote_num_tokens``; 0 when it does not say).
     """
 
     engine_id: str
@@ -35,6 +36,7 @@ class RemotePrefill:
     tp_size: int
     block_ids: tuple[tuple[int, ...], ...]
     generation: int = 0
+    num_tokens: int = 0
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> "RemotePrefill | None":
