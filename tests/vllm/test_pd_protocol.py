@@ -40,24 +40,27 @@ def _meta(**fields):
 def test_per_layer_regions():
     meta = _meta(kv_caches_base_addr=[1000, 9000], block_lens=[64, 32], block_strides=[64, 32],
                  region_names=["a", "b"], region_group_ids=[0, 0])
-    assert remote_layer_pages(meta) == {"a": RemotePage(1000, 64, 64, 0), "b": RemotePage(9000, 32, 32, 0)}
+    assert remote_layer_pages(meta) == {"a": RemotePage(1000, 64, 64, 0, 10),
+                                        "b": RemotePage(9000, 32, 32, 0, 10)}
 
 
 def test_packed_rows_and_a_separate_indexer_region():
     """Block-outermost prefill: one region whose block is a row of every MLA layer's page."""
     meta = _meta(kv_caches_base_addr=[1000, 50000], block_lens=[300, 40], block_strides=[300, 40],
-                 region_names=["mla0", "idx"], region_group_ids=[0, 1],
+                 region_names=["mla0", "idx"], region_group_ids=[0, 1], region_num_blocks=[10, 7],
                  region_members=[["mla0", "mla1"], ["idx"]],
                  packed_member_layouts={"mla0": (0, 100), "mla1": (100, 200)})
-    assert remote_layer_pages(meta) == {"mla0": RemotePage(1000, 100, 300, 0),
-                                        "mla1": RemotePage(1100, 200, 300, 0),
-                                        "idx": RemotePage(50000, 40, 40, 1)}
+    assert remote_layer_pages(meta) == {"mla0": RemotePage(1000, 100, 300, 0, 10),
+                                        "mla1": RemotePage(1100, 200, 300, 0, 10),
+                                        "idx": RemotePage(50000, 40, 40, 1, 7)}
 
 
 @pytest.mark.parametrize("fields, match", [
     (dict(region_names=None), "names no layers"),
     (dict(region_names=["a"], region_group_ids=[-1], packed_member_layouts={"a": (0, 10)}),
      "several KV cache groups"),
+    (dict(region_names=["a"], packed_member_layouts={"a": (4, 10)}), "at bytes 4..14 of a 10 B"),
+    (dict(region_names=["a"], region_num_blocks=[1, 2]), "regions of different lengths"),
 ])
 def test_registrations_a_host_landing_cannot_read(fields, match):
     meta = _meta(kv_caches_base_addr=[1], block_lens=[10], block_strides=[10], **fields)

@@ -184,12 +184,33 @@ def test_leases_are_renewed_on_every_prefill_rank(rig, prefill):
 
 def _fail_and_check_whole(rig: PDRig, order: ImportOrder) -> None:
     assert rig.run_import(order) is False
+    _end_failed(rig, order)
+
+
+def _end_failed(rig: PDRig, order: ImportOrder) -> None:
+    """What the scheduler role does after a failed import; then nothing may be left."""
     assert rig.policy.finish_import(order.request_id, success=False) == Outcome.RECOMPUTE
     rig.policy.device_pool.free_blocks([b - 1 for b in (blocks[0] for blocks in order.device_blocks)])
     rig.policy.abort(order.request_id)
     rig.drain()
+    _check_whole(rig)
+
+
+def _end_good(rig: PDRig, order: ImportOrder) -> None:
+    """A successful import: every byte, then the request ends; nothing may be left."""
+    _check_bytes(rig, order)
+    assert rig.policy.finish_import(order.request_id, success=True) == Outcome.OK
+    rig.policy.finish(order.request_id)
+    rig.drain()
+    _check_whole(rig)
+
+
+def _check_whole(rig: PDRig) -> None:
+    """Nothing of any import left: the importer's tables, NIXL transfers, staging slots,
+    the policy's host pool and device pool."""
     importer = rig.role.importer
-    assert not importer._imports and not importer._spills
+    assert not importer._imports and not importer._spills and not importer._handshakes
+    assert importer.transport.num_open_transfers == 0
     assert sorted(importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
     assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
     assert rig.policy.device_pool.get_num_free_blocks() == rig.M
@@ -263,3 +284,107 @@ def test_a_prefill_lost_in_the_middle_of_the_staging(model_dir, monkeypatch):  #
     finally:
         prefill.stop()
         rig.role.shutdown()
+
+
+def test_blocks_outside_the_prefills_region_fail_that_request_alone(rig, prefill):
+    """kv_transfer_params naming a block past the prefill's registered KV region (64
+    blocks). Found tried as an attacker would: NIXL's prep_xfer_dlist raised
+    nixlNotFoundError out of start_load_kv, so the worker died and the import stayed in
+    the importer's tables. Now refused against the handshake before any read is prepared."""
+    order = rig.begin("outside", prefill, block_ids=[*P_BLOCKS[:9], 64 + 1000])
+    _fail_and_check_whole(rig, order)
+    got = prefill.notifications(expect=1)
+    while "p-outside:1" not in got and len(got) < 4:  # an earlier test's may come first
+        got += prefill.notifications(expect=1)
+    assert "p-outside:1" in got  # told, as after any failure
+
+
+def test_a_prefill_that_overstates_its_region_fails_that_request_alone(rig):
+    """A buggy prefill advertises 1000 blocks but registers 64: the request's block 500
+    passes our check and NIXL itself refuses the descriptors (nixlNotFoundError); that
+    import fails alone, then a good one reads every byte."""
+    liar = FakePrefill.start(layers=rig.layers(), blocks=P_BLOCKS, num_blocks=64, serial=1,
+                             block_size=BS, vllm_config=rig.vllm_config, engine_id="prefill-liar",
+                             advertised_num_blocks=1000)
+    try:
+        order = rig.begin("liar", liar, block_ids=[*P_BLOCKS[:9], 500])
+        _fail_and_check_whole(rig, order)
+        order = rig.begin("good", liar)
+        rig.serial["good"] = 1  # the liar holds request 1's KV
+        assert rig.run_import(order)
+        _end_good(rig, order)
+    finally:
+        liar.stop()
+
+
+def _nixl_error(name: str) -> type[Exception]:
+    import importlib
+
+    import nixl._api
+
+    bindings = importlib.import_module(nixl._api.__name__.rsplit(".", 1)[0] + "._bindings")
+    return getattr(bindings, name)
+
+
+class _FaultyAgent:
+    """The NIXL agent, with ``method`` raising ``error`` from its ``after``-th call on."""
+
+    def __init__(self, agent, method: str, error: Exception, after: int = 0) -> None:
+        self._agent, self._method, self._error, self._left = agent, method, error, after
+        self.raised = 0
+
+    def __getattr__(self, name):
+        real = getattr(self._agent, name)
+        if name != self._method:
+            return real
+
+        def call(*args, **kwargs):
+            if self._left > 0:
+                self._left -= 1
+                return real(*args, **kwargs)
+            self.raised += 1
+            raise self._error
+        return call
+
+
+@pytest.mark.parametrize("method, after", [
+    ("prep_xfer_dlist", 0), ("prep_xfer_dlist", 1), ("make_prepped_xfer", 0), ("transfer", 0),
+    ("transfer", 1), ("check_xfer_state", 0), ("check_xfer_state", 2)])
+@pytest.mark.parametrize("error", ["nixlNotFoundError", "nixlRemoteDisconnectError",
+                                   "nixlBackendError", "KeyError", "OverflowError"])
+def test_any_nixl_error_fails_that_import_alone(rig, prefill, monkeypatch, method, after, error):
+    """Prepare, post or check raising (NIXL's own exception types or any other) at the
+    first or a later call: the import is drained, reported failed, leaves nothing; the
+    next import of the same prefill reads every byte."""
+    transport = rig.role.importer.transport
+    cls = _nixl_error(error) if error.startswith("nixl") else {"KeyError": KeyError,
+                                                                "OverflowError": OverflowError}[error]
+    faulty = _FaultyAgent(transport._agent, method, cls("injected"), after)
+    monkeypatch.setattr(transport, "_agent", faulty)
+    order = rig.begin("fault", prefill)
+    ok = rig.run_import(order)
+    # A later state check may not come (the reads were over): then the import succeeds.
+    assert faulty.raised or (method == "check_xfer_state" and after)
+    assert ok is not bool(faulty.raised)
+    rig.serial["fault"] = 1  # the prefill holds request 1's KV
+    _end_good(rig, order) if ok else _end_failed(rig, order)
+    monkeypatch.setattr(transport, "_agent", faulty._agent)
+    order = rig.begin("after-fault", prefill)
+    rig.serial["after-fault"] = 1
+    assert rig.run_import(order)
+    _end_good(rig, order)
+    prefill.notifications(timeout_s=0.2)  # the prefill was told after each: drop them
+
+
+def test_a_release_nixl_refuses_leaves_nothing(rig, prefill, monkeypatch):
+    """Releasing a finished read raises: the read is over, so it is dropped all the same;
+    the import succeeds with every byte and no NIXL transfer is left open."""
+    transport = rig.role.importer.transport
+    faulty = _FaultyAgent(transport._agent, "release_xfer_handle", _nixl_error("nixlBackendError")("x"))
+    monkeypatch.setattr(transport, "_agent", faulty)
+    order = rig.begin("unreleased", prefill)
+    rig.serial["unreleased"] = 1
+    assert rig.run_import(order)
+    assert faulty.raised and transport.num_open_transfers == 0
+    _end_good(rig, order)
+    prefill.notifications(timeout_s=0.2)
