@@ -13,7 +13,7 @@ from vllm.config import KVTransferConfig
 
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.import_order import RemotePrefill
+from vllm_hisparse.vllm.transfer_params import parse_remote_prefill
 from vllm_hisparse.vllm.kv_import import pd_composition
 from vllm_hisparse.vllm.nixl_transport import (
     ImportTransferError,
@@ -69,14 +69,15 @@ def test_registrations_a_host_landing_cannot_read(fields, match):
 
 
 def test_remote_prefill_from_params():
+    """The accepted forms (the refusals: tests/vllm/test_pd_params.py)."""
     params = remote_params(130, 64)
-    remote = RemotePrefill.from_params(params)
+    remote = parse_remote_prefill(params, max_blocks=10)
     assert remote.block_ids == ((100, 101, 102),) and remote.tp_size == 1 and remote.generation == 0
-    assert RemotePrefill.from_params({**params, "remote_block_ids": [7, 8]}).block_ids == ((7, 8),)
-    for broken in ({"do_remote_prefill": False}, {"remote_host": None}, {"pp_size": 2},
-                   {"dcp_size": 2}, {"remote_block_ids": []}):
-        assert RemotePrefill.from_params({**params, **broken}) is None, broken
-    assert RemotePrefill.from_params(None) is None
+    assert remote.num_tokens == 130
+    flat = parse_remote_prefill({**params, "remote_block_ids": [7, 8]}, max_blocks=10)
+    assert flat.block_ids == ((7, 8),)
+    for local in (None, {}, {"do_remote_prefill": False}, {**params, "do_remote_prefill": None}):
+        assert parse_remote_prefill(local, max_blocks=10) is None, local
 
 
 @pytest.mark.parametrize("decode, prefill, want", [

@@ -26,8 +26,9 @@ inside the prefill's region of its layer). Any error of an import, whatever rais
 slots return, it leaves this importer's tables and is reported failed; the others go on.
 
 ``CANCEL`` orders (admitted, then dropped) only notify and report failed; ``RELEASE``
-orders (aborted before admission) only notify. Rank 0 also renews the prefill's leases
-(``"HB:<ids>"``) of the requests in the metadata's heartbeats.
+orders (aborted before admission) only notify; ``REFUSE`` orders (invalid
+``kv_transfer_params``) contact nobody and report failed. Rank 0 also renews the
+prefill's leases (``"HB:<ids>"``) of the requests in the metadata's heartbeats.
 
 Tensor parallelism: MLA KV is replicated over the prefill's ranks; decode rank ``r`` reads
 from prefill rank ``r % p``. A prefill rank frees a request once as many readers as the
@@ -232,7 +233,7 @@ class KVImporter:
         renewal asked): a registration is loaded into the cache, an error is dropped, so
         the table holds only queries in flight or about to be read."""
         waiting = {self._agent_key(imp.order.remote, rank) for imp in self._imports.values()
-                   if not imp.started and imp.error is None
+                   if not imp.started and imp.error is None and imp.order.remote is not None
                    for rank in self._prefill_ranks(imp.order)}
         for key, (generation, future) in list(self._handshakes.items()):
             if key in waiting or not future.done():
@@ -317,6 +318,10 @@ class KVImporter:
 
     def _advance(self, imp: _Import) -> None:
         order = imp.order
+        if order.action is ImportAction.REFUSE:  # the scheduler logged why
+            imp.error = order.action.value
+            self._finish(imp)
+            return
         if imp.error is None and self._past_deadline(imp):
             self._fail(imp, f"not finished after {self.deadline_s:g} s")
         if imp.error is None and not imp.started:
