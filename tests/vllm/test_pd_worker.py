@@ -83,13 +83,17 @@ class PDRig(Rig):
         self.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=self.bundles,
                                                           imports=[order]))
         self.role.wait_for_save()
+        return self.run_import_results(order.request_id, timeout_s)
+
+    def run_import_results(self, rid: str, timeout_s: float = 60.0) -> bool:
+        """Poll the transfer results until ``rid`` is reported; True if it succeeded."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             results = self.role.get_transfer_results()
-            if order.request_id in results.finished_recving:
-                return order.request_id not in results.failed_recving
+            if rid in results.finished_recving:
+                return rid not in results.failed_recving
             time.sleep(0.002)
-        raise AssertionError(f"import of {order.request_id!r} not reported in {timeout_s} s")
+        raise AssertionError(f"import of {rid!r} not reported in {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +213,7 @@ def _check_whole(rig: PDRig) -> None:
     """Nothing of any import left: the importer's tables, NIXL transfers, staging slots,
     the policy's host pool and device pool."""
     importer = rig.role.importer
-    assert not importer._imports and not importer._spills and not importer._handshakes
+    assert not importer._imports and not importer._spills and not importer.prefills.handshakes
     assert importer.transport.num_open_transfers == 0
     assert sorted(importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
     assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
@@ -387,4 +391,75 @@ def test_a_release_nixl_refuses_leaves_nothing(rig, prefill, monkeypatch):
     assert rig.run_import(order)
     assert faulty.raised and transport.num_open_transfers == 0
     _end_good(rig, order)
+    prefill.notifications(timeout_s=0.2)
+
+
+class _HoldingAgent:
+    """The NIXL agent; the transfers made while ``hold`` names a request report ``PROC``
+    (still in flight) until it is cleared, those made for ``fail`` report ``ERR``."""
+
+    def __init__(self, agent, importer) -> None:
+        self._agent, self._importer = agent, importer
+        self.hold: str | None = None
+        self.fail: str | None = None
+        self._owner: dict[int, str] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        handle = self._agent.make_prepped_xfer(*args, **kwargs)
+        busy = [rid for rid, imp in self._importer._imports.items() if imp.started]
+        self._owner[id(handle)] = busy[-1] if busy else ""
+        return handle
+
+    def check_xfer_state(self, handle):
+        owner = self._owner.get(id(handle))
+        if owner == self.hold:
+            return "PROC"
+        if owner == self.fail:
+            return "ERR"
+        return self._agent.check_xfer_state(handle)
+
+
+def test_a_failed_import_leaves_the_agent_others_read_from(rig, prefill, monkeypatch):
+    """One import's read fails (its agent may be stale, so its registration is asked for
+    again) while another import of the same prefill is in flight: the NIXL agent stays
+    loaded until no import reads from it; the other one is exact. (Found by test_pd_fuzz:
+    the agent was removed under the other's reads, which then failed.)"""
+    importer = rig.role.importer
+    transport = importer.transport
+    holding = _HoldingAgent(transport._agent, importer)
+    monkeypatch.setattr(transport, "_agent", holding)
+    forgotten = []
+    real_forget = transport.forget
+    monkeypatch.setattr(transport, "forget", lambda agent: (forgotten.append(
+        {rid for rid, imp in importer._imports.items() if agent in imp.agents.values()}),
+        real_forget(agent)))
+    good, bad = rig.begin("held", prefill), rig.begin("broken", prefill)
+    rig.serial["held"] = 1
+    holding.hold, holding.fail = "held", "broken"
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles, imports=[good]))
+    rig.role.wait_for_save()
+    deadline = time.monotonic() + 30
+    while not importer._imports["held"].started and time.monotonic() < deadline:
+        rig.role.get_transfer_results()  # the handshake, when no earlier test loaded it
+        time.sleep(0.002)
+    assert importer._imports["held"].device_read is not None
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles, imports=[bad]))
+    rig.role.wait_for_save()
+    deadline = time.monotonic() + 30
+    while "broken" in importer._imports and time.monotonic() < deadline:
+        rig.role.get_transfer_results()
+        time.sleep(0.002)
+    assert "held" in importer._imports and forgotten == []  # its agent is still loaded
+    holding.hold = None
+    assert rig.run_import_results("held")
+    _check_bytes(rig, good)
+    assert rig.policy.finish_import("broken", success=False) == Outcome.RECOMPUTE
+    rig.policy.device_pool.free_blocks([blocks[0] - 1 for blocks in bad.device_blocks])
+    rig.policy.abort("broken")
+    _end_good(rig, good)
     prefill.notifications(timeout_s=0.2)

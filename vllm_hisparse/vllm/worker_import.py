@@ -4,7 +4,7 @@ For each :class:`~vllm_hisparse.vllm.import_order.ImportOrder`, every worker of 
 decode replica:
 
 1. loads the registration of the prefill worker it reads from (vLLM's side channel, on a
-   background thread; ``nixl_transport``), once per prefill engine and registration;
+   background thread; ``prefill_agents``), once per prefill engine and registration;
 2. reads into its own device memory, with one page-granular NIXL READ: the indexer pages
    into the indexer blocks vLLM allocated, and the sparse-MLA pages the order names into
    their sparse blocks (every page of a resident landing, the tail of a host landing);
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,14 +48,9 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
-from vllm_hisparse.vllm.nixl_transport import (
-    HANDSHAKE_TIMEOUT_S,
-    ImportTransferError,
-    NixlTransport,
-    RemoteAgent,
-    query_prefill,
-)
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder
+from vllm_hisparse.vllm.nixl_transport import ImportTransferError, NixlTransport, RemoteAgent
+from vllm_hisparse.vllm.prefill_agents import PrefillAgents, agent_key
 from vllm_hisparse.vllm.transfer_params import InvalidTransferParams, check_registered_blocks
 from vllm_hisparse.worker import TransferEngine
 
@@ -160,7 +154,6 @@ class KVImporter:
         self.world_size = max(1, int(world_size))
         self.writes_host = bool(writes_host)
         self.deadline_s = float(deadline_s)
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self._clock = clock
         bs, row_bytes = targets.block_size, targets.row_bytes
         self._mem = NixlTransport.mem_type(targets.sparse[0][2])
@@ -178,13 +171,8 @@ class KVImporter:
             self._free_slots = list(range(staging_pages))
             self._chunk_pages = max(1, staging_pages // 2)
         transport.register([*kv_tensors, *([self.staging] if self.staging is not None else [])])
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hisparse-pd-handshake")
+        self.prefills = PrefillAgents(transport)  # handshakes and loaded prefill agents
         self._imports: dict[str, _Import] = {}
-        # Prefill agents loaded, and side-channel queries in flight, by prefill engine and
-        # rank (``_agent_key``), with the registration generation each was asked for: a
-        # newer one asks again and replaces the entry (so requests cannot grow the table).
-        self._agents: dict[tuple, tuple[int, RemoteAgent]] = {}
-        self._handshakes: dict[tuple, tuple[int, Future]] = {}
         self._spills: dict[int, tuple[_Import, _Chunk]] = {}
         self._next_spill_id = 0
         self._finished: set[str] = set()
@@ -225,27 +213,17 @@ class KVImporter:
                 logger.warning("%s: P/D import of request %r: unexpected error", CONNECTOR_NAME,
                                imp.order.request_id, exc_info=True)
                 self._fail(imp, _why(exc))
-        if self._handshakes:
-            self._settle_handshakes()
+        self.prefills.end_pass(agent_key(imp.order.remote, rank) for imp in self._imports.values()
+                               if not imp.started and imp.error is None and imp.order.remote
+                               for rank in self._prefill_ranks(imp.order))
 
-    def _settle_handshakes(self) -> None:
-        """Side-channel answers no import waits for (its import failed or ended, or a lease
-        renewal asked): a registration is loaded into the cache, an error is dropped, so
-        the table holds only queries in flight or about to be read."""
-        waiting = {self._agent_key(imp.order.remote, rank) for imp in self._imports.values()
-                   if not imp.started and imp.error is None and imp.order.remote is not None
-                   for rank in self._prefill_ranks(imp.order)}
-        for key, (generation, future) in list(self._handshakes.items()):
-            if key in waiting or not future.done():
-                continue
-            del self._handshakes[key]
-            try:
-                agent = self.transport.add_prefill(future.result(), expected_engine_id=key[0],
-                                                   tp_rank=key[-1])
-            except Exception as exc:
-                logger.debug("%s: handshake with %s dropped: %s", CONNECTOR_NAME, key[:3], exc)
-                continue
-            self._agents[key] = (generation, agent)
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self.prefills.timeout_s
+
+    @handshake_timeout_s.setter
+    def handshake_timeout_s(self, seconds: float) -> None:
+        self.prefills.timeout_s = seconds
 
     @property
     def num_imports(self) -> int:
@@ -253,7 +231,7 @@ class KVImporter:
         return len(self._imports)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.prefills.close()
         if self._engine is not None:
             self._engine.wait_all()
         self.transport.close()
@@ -268,40 +246,13 @@ class KVImporter:
             ranks += list(range(self.world_size, p))
         return ranks
 
-    @staticmethod
-    def _agent_key(remote: RemotePrefill, prefill_rank: int) -> tuple:
-        return (remote.engine_id, remote.host, remote.port, remote.tp_size, prefill_rank)
-
-    def _agent_for(self, remote: RemotePrefill, prefill_rank: int) -> RemoteAgent | None:
-        """The prefill rank's agent: loaded (for this registration generation or a newer
-        one), else its side channel is queried (None until it answers). Raises when the
-        query or the registration failed (the next call asks again)."""
-        key = self._agent_key(remote, prefill_rank)
-        cached = self._agents.get(key)
-        if cached is not None and cached[0] >= remote.generation:
-            return cached[1]
-        pending = self._handshakes.get(key)
-        if pending is None:
-            future = self._pool.submit(query_prefill, remote.host, remote.port, prefill_rank,
-                                       timeout_s=self.handshake_timeout_s)
-            self._handshakes[key] = (remote.generation, future)
-            return None
-        generation, future = pending
-        if not future.done():
-            return None
-        del self._handshakes[key]
-        agent = self.transport.add_prefill(future.result(), expected_engine_id=remote.engine_id,
-                                           tp_rank=prefill_rank)
-        self._agents[key] = (generation, agent)
-        return agent
-
     def _heartbeat(self, heartbeat: Heartbeat) -> None:
         """``"HB:<ids>"`` to every rank of the prefill engine (skipped while its
         registration is being loaded; a failure is only logged: the lease is the backstop)."""
         message = ("HB:" + ",".join(heartbeat.request_ids)).encode()
         for prefill_rank in range(max(1, heartbeat.remote.tp_size)):
             try:
-                agent = self._agent_for(heartbeat.remote, prefill_rank)
+                agent = self.prefills.get(heartbeat.remote, prefill_rank)
             except Exception as exc:
                 logger.debug("%s: lease renewal for %s skipped: %s", CONNECTOR_NAME,
                              heartbeat.remote.engine_id, exc)
@@ -329,7 +280,7 @@ class KVImporter:
             try:
                 for prefill_rank in ranks:
                     if prefill_rank not in imp.agents:
-                        agent = self._agent_for(order.remote, prefill_rank)
+                        agent = self.prefills.get(order.remote, prefill_rank)
                         if agent is not None:
                             imp.agents[prefill_rank] = agent
             except Exception as exc:  # unreachable prefill, foreign registration, ...
@@ -398,7 +349,8 @@ class KVImporter:
             if local:
                 imp.device_read = self._read(agent, local, remote)
         except Exception as exc:  # ours (named) or NIXL's, any type: this import fails
-            self._fail(imp, _why(exc))
+            # A request's bad blocks say nothing against the prefill's registration.
+            self._fail(imp, _why(exc), transfer=not isinstance(exc, InvalidTransferParams))
 
     @staticmethod
     def _remote_page(agent: RemoteAgent, order: ImportOrder, layer: str, page: int,
@@ -520,11 +472,12 @@ class KVImporter:
                 self._failed.add(order.request_id)
         if imp.transfer_error:
             for prefill_rank, agent in imp.agents.items():  # ask again next time
-                key = self._agent_key(order.remote, prefill_rank)
-                cached = self._agents.get(key)
-                if cached is not None and cached[1] is agent:
-                    del self._agents[key]
-                    self.transport.forget(agent)
+                self.prefills.drop(order.remote, prefill_rank, agent, self._reads_from)
+
+    def _reads_from(self, agent_name: str) -> bool:
+        """An import not yet reported holds this prefill agent."""
+        return any(agent.agent_name == agent_name for imp in self._imports.values()
+                   for agent in imp.agents.values())
 
 
 class WorkerImports:
