@@ -306,3 +306,25 @@ def test_a_request_vllm_computes_itself_is_released(small_topk_model_dir):
     finish(harness)
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(request.output_token_ids) == 4
     assert worker.releases == [request.request_id] and not worker.imports
+
+
+@pytest.mark.parametrize("second", ["local", "refused", "pd"])
+def test_a_host_landings_hot_region_is_kept_for_it(small_topk_model_dir, second):
+    """A host landing leases its hot region at the step's end: the admissions after it in
+    the same pass (a local request, a refused one, another P/D landing) must leave those
+    blocks free. (Found by test_pd_fuzz: the policy then refused the landing, CANCEL.)"""
+    harness, worker = build(small_topk_model_dir, free=60)
+    landing = add_pd_request(harness, PROMPT, 4)
+    if second == "local":
+        other = harness.add_request(300, 4)
+    elif second == "refused":
+        other = add_pd_request(harness, 300, 4, kv_params=_bad_params(harness, 300, tp_size=0))
+    else:
+        other = add_pd_request(harness, 300, 4)
+    harness.step()
+    assert worker.imports[landing.request_id].action is ImportAction.READ
+    assert worker.imports[landing.request_id].host_blocks
+    finish(harness)
+    assert landing.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert other.status == (RequestStatus.FINISHED_ERROR if second == "refused"
+                            else RequestStatus.FINISHED_LENGTH_CAPPED)

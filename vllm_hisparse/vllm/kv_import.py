@@ -208,6 +208,9 @@ class PDImports:
         remote = self._pd_remote(request)
         rid = request.request_id
         if remote is None or rid in self._requests:
+            chunk = min(request.num_tokens - num_computed_tokens, self._max_chunk_tokens)
+            if self._pd_wait_for_hot_regions(chunk):
+                return None, False
             return super().offer(request, num_computed_tokens)
         self._pd_drop_offer(rid)
         self._reset_admission_watermark()  # the landing decision below leaves the headroom
@@ -240,6 +243,23 @@ class PDImports:
                          else ACTIVE_TAIL_PAGES + 1 + self.hisparse_config.hot_blocks_per_request)
         return num_external, True
 
+    def _pd_hot_blocks_pending(self) -> int:
+        """vLLM blocks the host landings admitted in this admission pass take at its end,
+        when the policy leases their hot regions (``_start_imports``)."""
+        landings = sum(1 for _, offer in self._pd_claimed if offer.landing == Landing.HOST)
+        return landings * self.hisparse_config.hot_blocks_per_request * len(self.sparse_group_ids)
+
+    def _pd_wait_for_hot_regions(self, num_tokens: int) -> bool:
+        """True when allocating ``num_tokens`` tokens (in every group) now would take the
+        hot regions of host landings admitted earlier in this pass: the request waits a
+        step (vLLM skips it), else the policy could not lease them and those landings
+        would fail. vLLM's watermark cannot hold them: it applies only while a request runs."""
+        pending = self._pd_hot_blocks_pending()
+        if not pending:
+            return False
+        need = cdiv(max(num_tokens, 1) + 1, self.block_size) * self._num_kv_groups
+        return need + pending > self.device_pool.block_pool.get_num_free_blocks()
+
     def _pd_offer_refusal(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """A refused request is admitted to be failed: at most one page of external tokens
         loaded asynchronously (more than a local hit's partial last page, which vLLM would
@@ -248,6 +268,8 @@ class PDImports:
         num_external = min(request.num_tokens - num_computed_tokens, self.block_size)
         if num_external <= 0:  # vLLM offers at most num_tokens - 1 computed tokens
             return 0, False
+        if self._pd_wait_for_hot_regions(num_external):
+            return None, False
         self._pd_offers[request.request_id] = _Offer(None, num_external, 0, 0, None)
         return num_external, True
 
@@ -267,7 +289,7 @@ class PDImports:
         groups = self._num_kv_groups
         sparse = len(self.sparse_group_ids)
         pages = cdiv(num_external + 1, bs)
-        free = self.device_pool.block_pool.get_num_free_blocks()
+        free = self.device_pool.block_pool.get_num_free_blocks() - self._pd_hot_blocks_pending()
         reserve = groups + len(self._requests) * (groups - sparse) if self._requests else 0
         resident = pages * groups
         if resident + reserve <= free:
