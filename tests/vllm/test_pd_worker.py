@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES
+from tests.vllm.pd_engine import check_imported_bytes
 from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
@@ -28,7 +28,6 @@ from vllm_hisparse.vllm import worker_import
 from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder, RemotePrefill
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
 from vllm_hisparse.vllm.nixl_transport import nixl_missing
-from vllm_hisparse.worker.synthetic import kv_rows
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
 
@@ -114,28 +113,8 @@ def prefill(rig):
 
 def _check_bytes(rig: PDRig, order: ImportOrder) -> int:
     """Every imported byte: host rows of every sparse layer, tail and indexer pages."""
-    serial = rig.serial[order.request_id]
-    pages = order.num_pages
-    positions = torch.arange(pages * BS)
-    written = positions < order.num_tokens
-    first_tail = pages - len(order.device_blocks)
-    checked = 0
-    for i, (lane, name, view) in enumerate((lane, n, v) for lane in rig.role.lanes
-                                           for n, v in zip(lane.layer_names, lane.device_layers)):
-        want = kv_rows(serial, positions, int(name.split(".")[2]), MLA_ROW_BYTES)
-        if order.host_blocks:
-            host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
-            assert torch.equal(rig.role.host_pool.layers[i][host_rows][written], want[written]), name
-        starts = [b[lane.sparse_index] * lane.layout.block_stride_rows for b in order.device_blocks]
-        device_rows = torch.cat([torch.arange(start, start + BS) for start in starts])
-        assert torch.equal(view[device_rows], want[first_tail * BS:]), (name, "device pages")
-        checked += int(written.sum())
-    for g, group in enumerate(rig.role.indexer_group_ids):
-        for name in rig.kv_cache_config.kv_cache_groups[group].layer_names:
-            want = kv_rows(serial, positions, 500 + int(name.split(".")[2]), INDEXER_ROW_BYTES)
-            got = rig.kv[name][order.indexer_blocks[g]].reshape(pages * BS, -1).view(torch.uint8)
-            assert torch.equal(got, want), name
-    return checked
+    return check_imported_bytes(rig.role, rig.kv, rig.kv_cache_config, order,
+                                rig.serial[order.request_id])
 
 
 def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, prefill):
