@@ -7,7 +7,7 @@ Faked: the remote prefill engine and the GPUs. Real: vLLM's ``Scheduler``,
 ``PDFakeWorker`` extends the ack fake (``fake_worker.FakeWorker``): it reads each step's
 metadata, and ``load_delay_steps`` steps later reports every import it saw in
 ``finished_recving`` (``HiSparseConnectorMetadata.imports``; a ``RELEASE`` is not reported,
-a ``CANCEL`` is reported failed); requests in ``fail_loads`` also in ``failed_recving``, as
+a ``CANCEL`` or ``REFUSE`` is reported failed); requests in ``fail_loads`` also in ``failed_recving``, as
 vLLM's ``KVOutputAggregator`` hands them over. Composed with NixlConnector, it records the
 loads NixlConnector's metadata asks for (none are expected).
 """
@@ -57,14 +57,17 @@ def remote_params(num_tokens: int, block_size: int, *, first_block: int = 100,
                 pp_size=1, remote_num_tokens=num_tokens, transfer_mode="pull")
 
 
-def add_pd_request(harness, prompt_len: int, max_tokens: int, **params):
-    """A request the proxy forwards after its prefill: the prefill's ``kv_transfer_params``."""
+def add_pd_request(harness, prompt_len: int, max_tokens: int, *, kv_params=None,
+                   sampling: dict | None = None, **params):
+    """A request the proxy forwards after its prefill: the prefill's ``kv_transfer_params``
+    (or ``kv_params`` as given: what a client may send instead)."""
     request_id = f"req-{next(harness._ids)}"
     tokens = [(hash((request_id, i)) % 900) + 10 for i in range(prompt_len)]
-    kv_params = remote_params(prompt_len, harness.block_size, request_id=f"p-{request_id}", **params)
+    if kv_params is None:
+        kv_params = remote_params(prompt_len, harness.block_size, request_id=f"p-{request_id}", **params)
     request = Request(
         request_id=request_id, prompt_token_ids=tokens, pooling_params=None,
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {}),
                                        extra_args={"kv_transfer_params": kv_params}),
         block_hasher=harness._block_hasher)
     harness.requests[request_id] = request
@@ -96,7 +99,7 @@ class PDFakeWorker(FakeWorker):
                     self.releases.append(order.request_id)
                     continue
                 self.imports[order.request_id] = order
-                if order.action is ImportAction.CANCEL:  # reported failed by the real worker
+                if order.action in (ImportAction.CANCEL, ImportAction.REFUSE):  # as the real worker
                     self.fail_loads.add(order.request_id)
                 self._loads_due.append((self.step + self.load_delay_steps, order.request_id))
         out = super().on_forward(scheduler_output)

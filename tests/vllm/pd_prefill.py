@@ -110,9 +110,11 @@ class FakePrefill:
     @classmethod
     def start(cls, *, layers: list[tuple[str, int, int]], blocks: list[int], num_blocks: int,
               serial: int, block_size: int, vllm_config, backend_name: str = "FLASHMLA_SPARSE",
-              engine_id: str = "prefill-engine-0", compat_hash: str | None = None) -> "FakePrefill":
+              engine_id: str = "prefill-engine-0", compat_hash: str | None = None,
+              advertised_num_blocks: int | None = None) -> "FakePrefill":
         """``layers``: ``(name, row bytes, synthetic layer id)``; page ``p`` of the request
-        sits in block ``blocks[p]`` of every layer."""
+        sits in block ``blocks[p]`` of every layer. ``advertised_num_blocks``: what the
+        handshake claims each region holds (a buggy prefill: more than it registers)."""
         import msgspec
 
         from vllm_hisparse.vllm import compat
@@ -127,12 +129,13 @@ class FakePrefill:
         agent_metadata, bases = parent.recv()
         _, payload_type, meta_type, compute_hash = compat.nixl_handshake_types()
         page_lens = [block_size * row_bytes for _, row_bytes, _ in layers]
+        advertised = num_blocks if advertised_num_blocks is None else advertised_num_blocks
         meta = meta_type(
             engine_id=engine_id, agent_metadata=agent_metadata, kv_caches_base_addr=bases,
-            device_id=0, num_blocks=num_blocks, block_lens=page_lens, block_strides=page_lens,
+            device_id=0, num_blocks=advertised, block_lens=page_lens, block_strides=page_lens,
             kv_cache_layout="LBHNC", block_size=block_size, ssm_sizes=(0, 0),
             attn_backend_name=backend_name, physical_blocks_per_logical_kv_block=1,
-            region_num_blocks=[num_blocks] * len(layers), region_group_ids=[0] * len(layers),
+            region_num_blocks=[advertised] * len(layers), region_group_ids=[0] * len(layers),
             region_names=[name for name, _, _ in layers], region_mem_types=["DRAM"] * len(layers))
         if compat_hash is None:
             compat_hash = compute_hash(vllm_config, backend_name, transfer_mode="pull")

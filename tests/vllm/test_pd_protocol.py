@@ -13,7 +13,7 @@ from vllm.config import KVTransferConfig
 
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.import_order import RemotePrefill
+from vllm_hisparse.vllm.transfer_params import parse_remote_prefill
 from vllm_hisparse.vllm.kv_import import pd_composition
 from vllm_hisparse.vllm.nixl_transport import (
     ImportTransferError,
@@ -40,24 +40,27 @@ def _meta(**fields):
 def test_per_layer_regions():
     meta = _meta(kv_caches_base_addr=[1000, 9000], block_lens=[64, 32], block_strides=[64, 32],
                  region_names=["a", "b"], region_group_ids=[0, 0])
-    assert remote_layer_pages(meta) == {"a": RemotePage(1000, 64, 64, 0), "b": RemotePage(9000, 32, 32, 0)}
+    assert remote_layer_pages(meta) == {"a": RemotePage(1000, 64, 64, 0, 10),
+                                        "b": RemotePage(9000, 32, 32, 0, 10)}
 
 
 def test_packed_rows_and_a_separate_indexer_region():
     """Block-outermost prefill: one region whose block is a row of every MLA layer's page."""
     meta = _meta(kv_caches_base_addr=[1000, 50000], block_lens=[300, 40], block_strides=[300, 40],
-                 region_names=["mla0", "idx"], region_group_ids=[0, 1],
+                 region_names=["mla0", "idx"], region_group_ids=[0, 1], region_num_blocks=[10, 7],
                  region_members=[["mla0", "mla1"], ["idx"]],
                  packed_member_layouts={"mla0": (0, 100), "mla1": (100, 200)})
-    assert remote_layer_pages(meta) == {"mla0": RemotePage(1000, 100, 300, 0),
-                                        "mla1": RemotePage(1100, 200, 300, 0),
-                                        "idx": RemotePage(50000, 40, 40, 1)}
+    assert remote_layer_pages(meta) == {"mla0": RemotePage(1000, 100, 300, 0, 10),
+                                        "mla1": RemotePage(1100, 200, 300, 0, 10),
+                                        "idx": RemotePage(50000, 40, 40, 1, 7)}
 
 
 @pytest.mark.parametrize("fields, match", [
     (dict(region_names=None), "names no layers"),
     (dict(region_names=["a"], region_group_ids=[-1], packed_member_layouts={"a": (0, 10)}),
      "several KV cache groups"),
+    (dict(region_names=["a"], packed_member_layouts={"a": (4, 10)}), "at bytes 4..14 of a 10 B"),
+    (dict(region_names=["a"], region_num_blocks=[1, 2]), "regions of different lengths"),
 ])
 def test_registrations_a_host_landing_cannot_read(fields, match):
     meta = _meta(kv_caches_base_addr=[1], block_lens=[10], block_strides=[10], **fields)
@@ -66,14 +69,15 @@ def test_registrations_a_host_landing_cannot_read(fields, match):
 
 
 def test_remote_prefill_from_params():
+    """The accepted forms (the refusals: tests/vllm/test_pd_params.py)."""
     params = remote_params(130, 64)
-    remote = RemotePrefill.from_params(params)
+    remote = parse_remote_prefill(params, max_blocks=10)
     assert remote.block_ids == ((100, 101, 102),) and remote.tp_size == 1 and remote.generation == 0
-    assert RemotePrefill.from_params({**params, "remote_block_ids": [7, 8]}).block_ids == ((7, 8),)
-    for broken in ({"do_remote_prefill": False}, {"remote_host": None}, {"pp_size": 2},
-                   {"dcp_size": 2}, {"remote_block_ids": []}):
-        assert RemotePrefill.from_params({**params, **broken}) is None, broken
-    assert RemotePrefill.from_params(None) is None
+    assert remote.num_tokens == 130
+    flat = parse_remote_prefill({**params, "remote_block_ids": [7, 8]}, max_blocks=10)
+    assert flat.block_ids == ((7, 8),)
+    for local in (None, {}, {"do_remote_prefill": False}, {**params, "do_remote_prefill": None}):
+        assert parse_remote_prefill(local, max_blocks=10) is None, local
 
 
 @pytest.mark.parametrize("decode, prefill, want", [

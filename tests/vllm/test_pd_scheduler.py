@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tests.vllm.pd_fakes import PDFakeWorker, add_pd_request, pd_kv_transfer
+from tests.vllm.pd_fakes import PDFakeWorker, add_pd_request, pd_kv_transfer, remote_params
 from tests.vllm.scheduler_harness import SchedulerHarness
 from vllm_hisparse.core import Residency
 from vllm_hisparse.vllm.config import HiSparseConfigError
@@ -234,3 +234,97 @@ def test_a_child_reads_the_composing_config(small_topk_model_dir):
     role = harness.residency
     assert role.pd.enabled
     assert role._load_failure_policy == "recompute" and not role.host_prefix_cache
+
+
+def _bad_params(harness, prompt_len, **change):
+    return {**remote_params(prompt_len, harness.block_size), **change}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_refused_requests_fail_alone(small_topk_model_dir, async_scheduling, caplog):
+    """Invalid kv_transfer_params (checked when the request arrives, or when it is offered
+    and the imported tokens are known): one WARNING each, a REFUSE order that contacts
+    nobody, FINISHED_ERROR; the good P/D request and the local one finish; nothing leaks.
+    (Before: ``int("http")`` raised out of on_new_request, stopping the engine; the
+    duplicate, missing and uncovered blocks reached the workers' reads.)"""
+    caplog.set_level("WARNING", logger="vllm_hisparse.vllm.kv_import")
+    harness, worker = build(small_topk_model_dir, async_scheduling=async_scheduling)
+    local = harness.add_request(200, 12)
+    good = add_pd_request(harness, PROMPT, 8)
+    bad = {
+        "remote_block_ids": add_pd_request(harness, PROMPT, 8, kv_params=_bad_params(
+            harness, PROMPT, remote_block_ids=[[5, 5, 6]])),
+        "remote_port": add_pd_request(harness, PROMPT, 8, kv_params=_bad_params(
+            harness, PROMPT, remote_port="http")),
+        "remote_engine_id": add_pd_request(harness, 300, 8, kv_params=_bad_params(
+            harness, 300, remote_engine_id=None)),
+        "do_remote_prefill": add_pd_request(harness, 300, 8, kv_params=_bad_params(
+            harness, 300, do_remote_prefill="true")),
+        # 1024 tokens import 16 pages; the prefill names 4 (checked at the offer)
+        "coverage": add_pd_request(harness, PROMPT, 8, kv_params=_bad_params(harness, 256)),
+    }
+    finish(harness)
+    refused = [r for r in caplog.records if r.name == "vllm_hisparse.vllm.kv_import"]
+    assert len(refused) == len(bad)
+    for field, request in bad.items():
+        assert request.status == RequestStatus.FINISHED_ERROR and not request.output_token_ids, field
+        order = worker.imports[request.request_id]
+        assert order.action is ImportAction.REFUSE and order.remote is None, field
+        message = next(r.getMessage() for r in refused if repr(request.request_id) in r.getMessage())
+        want = "remote_block_ids" if field == "coverage" else field
+        assert f"kv_transfer_params.{want}: " in message, message
+    assert good.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(good.output_token_ids) == 8
+    assert local.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(local.output_token_ids) == 12
+    role = harness.residency
+    # Leases renewed only for params valid at arrival (the coverage one until its offer).
+    assert not worker.releases
+    assert {rid for h in worker.heartbeats for rid in h.request_ids} <= {f"p-{good.request_id}", "p-req"}
+    assert role.num_pd_landings == {Landing.RESIDENT: 1, Landing.HOST: 0}
+    assert not role._pd_refused and not role._pd_settled and not role._pd_offers
+
+
+def test_a_refused_request_is_recomputed_under_recompute(small_topk_model_dir, caplog):
+    harness, worker = build(small_topk_model_dir, failure_policy="recompute")
+    with caplog.at_level("WARNING", logger="vllm_hisparse.vllm.kv_import"):
+        request = add_pd_request(harness, 300, 6, kv_params=_bad_params(harness, 300, tp_size=10**6))
+        finish(harness)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(request.output_token_ids) == 6
+    ours = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.kv_import"]
+    assert len(ours) == 1 and "tp_size: 1000000 is outside 1..64" in ours[0]
+    assert "vLLM recomputes it here" in ours[0]
+    assert list(worker.imports) == [request.request_id]  # refused once, then computed here
+    assert harness.residency.num_preemptions == 0
+
+
+def test_a_request_vllm_computes_itself_is_released(small_topk_model_dir):
+    """Prompt logprobs make vLLM skip every cache (``skip_reading_prefix_cache``): it
+    allocates with no external tokens whatever the connector offered. The request is
+    computed here and the prefill is told to free its blocks. (Before: a RuntimeError out
+    of update_state_after_alloc stopped the engine.)"""
+    harness, worker = build(small_topk_model_dir)
+    request = add_pd_request(harness, PROMPT, 4, sampling={"prompt_logprobs": 1})
+    finish(harness)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(request.output_token_ids) == 4
+    assert worker.releases == [request.request_id] and not worker.imports
+
+
+@pytest.mark.parametrize("second", ["local", "refused", "pd"])
+def test_a_host_landings_hot_region_is_kept_for_it(small_topk_model_dir, second):
+    """A host landing leases its hot region at the step's end: the admissions after it in
+    the same pass (a local request, a refused one, another P/D landing) must leave those
+    blocks free. (Found by test_pd_fuzz: the policy then refused the landing, CANCEL.)"""
+    harness, worker = build(small_topk_model_dir, free=60)
+    landing = add_pd_request(harness, PROMPT, 4)
+    if second == "local":
+        other = harness.add_request(300, 4)
+    elif second == "refused":
+        other = add_pd_request(harness, 300, 4, kv_params=_bad_params(harness, 300, tp_size=0))
+    else:
+        other = add_pd_request(harness, 300, 4)
+    harness.step()
+    assert worker.imports[landing.request_id].action is ImportAction.READ
+    assert worker.imports[landing.request_id].host_blocks
+    finish(harness)
+    assert landing.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert other.status == (RequestStatus.FINISHED_ERROR if second == "refused"
+                            else RequestStatus.FINISHED_LENGTH_CAPPED)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES
+from tests.vllm.pd_engine import check_imported_bytes
 from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
@@ -28,7 +28,6 @@ from vllm_hisparse.vllm import worker_import
 from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder, RemotePrefill
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
 from vllm_hisparse.vllm.nixl_transport import nixl_missing
-from vllm_hisparse.worker.synthetic import kv_rows
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
 
@@ -83,13 +82,17 @@ class PDRig(Rig):
         self.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=self.bundles,
                                                           imports=[order]))
         self.role.wait_for_save()
+        return self.run_import_results(order.request_id, timeout_s)
+
+    def run_import_results(self, rid: str, timeout_s: float = 60.0) -> bool:
+        """Poll the transfer results until ``rid`` is reported; True if it succeeded."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             results = self.role.get_transfer_results()
-            if order.request_id in results.finished_recving:
-                return order.request_id not in results.failed_recving
+            if rid in results.finished_recving:
+                return rid not in results.failed_recving
             time.sleep(0.002)
-        raise AssertionError(f"import of {order.request_id!r} not reported in {timeout_s} s")
+        raise AssertionError(f"import of {rid!r} not reported in {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -110,28 +113,8 @@ def prefill(rig):
 
 def _check_bytes(rig: PDRig, order: ImportOrder) -> int:
     """Every imported byte: host rows of every sparse layer, tail and indexer pages."""
-    serial = rig.serial[order.request_id]
-    pages = order.num_pages
-    positions = torch.arange(pages * BS)
-    written = positions < order.num_tokens
-    first_tail = pages - len(order.device_blocks)
-    checked = 0
-    for i, (lane, name, view) in enumerate((lane, n, v) for lane in rig.role.lanes
-                                           for n, v in zip(lane.layer_names, lane.device_layers)):
-        want = kv_rows(serial, positions, int(name.split(".")[2]), MLA_ROW_BYTES)
-        if order.host_blocks:
-            host_rows = torch.cat([torch.arange(hb * BS, hb * BS + BS) for hb in order.host_blocks])
-            assert torch.equal(rig.role.host_pool.layers[i][host_rows][written], want[written]), name
-        starts = [b[lane.sparse_index] * lane.layout.block_stride_rows for b in order.device_blocks]
-        device_rows = torch.cat([torch.arange(start, start + BS) for start in starts])
-        assert torch.equal(view[device_rows], want[first_tail * BS:]), (name, "device pages")
-        checked += int(written.sum())
-    for g, group in enumerate(rig.role.indexer_group_ids):
-        for name in rig.kv_cache_config.kv_cache_groups[group].layer_names:
-            want = kv_rows(serial, positions, 500 + int(name.split(".")[2]), INDEXER_ROW_BYTES)
-            got = rig.kv[name][order.indexer_blocks[g]].reshape(pages * BS, -1).view(torch.uint8)
-            assert torch.equal(got, want), name
-    return checked
+    return check_imported_bytes(rig.role, rig.kv, rig.kv_cache_config, order,
+                                rig.serial[order.request_id])
 
 
 def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, prefill):
@@ -184,12 +167,33 @@ def test_leases_are_renewed_on_every_prefill_rank(rig, prefill):
 
 def _fail_and_check_whole(rig: PDRig, order: ImportOrder) -> None:
     assert rig.run_import(order) is False
+    _end_failed(rig, order)
+
+
+def _end_failed(rig: PDRig, order: ImportOrder) -> None:
+    """What the scheduler role does after a failed import; then nothing may be left."""
     assert rig.policy.finish_import(order.request_id, success=False) == Outcome.RECOMPUTE
     rig.policy.device_pool.free_blocks([b - 1 for b in (blocks[0] for blocks in order.device_blocks)])
     rig.policy.abort(order.request_id)
     rig.drain()
+    _check_whole(rig)
+
+
+def _end_good(rig: PDRig, order: ImportOrder) -> None:
+    """A successful import: every byte, then the request ends; nothing may be left."""
+    _check_bytes(rig, order)
+    assert rig.policy.finish_import(order.request_id, success=True) == Outcome.OK
+    rig.policy.finish(order.request_id)
+    rig.drain()
+    _check_whole(rig)
+
+
+def _check_whole(rig: PDRig) -> None:
+    """Nothing of any import left: the importer's tables, NIXL transfers, staging slots,
+    the policy's host pool and device pool."""
     importer = rig.role.importer
-    assert not importer._imports and not importer._spills
+    assert not importer._imports and not importer._spills and not importer.prefills.handshakes
+    assert importer.transport.num_open_transfers == 0
     assert sorted(importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
     assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
     assert rig.policy.device_pool.get_num_free_blocks() == rig.M
@@ -263,3 +267,178 @@ def test_a_prefill_lost_in_the_middle_of_the_staging(model_dir, monkeypatch):  #
     finally:
         prefill.stop()
         rig.role.shutdown()
+
+
+def test_blocks_outside_the_prefills_region_fail_that_request_alone(rig, prefill):
+    """kv_transfer_params naming a block past the prefill's registered KV region (64
+    blocks). Found tried as an attacker would: NIXL's prep_xfer_dlist raised
+    nixlNotFoundError out of start_load_kv, so the worker died and the import stayed in
+    the importer's tables. Now refused against the handshake before any read is prepared."""
+    order = rig.begin("outside", prefill, block_ids=[*P_BLOCKS[:9], 64 + 1000])
+    _fail_and_check_whole(rig, order)
+    got = prefill.notifications(expect=1)
+    while "p-outside:1" not in got and len(got) < 4:  # an earlier test's may come first
+        got += prefill.notifications(expect=1)
+    assert "p-outside:1" in got  # told, as after any failure
+
+
+def test_a_prefill_that_overstates_its_region_fails_that_request_alone(rig):
+    """A buggy prefill advertises 1000 blocks but registers 64: the request's block 500
+    passes our check and NIXL itself refuses the descriptors (nixlNotFoundError); that
+    import fails alone, then a good one reads every byte."""
+    liar = FakePrefill.start(layers=rig.layers(), blocks=P_BLOCKS, num_blocks=64, serial=1,
+                             block_size=BS, vllm_config=rig.vllm_config, engine_id="prefill-liar",
+                             advertised_num_blocks=1000)
+    try:
+        order = rig.begin("liar", liar, block_ids=[*P_BLOCKS[:9], 500])
+        _fail_and_check_whole(rig, order)
+        order = rig.begin("good", liar)
+        rig.serial["good"] = 1  # the liar holds request 1's KV
+        assert rig.run_import(order)
+        _end_good(rig, order)
+    finally:
+        liar.stop()
+
+
+def _nixl_error(name: str) -> type[Exception]:
+    import importlib
+
+    import nixl._api
+
+    bindings = importlib.import_module(nixl._api.__name__.rsplit(".", 1)[0] + "._bindings")
+    return getattr(bindings, name)
+
+
+class _FaultyAgent:
+    """The NIXL agent, with ``method`` raising ``error`` from its ``after``-th call on."""
+
+    def __init__(self, agent, method: str, error: Exception, after: int = 0) -> None:
+        self._agent, self._method, self._error, self._left = agent, method, error, after
+        self.raised = 0
+
+    def __getattr__(self, name):
+        real = getattr(self._agent, name)
+        if name != self._method:
+            return real
+
+        def call(*args, **kwargs):
+            if self._left > 0:
+                self._left -= 1
+                return real(*args, **kwargs)
+            self.raised += 1
+            raise self._error
+        return call
+
+
+@pytest.mark.parametrize("method, after", [
+    ("prep_xfer_dlist", 0), ("prep_xfer_dlist", 1), ("make_prepped_xfer", 0), ("transfer", 0),
+    ("transfer", 1), ("check_xfer_state", 0), ("check_xfer_state", 2)])
+@pytest.mark.parametrize("error", ["nixlNotFoundError", "nixlRemoteDisconnectError",
+                                   "nixlBackendError", "KeyError", "OverflowError"])
+def test_any_nixl_error_fails_that_import_alone(rig, prefill, monkeypatch, method, after, error):
+    """Prepare, post or check raising (NIXL's own exception types or any other) at the
+    first or a later call: the import is drained, reported failed, leaves nothing; the
+    next import of the same prefill reads every byte."""
+    transport = rig.role.importer.transport
+    cls = _nixl_error(error) if error.startswith("nixl") else {"KeyError": KeyError,
+                                                                "OverflowError": OverflowError}[error]
+    faulty = _FaultyAgent(transport._agent, method, cls("injected"), after)
+    monkeypatch.setattr(transport, "_agent", faulty)
+    order = rig.begin("fault", prefill)
+    ok = rig.run_import(order)
+    # A later state check may not come (the reads were over): then the import succeeds.
+    assert faulty.raised or (method == "check_xfer_state" and after)
+    assert ok is not bool(faulty.raised)
+    rig.serial["fault"] = 1  # the prefill holds request 1's KV
+    _end_good(rig, order) if ok else _end_failed(rig, order)
+    monkeypatch.setattr(transport, "_agent", faulty._agent)
+    order = rig.begin("after-fault", prefill)
+    rig.serial["after-fault"] = 1
+    assert rig.run_import(order)
+    _end_good(rig, order)
+    prefill.notifications(timeout_s=0.2)  # the prefill was told after each: drop them
+
+
+def test_a_release_nixl_refuses_leaves_nothing(rig, prefill, monkeypatch):
+    """Releasing a finished read raises: the read is over, so it is dropped all the same;
+    the import succeeds with every byte and no NIXL transfer is left open."""
+    transport = rig.role.importer.transport
+    faulty = _FaultyAgent(transport._agent, "release_xfer_handle", _nixl_error("nixlBackendError")("x"))
+    monkeypatch.setattr(transport, "_agent", faulty)
+    order = rig.begin("unreleased", prefill)
+    rig.serial["unreleased"] = 1
+    assert rig.run_import(order)
+    assert faulty.raised and transport.num_open_transfers == 0
+    _end_good(rig, order)
+    prefill.notifications(timeout_s=0.2)
+
+
+class _HoldingAgent:
+    """The NIXL agent; the transfers made while ``hold`` names a request report ``PROC``
+    (still in flight) until it is cleared, those made for ``fail`` report ``ERR``."""
+
+    def __init__(self, agent, importer) -> None:
+        self._agent, self._importer = agent, importer
+        self.hold: str | None = None
+        self.fail: str | None = None
+        self._owner: dict[int, str] = {}
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        handle = self._agent.make_prepped_xfer(*args, **kwargs)
+        busy = [rid for rid, imp in self._importer._imports.items() if imp.started]
+        self._owner[id(handle)] = busy[-1] if busy else ""
+        return handle
+
+    def check_xfer_state(self, handle):
+        owner = self._owner.get(id(handle))
+        if owner == self.hold:
+            return "PROC"
+        if owner == self.fail:
+            return "ERR"
+        return self._agent.check_xfer_state(handle)
+
+
+def test_a_failed_import_leaves_the_agent_others_read_from(rig, prefill, monkeypatch):
+    """One import's read fails (its agent may be stale, so its registration is asked for
+    again) while another import of the same prefill is in flight: the NIXL agent stays
+    loaded until no import reads from it; the other one is exact. (Found by test_pd_fuzz:
+    the agent was removed under the other's reads, which then failed.)"""
+    importer = rig.role.importer
+    transport = importer.transport
+    holding = _HoldingAgent(transport._agent, importer)
+    monkeypatch.setattr(transport, "_agent", holding)
+    forgotten = []
+    real_forget = transport.forget
+    monkeypatch.setattr(transport, "forget", lambda agent: (forgotten.append(
+        {rid for rid, imp in importer._imports.items() if agent in imp.agents.values()}),
+        real_forget(agent)))
+    good, bad = rig.begin("held", prefill), rig.begin("broken", prefill)
+    rig.serial["held"] = 1
+    holding.hold, holding.fail = "held", "broken"
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles, imports=[good]))
+    rig.role.wait_for_save()
+    deadline = time.monotonic() + 30
+    while not importer._imports["held"].started and time.monotonic() < deadline:
+        rig.role.get_transfer_results()  # the handshake, when no earlier test loaded it
+        time.sleep(0.002)
+    assert importer._imports["held"].device_read is not None
+    cmd = shift_blocks(rig.policy.build_step(), rig.lead)
+    rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles, imports=[bad]))
+    rig.role.wait_for_save()
+    deadline = time.monotonic() + 30
+    while "broken" in importer._imports and time.monotonic() < deadline:
+        rig.role.get_transfer_results()
+        time.sleep(0.002)
+    assert "held" in importer._imports and forgotten == []  # its agent is still loaded
+    holding.hold = None
+    assert rig.run_import_results("held")
+    _check_bytes(rig, good)
+    assert rig.policy.finish_import("broken", success=False) == Outcome.RECOMPUTE
+    rig.policy.device_pool.free_blocks([blocks[0] - 1 for blocks in bad.device_blocks])
+    rig.policy.abort("broken")
+    _end_good(rig, good)
+    prefill.notifications(timeout_s=0.2)

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
-
-#: Fields of a prefill's ``kv_transfer_params`` (vLLM's NixlConnector, pull mode) that an
-#: import needs.
-REQUIRED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
-                   "remote_port", "tp_size")
 
 
 @dataclass(frozen=True)
@@ -25,7 +19,10 @@ class RemotePrefill:
     ``block_ids[g]`` are the prefill's blocks of its ``g``-th transfer group, page order;
     ``tp_size`` its tensor-parallel size (MLA KV is replicated over its ranks);
     ``generation`` changes when the prefill registers its KV cache again (a reader must
-    then ask for its registration again).
+    then ask for its registration again); ``num_tokens`` the tokens the prefill computed
+    (``remote_num_tokens``; 0 when it does not say). Built from a request's
+    ``kv_transfer_params`` by :func:`~vllm_hisparse.vllm.transfer_params.parse_remote_prefill`,
+    which checks every field.
     """
 
     engine_id: str
@@ -35,29 +32,7 @@ class RemotePrefill:
     tp_size: int
     block_ids: tuple[tuple[int, ...], ...]
     generation: int = 0
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> "RemotePrefill | None":
-        """The remote prefill of a P/D decode request; None when ``params`` describes none
-        (not ``do_remote_prefill``, a field missing, pipeline or decode-context parallel
-        prefill, which this reader does not handle)."""
-        if not params or not params.get("do_remote_prefill"):
-            return None
-        if any(params.get(k) is None for k in REQUIRED_PARAMS):
-            return None
-        if int(params.get("pp_size", 1) or 1) != 1 or int(params.get("dcp_size", 1) or 1) != 1:
-            return None
-        blocks = params["remote_block_ids"]
-        if not blocks:
-            return None
-        if isinstance(blocks[0], int):  # a single group, flat list (non-HMA producers)
-            blocks = [blocks]
-        return cls(engine_id=str(params["remote_engine_id"]),
-                   request_id=str(params["remote_request_id"]),
-                   host=str(params["remote_host"]), port=int(params["remote_port"]),
-                   tp_size=int(params["tp_size"]),
-                   block_ids=tuple(tuple(int(b) for b in group) for group in blocks),
-                   generation=int(params.get("remote_registration_generation", 0) or 0))
+    num_tokens: int = 0
 
     @property
     def engine_key(self) -> tuple:
@@ -69,6 +44,7 @@ class ImportAction(enum.Enum):
     READ = "read"  # read the pages, tell the prefill, report the request
     CANCEL = "cancel"  # admitted but dropped: tell the prefill, report the request failed
     RELEASE = "release"  # never admitted (aborted while waiting): tell the prefill only
+    REFUSE = "refuse"  # invalid kv_transfer_params: contact nobody, report the request failed
 
 
 @dataclass
@@ -77,7 +53,8 @@ class ImportOrder:
 
     Attributes:
         request_id: the decode instance's request id (reported in ``finished_recving``).
-        remote: the prefill's KV.
+        remote: the prefill's KV (None for a ``REFUSE`` order: nothing of the request's
+            ``kv_transfer_params`` is used).
         num_tokens: positions imported (the request's computed tokens once loaded); page
             ``p`` covers positions ``[p * block_size, (p + 1) * block_size)``.
         num_pages: pages imported, ``cdiv(num_tokens, block_size)``.
@@ -92,7 +69,7 @@ class ImportOrder:
     """
 
     request_id: str
-    remote: RemotePrefill
+    remote: RemotePrefill | None
     num_tokens: int
     num_pages: int
     host_blocks: list[int] = field(default_factory=list)

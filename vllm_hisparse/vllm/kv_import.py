@@ -21,7 +21,15 @@ consumer"). The landing is decided once, when vLLM admits the request:
 
 Either way the request waits in ``WAITING_FOR_REMOTE_KVS`` until every worker reported it
 (``finished_recving``); a failed read (``failed_recving``) ends it as vLLM's
-``kv_load_failure_policy`` says, alone. While a P/D request waits here or is being read,
+``kv_load_failure_policy`` says, alone.
+
+``kv_transfer_params`` arrive with the request body: untrusted input. They are checked
+when the request arrives and when it is offered (``transfer_params``); a request that
+fails a check is **refused**: one WARNING names the request, the field and the problem,
+vLLM admits it with at most two blocks per group (one page of external tokens, loaded
+asynchronously) and the workers get a ``REFUSE`` order, which they report failed at once
+without contacting anyone. vLLM then fails it (``FINISHED_ERROR``) or recomputes it here,
+as ``kv_load_failure_policy`` says; nothing else is affected. While a P/D request waits here or is being read,
 the prefill's lease on its blocks is renewed (:class:`~import_order.Heartbeat`); a request
 aborted before admission tells the prefill to free them (``ImportAction.RELEASE``).
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +60,11 @@ from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError
 from vllm_hisparse.vllm.connector_entries import MULTI_CONNECTOR, connector_entries
 from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
+from vllm_hisparse.vllm.transfer_params import (
+    InvalidTransferParams,
+    check_import_coverage,
+    parse_remote_prefill,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +130,13 @@ def pd_composition(kv: Any) -> PDComposition:
 
 @dataclass(frozen=True)
 class _Offer:
-    """A landing offered to vLLM and not yet admitted."""
+    """A landing (or a refusal) offered to vLLM and not yet admitted."""
 
-    landing: Landing
+    landing: Landing | None  # None: refused (invalid kv_transfer_params)
     num_external_tokens: int  # what this connector reported (vLLM's external tokens)
     num_tokens: int  # computed tokens once loaded (the last prompt token is recomputed)
     null_pages: int  # host landing: sparse pages vLLM leaves null
-    remote: RemotePrefill
+    remote: RemotePrefill | None
 
 
 class PDImports:
@@ -139,6 +153,11 @@ class PDImports:
         self._pd_releases: list[ImportOrder] = []
         self._pd_leases: dict[str, RemotePrefill] = {}  # heartbeats: waiting or loading
         self._pd_restarting: set[str] = set()  # failed imports vLLM frees
+        # Refused requests (invalid kv_transfer_params, logged once) until admitted, and
+        # admitted P/D requests until they finish: a recompute is not imported again.
+        self._pd_refused: dict[str, InvalidTransferParams] = {}
+        self._pd_settled: set[str] = set()
+        self._pd_max_blocks = cdiv(self.max_model_len, self.block_size) + 2
         self._pd_clock = time.monotonic
         self._pd_next_heartbeat_s = 0.0
         self.num_pd_landings = {Landing.RESIDENT: 0, Landing.HOST: 0}
@@ -147,15 +166,39 @@ class PDImports:
                         "by this connector, resident when the whole prefix fits the device pool, "
                         "else into the host tier", CONNECTOR_NAME)
 
-    def _pd_remote(self, request: Any) -> RemotePrefill | None:
+    def _pd_remote(self, request: Any) -> RemotePrefill | InvalidTransferParams | None:
+        """The request's remote prefill; its refusal; or None (not a P/D request, or one
+        already admitted: recomputed here after a failed import)."""
         if not self.pd.enabled:
             return None
-        return RemotePrefill.from_params(getattr(request, "kv_transfer_params", None))
+        rid = request.request_id
+        if rid in self._pd_settled:
+            return None
+        refused = self._pd_refused.get(rid)
+        if refused is not None:
+            return refused
+        try:
+            return parse_remote_prefill(getattr(request, "kv_transfer_params", None),
+                                        max_blocks=self._pd_max_blocks)
+        except InvalidTransferParams as exc:
+            self._pd_refuse(rid, exc)
+            return exc
+
+    def _pd_refuse(self, rid: str, exc: InvalidTransferParams) -> None:
+        """Refuse a P/D request (once): no read, no lease renewal, one WARNING."""
+        self._pd_refused[rid] = exc
+        self._pd_leases.pop(rid, None)
+        self._stats.add("num_pd_refused", 1)
+        outcome = "recomputes it here" if self._load_failure_policy == "recompute" else "fails it"
+        logger.warning("%s: P/D request %r refused: %s (kv_transfer_params are untrusted input: "
+                       "nothing is read or contacted for it; vLLM %s, kv_load_failure_policy=%s)",
+                       CONNECTOR_NAME, rid, exc, outcome, self._load_failure_policy)
 
     def on_new_request(self, request: Any) -> None:
-        """A P/D request arrived: renew the prefill's lease on its blocks until it is read."""
+        """A P/D request arrived: check its ``kv_transfer_params`` (a refusal is logged
+        here); renew the prefill's lease on its blocks until it is read."""
         remote = self._pd_remote(request)
-        if remote is not None:
+        if isinstance(remote, RemotePrefill):
             self._pd_leases[request.request_id] = remote
 
     # ------------------------------------------------------------------ admission
@@ -165,17 +208,27 @@ class PDImports:
         remote = self._pd_remote(request)
         rid = request.request_id
         if remote is None or rid in self._requests:
+            chunk = min(request.num_tokens - num_computed_tokens, self._max_chunk_tokens)
+            if self._pd_wait_for_hot_regions(chunk):
+                return None, False
             return super().offer(request, num_computed_tokens)
         self._pd_drop_offer(rid)
         self._reset_admission_watermark()  # the landing decision below leaves the headroom
-        if self.host_pool.num_allocatable_blocks - self._host_outstanding < self._host_pages_for(request):
-            return None, False  # host back-pressure, as for every request
+        if isinstance(remote, InvalidTransferParams):
+            return self._pd_offer_refusal(request, num_computed_tokens)
         prompt = request.num_prompt_tokens
         remote_tokens = prompt - self._pd_backoff if self._pd_backoff and prompt > self._pd_backoff else prompt
         num_external = remote_tokens - num_computed_tokens
         if num_external <= 0:
             return 0, False
         num_tokens = num_external - 1 if num_external == request.num_tokens else num_external
+        try:
+            check_import_coverage(remote, num_tokens, self.block_size)
+        except InvalidTransferParams as exc:
+            self._pd_refuse(rid, exc)
+            return self._pd_offer_refusal(request, num_computed_tokens)
+        if self.host_pool.num_allocatable_blocks - self._host_outstanding < self._host_pages_for(request):
+            return None, False  # host back-pressure, as for every request
         landing, shortfall = self._pd_decide(request, num_computed_tokens, num_external, num_tokens)
         if landing is None:
             self._require_policy().note_device_demand(cdiv(shortfall, len(self.sparse_group_ids)))
@@ -188,6 +241,36 @@ class PDImports:
         # Not admitted (vLLM could not allocate) is unmet device demand.
         self._offered = (rid, cdiv(num_external + 1, self.block_size) if landing == Landing.RESIDENT
                          else ACTIVE_TAIL_PAGES + 1 + self.hisparse_config.hot_blocks_per_request)
+        return num_external, True
+
+    def _pd_hot_blocks_pending(self) -> int:
+        """vLLM blocks the host landings admitted in this admission pass take at its end,
+        when the policy leases their hot regions (``_start_imports``)."""
+        landings = sum(1 for _, offer in self._pd_claimed if offer.landing == Landing.HOST)
+        return landings * self.hisparse_config.hot_blocks_per_request * len(self.sparse_group_ids)
+
+    def _pd_wait_for_hot_regions(self, num_tokens: int) -> bool:
+        """True when allocating ``num_tokens`` tokens (in every group) now would take the
+        hot regions of host landings admitted earlier in this pass: the request waits a
+        step (vLLM skips it), else the policy could not lease them and those landings
+        would fail. vLLM's watermark cannot hold them: it applies only while a request runs."""
+        pending = self._pd_hot_blocks_pending()
+        if not pending:
+            return False
+        need = cdiv(max(num_tokens, 1) + 1, self.block_size) * self._num_kv_groups
+        return need + pending > self.device_pool.block_pool.get_num_free_blocks()
+
+    def _pd_offer_refusal(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """A refused request is admitted to be failed: at most one page of external tokens
+        loaded asynchronously (more than a local hit's partial last page, which vLLM would
+        otherwise keep instead), so vLLM holds one or two blocks per group until the
+        workers report it failed."""
+        num_external = min(request.num_tokens - num_computed_tokens, self.block_size)
+        if num_external <= 0:  # vLLM offers at most num_tokens - 1 computed tokens
+            return 0, False
+        if self._pd_wait_for_hot_regions(num_external):
+            return None, False
+        self._pd_offers[request.request_id] = _Offer(None, num_external, 0, 0, None)
         return num_external, True
 
     def _pd_decide(self, request: Any, num_computed_tokens: int, num_external: int,
@@ -206,7 +289,7 @@ class PDImports:
         groups = self._num_kv_groups
         sparse = len(self.sparse_group_ids)
         pages = cdiv(num_external + 1, bs)
-        free = self.device_pool.block_pool.get_num_free_blocks()
+        free = self.device_pool.block_pool.get_num_free_blocks() - self._pd_hot_blocks_pending()
         reserve = groups + len(self._requests) * (groups - sparse) if self._requests else 0
         resident = pages * groups
         if resident + reserve <= free:
@@ -248,14 +331,22 @@ class PDImports:
         if offer is None:
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             return
+        # Loaded (or refused) here, once: a NixlConnector sibling must neither read it nor
+        # tell the prefill to free its blocks now (its "nothing to load" path), and a
+        # recompute after a failure is not imported again.
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, MutableMapping):
+            params["do_remote_prefill"] = False
+        self._pd_settled.add(rid)
+        self._pd_refused.pop(rid, None)
         if num_external_tokens != offer.num_external_tokens:
-            raise RuntimeError(
-                f"{CONNECTOR_NAME}: request {rid!r} was offered a {offer.landing.value} landing of "
-                f"{offer.num_external_tokens} tokens but allocated with {num_external_tokens} "
-                "external tokens (is another MultiConnector child listed before this one?)")
-        # Loaded here: a NixlConnector sibling must neither read it nor tell the prefill to
-        # free its blocks now (its "nothing to load" path).
-        request.kv_transfer_params["do_remote_prefill"] = False
+            offer = self._pd_allocated_otherwise(request, offer, num_external_tokens)
+            if offer is None:
+                super().update_state_after_alloc(request, blocks, 0)
+                return
+        if offer.landing is None:  # refused: the workers report it failed
+            self._pd_claimed.append((rid, offer))
+            return
         super().update_state_after_alloc(request, blocks, 0)
         if offer.landing == Landing.HOST:
             pages = cdiv(offer.num_tokens, self.block_size)
@@ -266,6 +357,30 @@ class PDImports:
         self.num_pd_landings[offer.landing] += 1
         self._stats.add(f"num_pd_{offer.landing.value}_landings", 1)
 
+    def _pd_allocated_otherwise(self, request: Any, offer: _Offer,
+                                num_external_tokens: int) -> _Offer | None:
+        """vLLM allocated with other external tokens than offered. None (none: vLLM computes
+        the request here, e.g. it skips reading any cache for prompt logprobs; the prefill is
+        told to free its blocks), or a refusal (blocks for a load we did not plan; is another
+        MultiConnector child listed before this one?)."""
+        rid = request.request_id
+        remote = self._pd_leases.pop(rid, None)
+        if num_external_tokens == 0:
+            logger.info("%s: P/D request %r is computed here: vLLM loads no external tokens "
+                        "for it", CONNECTOR_NAME, rid)
+            if remote is not None:
+                self._pd_releases.append(ImportOrder(rid, remote, 0, 0, action=ImportAction.RELEASE))
+            return None
+        if offer.landing is not None:
+            self._pd_refuse(rid, InvalidTransferParams(
+                "kv_transfer_params", f"vLLM allocated {num_external_tokens} external tokens for "
+                f"a {offer.landing.value} landing of {offer.num_external_tokens} (is another "
+                "MultiConnector child listed before this one?)"))
+            self._pd_refused.pop(rid, None)
+        if remote is not None:  # its blocks are not read: the prefill may free them
+            self._pd_releases.append(ImportOrder(rid, remote, 0, 0, action=ImportAction.RELEASE))
+        return _Offer(None, num_external_tokens, 0, 0, None)
+
     # ------------------------------------------------------------------ the step
     def _start_imports(self, new_rows: dict[str, int]) -> list[ImportOrder]:
         """Requests admitted since the last step get their orders (host landings enter
@@ -273,6 +388,11 @@ class PDImports:
         claimed, self._pd_claimed = self._pd_claimed, []
         orders, self._pd_releases = self._pd_releases, []
         for rid, offer in claimed:
+            if offer.landing is None:
+                order = ImportOrder(rid, None, 0, 0, action=ImportAction.REFUSE)
+                self._pd_importing[rid] = order
+                orders.append(order)
+                continue
             if rid not in self._requests:
                 continue  # freed before its first step
             if offer.landing == Landing.HOST:
@@ -341,6 +461,8 @@ class PDImports:
             for rid in [r for r in finished if r in self._pd_importing]:
                 order = self._pd_importing.pop(rid)
                 self._pd_leases.pop(rid, None)
+                if order.action is ImportAction.REFUSE:
+                    continue  # logged and counted when refused; vLLM fails or recomputes it
                 ok = rid not in failed and order.action is ImportAction.READ
                 self._stats.add("num_pd_imported_pages" if ok else "num_pd_import_failures",
                                 order.num_pages if ok else 1)
@@ -356,6 +478,8 @@ class PDImports:
         """vLLM finished a request (``request_finished_all_groups``). One that never got
         admitted still holds the prefill's blocks: tell the prefill to free them."""
         rid = request.request_id
+        self._pd_settled.discard(rid)
+        self._pd_refused.pop(rid, None)
         if rid in self._requests or rid in self._pd_importing:
             return  # admitted: its import ends it (and its lease renewals)
         remote = self._pd_leases.pop(rid, None)

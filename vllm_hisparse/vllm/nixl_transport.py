@@ -49,12 +49,14 @@ class ImportTransferError(RuntimeError):
 @dataclass(frozen=True)
 class RemotePage:
     """How the prefill addresses one layer's page: block ``b`` is
-    ``[base + b * stride, base + b * stride + length)`` in its ``group``-th transfer group."""
+    ``[base + b * stride, base + b * stride + length)`` in its ``group``-th transfer group;
+    its registered region holds blocks ``0 .. num_blocks - 1``."""
 
     base: int
     length: int
     stride: int
     group: int
+    num_blocks: int
 
 
 @dataclass
@@ -85,11 +87,15 @@ def remote_layer_pages(meta: Any) -> dict[str, RemotePage]:
     groups = getattr(meta, "region_group_ids", None) or [0] * len(names)
     members = getattr(meta, "region_members", None) or [[] for _ in names]
     packed = dict(getattr(meta, "packed_member_layouts", None) or {})
+    counts = getattr(meta, "region_num_blocks", None) or [meta.num_blocks] * len(names)
+    if not len(groups) == len(members) == len(counts) == len(names):
+        raise ImportTransferError("the prefill's NIXL registration lists regions of different "
+                                  "lengths (names, groups, members, block counts)")
     out: dict[str, RemotePage] = {}
     for i, name in enumerate(names):
         base, length, stride = (int(meta.kv_caches_base_addr[i]), int(meta.block_lens[i]),
                                 int(meta.block_strides[i]))
-        group = int(groups[i])
+        group, num_blocks = int(groups[i]), int(counts[i])
         in_row = [n for n in [name, *members[i]] if n in packed]
         if in_row:
             if group < 0:
@@ -97,11 +103,18 @@ def remote_layer_pages(meta: Any) -> dict[str, RemotePage]:
                     "the prefill packs several KV cache groups into one block row; a host "
                     "landing reads per-layer pages of one group")
             for layer in (n for n in packed if n not in out):
-                offset, page = packed[layer]
-                out[layer] = RemotePage(base + int(offset), int(page), stride, group)
+                offset, page = (int(v) for v in packed[layer])
+                if offset < 0 or page <= 0 or offset + page > stride:
+                    raise ImportTransferError(
+                        f"the prefill packs layer {layer!r} at bytes {offset}..{offset + page} "
+                        f"of a {stride} B block row")
+                out[layer] = RemotePage(base + offset, page, stride, group, num_blocks)
             continue
+        if length <= 0 or length > stride:
+            raise ImportTransferError(f"the prefill registers region {name!r} with {length} B "
+                                      f"pages {stride} B apart")
         for layer in [name, *members[i]]:
-            out.setdefault(layer, RemotePage(base, length, stride, group))
+            out.setdefault(layer, RemotePage(base, length, stride, group, num_blocks))
     return out
 
 
@@ -199,32 +212,48 @@ class NixlTransport:
         kinds = set(getattr(meta, "region_mem_types", None) or ["VRAM"])
         if len(kinds) != 1:
             raise ImportTransferError(f"the prefill registers mixed memory kinds {sorted(kinds)}")
-        name = self._agent.add_remote_agent(meta.agent_metadata)
+        if int(meta.physical_blocks_per_logical_kv_block) != 1:
+            raise ImportTransferError(
+                f"the prefill splits each block into {meta.physical_blocks_per_logical_kv_block} "
+                "physical blocks (a different kernel block size); this reader reads whole blocks")
+        layers = remote_layer_pages(meta)  # before the agent is added: nothing to undo
+        try:
+            name = self._agent.add_remote_agent(meta.agent_metadata)
+        except Exception as exc:  # nixl's own errors, any type
+            raise ImportTransferError(f"NIXL refused the prefill's agent metadata: "
+                                      f"{type(exc).__name__}: {exc}") from exc
         if isinstance(name, bytes):
             name = name.decode()
         return RemoteAgent(agent_name=name, engine_id=meta.engine_id, tp_rank=int(tp_rank),
-                           block_size=int(meta.block_size), mem_type=kinds.pop(),
-                           layers=remote_layer_pages(meta))
+                           block_size=int(meta.block_size), mem_type=kinds.pop(), layers=layers)
 
     def read(self, agent: RemoteAgent, local: np.ndarray, local_mem: str, remote: np.ndarray) -> Any:
         """Post one READ: ``remote[i]`` → ``local[i]`` (``[N, 3]`` int64: address, bytes,
-        device id). Returns the transfer handle (``state`` / ``release``)."""
-        if local.shape != remote.shape or local.shape[1] != 3:
-            raise ValueError(f"descriptor arrays {local.shape} and {remote.shape} differ")
+        device id). Returns the transfer handle (``state`` / ``release``).
+
+        Raises :class:`ImportTransferError` for every failure, whatever NIXL raised
+        (``nixlNotFoundError`` for descriptors outside the peer's registration, ...); what
+        was prepared is released first, so a failed read leaves nothing behind."""
+        if local.shape != remote.shape or local.ndim != 2 or local.shape[1] != 3:
+            raise ImportTransferError(f"descriptor arrays {local.shape} and {remote.shape} differ")
         if not np.array_equal(local[:, 1], remote[:, 1]):
             raise ImportTransferError("local and remote page lengths differ")
         n = local.shape[0]
-        local_h = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, local_mem)
-        remote_h = self._agent.prep_xfer_dlist(agent.agent_name, remote, agent.mem_type)
-        index = np.arange(n, dtype=np.int64)
+        prepared: list[Any] = []
+        handle = None
         try:
-            handle = self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index)
+            prepared.append(self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, local_mem))
+            prepared.append(self._agent.prep_xfer_dlist(agent.agent_name, remote, agent.mem_type))
+            index = np.arange(n, dtype=np.int64)
+            handle = self._agent.make_prepped_xfer("READ", prepared[0], index, prepared[1], index)
             state = self._agent.transfer(handle)
-        except Exception as exc:
-            self._agent.release_dlist_handle(local_h)
-            self._agent.release_dlist_handle(remote_h)
-            raise ImportTransferError(f"NIXL read from {agent.agent_name} failed to start: {exc}") from exc
-        self._dlists[id(handle)] = (local_h, remote_h)
+        except Exception as exc:  # nixl raises its own types (and others): any of them
+            if handle is not None:  # made, not posted
+                self._release_handle(handle)
+            self._release_dlists(prepared)
+            raise ImportTransferError(f"NIXL read from {agent.agent_name} failed to start: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+        self._dlists[id(handle)] = tuple(prepared)
         if state == "ERR":
             self.release(handle)
             raise ImportTransferError(f"NIXL read from {agent.agent_name} failed to start")
@@ -233,22 +262,43 @@ class NixlTransport:
     def state(self, handle: Any) -> str:
         """``"DONE"``, ``"PROC"`` or ``"ERR"`` (a lost peer raises inside NIXL: ``ERR``)."""
         try:
-            return self._agent.check_xfer_state(handle)
+            state = self._agent.check_xfer_state(handle)
         except Exception as exc:  # nixlRemoteDisconnectError and friends
-            logger.warning("NIXL transfer state: %s", exc)
+            logger.warning("NIXL transfer state: %s: %s", type(exc).__name__, exc)
             return "ERR"
+        return state if state in ("DONE", "PROC") else "ERR"
 
-    def release(self, handle: Any) -> bool:
-        """Release a transfer (aborts it if still in flight). False if NIXL refused: the
-        transfer may still write its destination, so the caller keeps waiting."""
+    def release(self, handle: Any, *, abort: bool = False) -> bool:
+        """Release a transfer. One that is over (``state`` is not ``PROC``) is always
+        released: if NIXL raises, it is dropped all the same (it writes nothing more).
+        With ``abort`` the transfer may still be in flight and NIXL is asked to abort it:
+        False when it refused (the transfer may still write its destination, so the
+        caller keeps waiting and asks again later)."""
+        if not self._release_handle(handle) and abort:
+            return False
+        self._release_dlists(self._dlists.pop(id(handle), ()))
+        return True
+
+    @property
+    def num_open_transfers(self) -> int:
+        """Transfers posted and not yet released (0 when nothing is in flight or leaked)."""
+        return len(self._dlists)
+
+    def _release_handle(self, handle: Any) -> bool:
         try:
             self._agent.release_xfer_handle(handle)
         except Exception as exc:
-            logger.warning("NIXL could not release a transfer yet: %s", exc)
+            logger.warning("NIXL could not release a transfer: %s: %s", type(exc).__name__, exc)
             return False
-        for dlist in self._dlists.pop(id(handle), ()):
-            self._agent.release_dlist_handle(dlist)
         return True
+
+    def _release_dlists(self, dlists) -> None:
+        for dlist in dlists:
+            try:
+                self._agent.release_dlist_handle(dlist)
+            except Exception as exc:  # nothing to recover: NIXL keeps or frees it
+                logger.warning("NIXL could not release a descriptor list: %s: %s",
+                               type(exc).__name__, exc)
 
     def forget(self, agent: RemoteAgent) -> None:
         """Drop a prefill agent (after a failure: the next import asks again)."""

@@ -4,7 +4,7 @@ For each :class:`~vllm_hisparse.vllm.import_order.ImportOrder`, every worker of 
 decode replica:
 
 1. loads the registration of the prefill worker it reads from (vLLM's side channel, on a
-   background thread; ``nixl_transport``), once per prefill engine and registration;
+   background thread; ``prefill_agents``), once per prefill engine and registration;
 2. reads into its own device memory, with one page-granular NIXL READ: the indexer pages
    into the indexer blocks vLLM allocated, and the sparse-MLA pages the order names into
    their sparse blocks (every page of a resident landing, the tail of a host landing);
@@ -16,11 +16,19 @@ decode replica:
 4. tells the prefill it may free the blocks (``"<remote request id>:<readers>"``, vLLM's
    notification) and reports the request: ``finished_recving``, and ``failed_recving``
    too after any error or :data:`IMPORT_DEADLINE_S`. A report waits until no read or copy
-   of the request is in flight, since vLLM may reuse its blocks right after.
+   of the request is in flight, since vLLM may reuse its blocks right after (past the
+   deadline, a read still in flight is aborted).
+
+Before the first read is prepared, the request's block lists are checked against the
+registration the handshake loaded (``transfer_params.check_registered_blocks``: every block
+inside the prefill's region of its layer). Any error of an import, whatever raised it
+(NIXL's own exception types included), ends that import alone: it is drained, its staging
+slots return, it leaves this importer's tables and is reported failed; the others go on.
 
 ``CANCEL`` orders (admitted, then dropped) only notify and report failed; ``RELEASE``
-orders (aborted before admission) only notify. Rank 0 also renews the prefill's leases
-(``"HB:<ids>"``) of the requests in the metadata's heartbeats.
+orders (aborted before admission) only notify; ``REFUSE`` orders (invalid
+``kv_transfer_params``) contact nobody and report failed. Rank 0 also renews the
+prefill's leases (``"HB:<ids>"``) of the requests in the metadata's heartbeats.
 
 Tensor parallelism: MLA KV is replicated over the prefill's ranks; decode rank ``r`` reads
 from prefill rank ``r % p``. A prefill rank frees a request once as many readers as the
@@ -33,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,14 +48,10 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
-from vllm_hisparse.vllm.nixl_transport import (
-    HANDSHAKE_TIMEOUT_S,
-    ImportTransferError,
-    NixlTransport,
-    RemoteAgent,
-    query_prefill,
-)
+from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder
+from vllm_hisparse.vllm.nixl_transport import ImportTransferError, NixlTransport, RemoteAgent
+from vllm_hisparse.vllm.prefill_agents import PrefillAgents, agent_key
+from vllm_hisparse.vllm.transfer_params import InvalidTransferParams, check_registered_blocks
 from vllm_hisparse.worker import TransferEngine
 
 logger = logging.getLogger("vllm_hisparse.vllm")
@@ -90,6 +93,14 @@ class ImportTargets:
 def readers_of(prefill_rank: int, decode_world: int, prefill_world: int) -> int:
     """Decode ranks that read from ``prefill_rank`` (rank ``r`` reads ``r % prefill_world``)."""
     return len(range(prefill_rank, decode_world, prefill_world))
+
+
+def _why(exc: BaseException) -> str:
+    """An import error for the log and the failure: our named errors as they are, anything
+    else (NIXL's own types, a bug) with its type."""
+    if isinstance(exc, (ImportTransferError, InvalidTransferParams)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 @dataclass
@@ -143,7 +154,6 @@ class KVImporter:
         self.world_size = max(1, int(world_size))
         self.writes_host = bool(writes_host)
         self.deadline_s = float(deadline_s)
-        self.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
         self._clock = clock
         bs, row_bytes = targets.block_size, targets.row_bytes
         self._mem = NixlTransport.mem_type(targets.sparse[0][2])
@@ -161,11 +171,8 @@ class KVImporter:
             self._free_slots = list(range(staging_pages))
             self._chunk_pages = max(1, staging_pages // 2)
         transport.register([*kv_tensors, *([self.staging] if self.staging is not None else [])])
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hisparse-pd-handshake")
+        self.prefills = PrefillAgents(transport)  # handshakes and loaded prefill agents
         self._imports: dict[str, _Import] = {}
-        # Prefill agents loaded, and side-channel queries in flight: by engine key + rank.
-        self._agents: dict[tuple, RemoteAgent] = {}
-        self._handshakes: dict[tuple, Future] = {}
         self._spills: dict[int, tuple[_Import, _Chunk]] = {}
         self._next_spill_id = 0
         self._finished: set[str] = set()
@@ -200,10 +207,31 @@ class KVImporter:
         if self._engine is not None:
             self._collect_spills()
         for imp in list(self._imports.values()):
-            self._advance(imp)
+            try:
+                self._advance(imp)
+            except Exception as exc:  # a bug or an unexpected NIXL error: this import only
+                logger.warning("%s: P/D import of request %r: unexpected error", CONNECTOR_NAME,
+                               imp.order.request_id, exc_info=True)
+                self._fail(imp, _why(exc))
+        self.prefills.end_pass(agent_key(imp.order.remote, rank) for imp in self._imports.values()
+                               if not imp.started and imp.error is None and imp.order.remote
+                               for rank in self._prefill_ranks(imp.order))
+
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self.prefills.timeout_s
+
+    @handshake_timeout_s.setter
+    def handshake_timeout_s(self, seconds: float) -> None:
+        self.prefills.timeout_s = seconds
+
+    @property
+    def num_imports(self) -> int:
+        """Imports this worker has not reported yet."""
+        return len(self._imports)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.prefills.close()
         if self._engine is not None:
             self._engine.wait_all()
         self.transport.close()
@@ -218,34 +246,13 @@ class KVImporter:
             ranks += list(range(self.world_size, p))
         return ranks
 
-    def _agent_for(self, remote: RemotePrefill, prefill_rank: int) -> RemoteAgent | None:
-        """The prefill rank's agent: loaded, else its side channel is queried (None until
-        it answers). Raises when the query or the registration failed (the next call asks
-        again)."""
-        key = (*remote.engine_key, prefill_rank)
-        agent = self._agents.get(key)
-        if agent is not None:
-            return agent
-        future = self._handshakes.get(key)
-        if future is None:
-            self._handshakes[key] = self._pool.submit(query_prefill, remote.host, remote.port,
-                                                      prefill_rank, timeout_s=self.handshake_timeout_s)
-            return None
-        if not future.done():
-            return None
-        del self._handshakes[key]
-        agent = self.transport.add_prefill(future.result(), expected_engine_id=remote.engine_id,
-                                           tp_rank=prefill_rank)
-        self._agents[key] = agent
-        return agent
-
     def _heartbeat(self, heartbeat: Heartbeat) -> None:
         """``"HB:<ids>"`` to every rank of the prefill engine (skipped while its
         registration is being loaded; a failure is only logged: the lease is the backstop)."""
         message = ("HB:" + ",".join(heartbeat.request_ids)).encode()
         for prefill_rank in range(max(1, heartbeat.remote.tp_size)):
             try:
-                agent = self._agent_for(heartbeat.remote, prefill_rank)
+                agent = self.prefills.get(heartbeat.remote, prefill_rank)
             except Exception as exc:
                 logger.debug("%s: lease renewal for %s skipped: %s", CONNECTOR_NAME,
                              heartbeat.remote.engine_id, exc)
@@ -262,18 +269,22 @@ class KVImporter:
 
     def _advance(self, imp: _Import) -> None:
         order = imp.order
-        if imp.error is None and self._clock() - imp.started_s > self.deadline_s:
+        if order.action is ImportAction.REFUSE:  # the scheduler logged why
+            imp.error = order.action.value
+            self._finish(imp)
+            return
+        if imp.error is None and self._past_deadline(imp):
             self._fail(imp, f"not finished after {self.deadline_s:g} s")
         if imp.error is None and not imp.started:
             ranks = self._prefill_ranks(order)
             try:
                 for prefill_rank in ranks:
                     if prefill_rank not in imp.agents:
-                        agent = self._agent_for(order.remote, prefill_rank)
+                        agent = self.prefills.get(order.remote, prefill_rank)
                         if agent is not None:
                             imp.agents[prefill_rank] = agent
             except Exception as exc:  # unreachable prefill, foreign registration, ...
-                self._fail(imp, f"handshake with the prefill: {exc}", transfer=False)
+                self._fail(imp, f"handshake with the prefill: {_why(exc)}", transfer=False)
             if imp.error is None and len(imp.agents) == len(ranks):
                 if order.action is not ImportAction.READ:  # only tell the prefill
                     imp.error = order.action.value
@@ -294,15 +305,35 @@ class KVImporter:
             return
         self._finish(imp)
 
+    def _past_deadline(self, imp: _Import) -> bool:
+        return self._clock() - imp.started_s > self.deadline_s
+
+    def _check_remote(self, agent: RemoteAgent, order: ImportOrder) -> None:
+        """Before any read is prepared: the prefill's geometry is ours (block size, every
+        layer registered with our page size) and every block the import reads lies in the
+        prefill's registered region (``check_registered_blocks``)."""
+        if agent.block_size != self.targets.block_size:
+            raise ImportTransferError(f"the prefill's block size is {agent.block_size}, "
+                                      f"ours {self.targets.block_size}")
+        layers = [(name, self._page_bytes) for name, _, _, _ in self.targets.sparse]
+        layers += [(name, view.shape[1]) for group in self.targets.indexer for name, view in group]
+        for name, length in layers:
+            where = agent.layers.get(name)
+            if where is None:
+                raise ImportTransferError(f"the prefill registers no layer {name!r}")
+            if where.length != length:
+                raise ImportTransferError(f"layer {name!r}: the prefill's pages are "
+                                          f"{where.length} B, ours {length} B")
+        check_registered_blocks(order.remote, agent.layers, [n for n, _ in layers], order.num_pages)
+
     def _start(self, imp: _Import) -> None:
-        """Check the prefill's geometry; post the device read (indexer and sparse pages)."""
+        """Check the prefill's geometry and the request's blocks against it; post the
+        device read (indexer and sparse pages)."""
         imp.started = True
         order = imp.order
         agent = imp.agents[self.rank % max(1, order.remote.tp_size)]
         try:
-            if agent.block_size != self.targets.block_size:
-                raise ImportTransferError(f"the prefill's block size is {agent.block_size}, "
-                                          f"ours {self.targets.block_size}")
+            self._check_remote(agent, order)
             local, remote = [], []
             first_device = order.num_pages - len(order.device_blocks)
             for name, group, rows, stride in self.targets.sparse:
@@ -317,22 +348,16 @@ class KVImporter:
                         remote.append(self._remote_page(agent, order, name, p, page_bytes))
             if local:
                 imp.device_read = self._read(agent, local, remote)
-        except ImportTransferError as exc:
-            self._fail(imp, str(exc))
+        except Exception as exc:  # ours (named) or NIXL's, any type: this import fails
+            # A request's bad blocks say nothing against the prefill's registration.
+            self._fail(imp, _why(exc), transfer=not isinstance(exc, InvalidTransferParams))
 
-    def _remote_page(self, agent: RemoteAgent, order: ImportOrder, layer: str, page: int,
+    @staticmethod
+    def _remote_page(agent: RemoteAgent, order: ImportOrder, layer: str, page: int,
                      length: int) -> tuple[int, int]:
-        where = agent.layers.get(layer)
-        if where is None:
-            raise ImportTransferError(f"the prefill registers no layer {layer!r}")
-        if where.length != length:
-            raise ImportTransferError(f"layer {layer!r}: the prefill's pages are {where.length} B, "
-                                      f"ours {length} B")
-        blocks = order.remote.block_ids[where.group] if where.group < len(order.remote.block_ids) else ()
-        if page >= len(blocks):
-            raise ImportTransferError(f"the prefill names {len(blocks)} blocks for layer {layer!r}, "
-                                      f"the import needs page {page}")
-        return where.base + int(blocks[page]) * where.stride, length
+        """Address of ``layer``'s page ``page`` on the prefill (checked by ``_check_remote``)."""
+        where = agent.layers[layer]
+        return where.base + int(order.remote.block_ids[where.group][page]) * where.stride, length
 
     def _read(self, agent: RemoteAgent, local: list[int], remote: list[tuple[int, int]]) -> Any:
         n = len(local)
@@ -363,10 +388,16 @@ class KVImporter:
                 self._free_slots.extend(chunk.slots)
                 chunk.slots = []
                 return
-            chunk.spill_id = self._next_spill_id
+            spill_id = self._next_spill_id
             self._next_spill_id += 1
-            self._spills[chunk.spill_id] = (imp, chunk)
-            self._engine.spill(chunk.spill_id, chunk.slots, [order.host_blocks[p] for p in chunk.pages])
+            try:
+                self._engine.spill(spill_id, chunk.slots, [order.host_blocks[p] for p in chunk.pages])
+            except Exception as exc:  # never enqueued: nothing to wait for
+                self._release_chunk(chunk)
+                self._fail(imp, f"staging copy into the host pool failed: {_why(exc)}")
+                return
+            chunk.spill_id = spill_id
+            self._spills[spill_id] = (imp, chunk)
         imp.chunks = [c for c in imp.chunks if c.handle is not None or c.spill_id >= 0]
         num_host = len(order.host_blocks)
         while imp.next_page < num_host and self._free_slots:
@@ -382,9 +413,9 @@ class KVImporter:
                         local.append(base + slot * self._page_bytes)
                         remote.append(self._remote_page(agent, order, name, page, self._page_bytes))
                 chunk.handle = self._read(agent, local, remote)
-            except ImportTransferError as exc:
+            except Exception as exc:  # ours (named) or NIXL's, any type: this import fails
                 self._free_slots.extend(slots)
-                self._fail(imp, str(exc))
+                self._fail(imp, _why(exc))
                 return
             imp.chunks.append(chunk)
             imp.next_page += n
@@ -406,18 +437,24 @@ class KVImporter:
         chunk.spill_id = -1
 
     def _drain(self, imp: _Import) -> None:
-        """After an error: stop posting; wait for (or abort) the reads in flight."""
+        """After an error: stop posting; wait for the reads in flight, past the deadline
+        abort them (a read NIXL will not abort is waited for: it may still write)."""
         imp.next_page = len(imp.order.host_blocks)
-        if imp.device_read is not None and self.transport.state(imp.device_read) != "PROC":
-            self.transport.release(imp.device_read)
+        if imp.device_read is not None and self._settle(imp, imp.device_read):
             imp.device_read = None
         for chunk in imp.chunks:
-            if chunk.handle is not None and self.transport.state(chunk.handle) != "PROC":
-                self.transport.release(chunk.handle)
+            if chunk.handle is not None and self._settle(imp, chunk.handle):
                 chunk.handle = None
                 self._free_slots.extend(chunk.slots)
                 chunk.slots = []
         imp.chunks = [c for c in imp.chunks if c.handle is not None or c.spill_id >= 0]
+
+    def _settle(self, imp: _Import, handle: Any) -> bool:
+        """Release a read of a failed import once it is over, or abort it past the
+        deadline; True when it can no longer write."""
+        if self.transport.state(handle) != "PROC":
+            return self.transport.release(handle)
+        return self._past_deadline(imp) and self.transport.release(handle, abort=True)
 
     def _done(self, imp: _Import) -> bool:
         return imp.started and (not self.writes_host or imp.next_page >= len(imp.order.host_blocks))
@@ -435,8 +472,12 @@ class KVImporter:
                 self._failed.add(order.request_id)
         if imp.transfer_error:
             for prefill_rank, agent in imp.agents.items():  # ask again next time
-                if self._agents.pop((*order.remote.engine_key, prefill_rank), None) is not None:
-                    self.transport.forget(agent)
+                self.prefills.drop(order.remote, prefill_rank, agent, self._reads_from)
+
+    def _reads_from(self, agent_name: str) -> bool:
+        """An import not yet reported holds this prefill agent."""
+        return any(agent.agent_name == agent_name for imp in self._imports.values()
+                   for agent in imp.agents.values())
 
 
 class WorkerImports:
