@@ -137,23 +137,17 @@ class PDEngine:
     def __init__(self, model_dir, *, num_blocks: int = 200, max_model_len: int = 1536,
                  host_pool_gib: float = 0.05, failure_policy: str = "fail", num_layers: int = 4,
                  async_scheduling: bool = False) -> None:
-        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
         from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
         from vllm_hisparse.connector import HiSparseResidencyConnector
+        from vllm_hisparse.vllm.simulation.engine import plan_kv_cache
 
         vllm_config = make_vllm_config(
             model_dir, kv_transfer=pd_kv_transfer(failure_policy=failure_policy,
                                                   host_pool_gib=host_pool_gib),
             max_model_len=max_model_len, async_scheduling=async_scheduling)
         specs = dsa_layer_specs(num_layers, block_size=vllm_config.cache_config.block_size)
-        groups = get_global_kv_cache_groups(vllm_config, [specs])
-        vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-        try:
-            (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
-        finally:
-            vllm_config.cache_config.num_gpu_blocks_override = None
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        full = plan_kv_cache(vllm_config, specs, num_blocks)
         self.vllm_config, self.kv_cache_config = vllm_config, full
         self.kv = compat.allocate_kv_cache(full, torch.device("cpu"),
                                            compat.resolved_kv_cache_layout(vllm_config))

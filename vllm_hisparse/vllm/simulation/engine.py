@@ -84,6 +84,22 @@ def _worker_patches_restored() -> Iterator[None]:
                 patch.remove()
 
 
+def plan_kv_cache(vllm_config, specs, num_blocks: int):
+    """vLLM's KV planning of ``specs`` (layer name -> spec) into a pool of exactly
+    ``num_blocks`` blocks, as the engine core plans (our planner when the connector is
+    configured); ``vllm_config.cache_config.num_gpu_blocks`` is set to it."""
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    try:
+        # With the override vLLM sizes the pool to exactly num_blocks whatever memory we
+        # claim; claim plenty so its max_model_len check passes.
+        (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
+    finally:
+        vllm_config.cache_config.num_gpu_blocks_override = None
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return full
+
+
 class SimulationEngine:
     """Runs one :class:`SimulationSpec` with and without the connector.
 
@@ -151,15 +167,7 @@ class SimulationEngine:
         num_blocks = spec.device_blocks if num_blocks is None else num_blocks
         specs = dsa_layer_specs(spec.num_layers, leaders=spec.leaders, block_size=spec.block_size,
                                 row_bytes=spec.mla_row_bytes)
-        groups = get_global_kv_cache_groups(vllm_config, [specs])
-        vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-        try:
-            # With the override vLLM sizes the pool to exactly device_blocks whatever memory
-            # we claim; claim plenty so its max_model_len check passes.
-            (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
-        finally:
-            vllm_config.cache_config.num_gpu_blocks_override = None
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        full = plan_kv_cache(vllm_config, specs, num_blocks)
         # The engine core hands the scheduler each group collapsed to its first layer's spec.
         return full, generate_scheduler_kv_cache_config([full])
 
