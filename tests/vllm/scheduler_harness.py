@@ -46,10 +46,11 @@ from vllm_hisparse.vllm.compat import scheduler_classes
 SAMPLED_TOKEN = 7
 
 
-def planned_kv_cache_config(
+def planned_worker_kv_cache_config(
     vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
 ) -> KVCacheConfig:
-    """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``."""
+    """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``:
+    the per-layer form a worker gets."""
     groups = get_global_kv_cache_groups(vllm_config, [specs])
     vllm_config.cache_config.num_gpu_blocks_override = num_blocks
     try:
@@ -60,9 +61,16 @@ def planned_kv_cache_config(
         vllm_config.cache_config.num_gpu_blocks_override = None
     assert config.num_blocks == num_blocks
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    # The engine core hands the scheduler this form (each group's spec collapsed to
-    # its first layer's spec), as EngineCore._initialize_kv_caches does.
-    return generate_scheduler_kv_cache_config([config])
+    return config
+
+
+def planned_kv_cache_config(
+    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
+) -> KVCacheConfig:
+    """The same plan in the form the engine core hands the scheduler (each group's spec
+    collapsed to its first layer's spec), as EngineCore._initialize_kv_caches does."""
+    return generate_scheduler_kv_cache_config(
+        [planned_worker_kv_cache_config(vllm_config, specs, num_blocks)])
 
 
 @dataclass
