@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES, dsa_layer_specs
 from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
-from tests.vllm.scheduler_harness import SchedulerHarness
+from tests.vllm.scheduler_harness import SchedulerHarness, planned_worker_kv_cache_config
 from tests.vllm.vllm_configs import make_vllm_config
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.import_order import ImportOrder
@@ -137,17 +138,14 @@ class PDEngine:
     def __init__(self, model_dir, *, num_blocks: int = 200, max_model_len: int = 1536,
                  host_pool_gib: float = 0.05, failure_policy: str = "fail", num_layers: int = 4,
                  async_scheduling: bool = False) -> None:
-        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-
         from vllm_hisparse.connector import HiSparseResidencyConnector
-        from vllm_hisparse.vllm.simulation.engine import plan_kv_cache
 
         vllm_config = make_vllm_config(
             model_dir, kv_transfer=pd_kv_transfer(failure_policy=failure_policy,
                                                   host_pool_gib=host_pool_gib),
             max_model_len=max_model_len, async_scheduling=async_scheduling)
         specs = dsa_layer_specs(num_layers, block_size=vllm_config.cache_config.block_size)
-        full = plan_kv_cache(vllm_config, specs, num_blocks)
+        full = planned_worker_kv_cache_config(vllm_config, specs, num_blocks)
         self.vllm_config, self.kv_cache_config = vllm_config, full
         self.kv = compat.allocate_kv_cache(full, torch.device("cpu"),
                                            compat.resolved_kv_cache_layout(vllm_config))
@@ -155,7 +153,7 @@ class PDEngine:
         connector.register_kv_caches(self.kv)
         self.worker = RealWorker(connector, self.kv, full)
         self.harness = SchedulerHarness(vllm_config, generate_scheduler_kv_cache_config([full]),
-                                        worker=self.worker)
+                                        worker=self.worker)  # what the engine core does
         self.prefills: list[FakePrefill] = []
 
     @property

@@ -25,7 +25,6 @@ from pathlib import Path
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.core.kv_cache_utils import (
     generate_scheduler_kv_cache_config,
     get_request_block_hasher,
@@ -46,23 +45,25 @@ from vllm_hisparse.vllm.compat import scheduler_classes
 SAMPLED_TOKEN = 7
 
 
+def planned_worker_kv_cache_config(
+    vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
+) -> KVCacheConfig:
+    """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``:
+    the per-layer form a worker gets (the simulator's ``plan_kv_cache``)."""
+    from vllm_hisparse.vllm.simulation.engine import plan_kv_cache
+
+    config = plan_kv_cache(vllm_config, specs, num_blocks)
+    assert config.num_blocks == num_blocks
+    return config
+
+
 def planned_kv_cache_config(
     vllm_config: VllmConfig, specs: dict[str, KVCacheSpec], num_blocks: int
 ) -> KVCacheConfig:
-    """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``."""
-    groups = get_global_kv_cache_groups(vllm_config, [specs])
-    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-    try:
-        # With the override set, vLLM sizes the pool to exactly num_blocks whatever
-        # memory we claim; claim plenty so the max_model_len check passes.
-        (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
-    finally:
-        vllm_config.cache_config.num_gpu_blocks_override = None
-    assert config.num_blocks == num_blocks
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    # The engine core hands the scheduler this form (each group's spec collapsed to
-    # its first layer's spec), as EngineCore._initialize_kv_caches does.
-    return generate_scheduler_kv_cache_config([config])
+    """The same plan in the form the engine core hands the scheduler (each group's spec
+    collapsed to its first layer's spec), as EngineCore._initialize_kv_caches does."""
+    return generate_scheduler_kv_cache_config(
+        [planned_worker_kv_cache_config(vllm_config, specs, num_blocks)])
 
 
 @dataclass
