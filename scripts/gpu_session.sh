@@ -30,6 +30,8 @@ vbundle() {
   [[ -f /tmp/vbundle/run_sim.py ]] || { rm -rf /tmp/vbundle && tar xzf "$BUNDLE" -C /tmp; }
 }
 SIM=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py simulate --quiet)
+# the benchmarks that need vLLM, through the bundle: "${BENCH[@]}" TARGET ARGS...
+BENCH=(env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 $PY /tmp/vbundle/run_sim.py bench)
 # sim_run NAME cpu|cuda ARGS...: one bundle simulate into $OUT/sim_NAME.{json,log}; prints
 # the report's verdict lines and the given extra pattern's ($SIM_GREP) lines on one line.
 sim_run() {
@@ -189,8 +191,7 @@ if has throughput; then
   if ! vbundle; then
     note "throughput skipped: no vLLM bundle at $BUNDLE"
   else
-    timeout "${THROUGHPUT_TIMEOUT:-540}" env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 \
-      $PY /tmp/vbundle/run_sim.py bench throughput --json "$OUT/throughput.json" \
+    timeout "${THROUGHPUT_TIMEOUT:-540}" "${BENCH[@]}" throughput --json "$OUT/throughput.json" \
       --plot "$OUT/throughput.png" ${THROUGHPUT_ARGS:-} > "$OUT/throughput.log" 2>&1
     note "bench throughput rc=$?"
   fi
@@ -203,8 +204,7 @@ if has connector; then
   if ! vbundle; then
     note "connector skipped: no vLLM bundle at $BUNDLE"
   else
-    timeout "${CONNECTOR_TIMEOUT:-420}" env PYTHONPATH="/tmp/vbundle/site:$ROOT" VBUNDLE_QUIET=1 \
-      $PY /tmp/vbundle/run_sim.py bench connector --json "$OUT/connector.json" \
+    timeout "${CONNECTOR_TIMEOUT:-420}" "${BENCH[@]}" connector --json "$OUT/connector.json" \
       ${CONNECTOR_ARGS:-} > "$OUT/connector.log" 2>&1
     note "bench connector rc=$?: $(grep -E 'host pool:' "$OUT/connector.log" | head -n 1 | cut -c1-200)"
   fi

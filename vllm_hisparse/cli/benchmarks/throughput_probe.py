@@ -137,7 +137,7 @@ class GraphStepProbe(StepProbe):
         self._rows: dict[int, torch.Tensor] = {}
         self._profile_next = False
         self.steps, self.split, self.graphs_captured = [], {}, 0
-        self.points, self.split_at, self._stalled = (), None, 0
+        self.points, self.split_at, self._stalled, self._kv_write_s = (), None, 0, 0.0
 
     def wants_attention(self, step) -> bool:
         return step.decode_only  # prefill steps skip attention (nothing timed there)
@@ -151,7 +151,7 @@ class GraphStepProbe(StepProbe):
             return
         if not self.points:
             # once every request is in, or decode-only steps keep coming with some waiting
-            self._stalled = getattr(self, "_stalled", 0) + 1
+            self._stalled += 1
             if self._run.scheduler.waiting and self._stalled <= STALL_STEPS:
                 return
             window = self.warmup_steps + self.timed_steps + 2
@@ -191,7 +191,7 @@ class GraphStepProbe(StepProbe):
     def write_kv(self, step, write) -> None:
         t0 = time.perf_counter()
         write()
-        self._kv_write_s = getattr(self, "_kv_write_s", 0.0) + time.perf_counter() - t0
+        self._kv_write_s += time.perf_counter() - t0
 
     def attend(self, step, metadata, topk) -> None:
         n = topk.shape[0]
