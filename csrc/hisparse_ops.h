@@ -142,6 +142,33 @@ cudaError_t launch_copy_rows(const CopyParams& p, const CopyTuning& tuning,
                              cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
+// finishing a top-k conversion (docs/kernels.md "Finishing a conversion")
+// ---------------------------------------------------------------------------------------
+
+// out[t] = step_table[1 + batch_rows[t]] when 0 <= batch_rows[t] < num_batch_rows,
+// t < step_table[0] and t < limit; else -1. batch_rows is int32 [T] (int64 when
+// batch_rows_64), step_table int32 [1 + num_batch_rows], out int32 [T].
+cudaError_t launch_token_state_rows(const void* batch_rows, bool batch_rows_64,
+                                    const int32_t* step_table, int32_t* out, int num_tokens,
+                                    int num_batch_rows, int limit, cudaStream_t stream);
+
+struct MergeRowsParams {
+  const int32_t* ours;        // [T, K] flat rows in the from_stride_rows space (-1 = none)
+  const int32_t* token_rows;  // [T] >= 0: the token takes `ours`, else `theirs`
+  const int32_t* theirs;      // [T, K] rows already in the target space
+  int32_t* out;               // [T, K] must not overlap the inputs
+  int32_t* counts;            // [T] or nullptr: with counts, valid (>= 0) entries are moved
+                              // to the front in their order, -1 after, counts[t] = how many
+  int num_tokens;             // T
+  int k;                      // K
+  int from_stride_rows;       // rows between device blocks in `ours`
+  int to_stride_rows;         // rows between device blocks in the target space
+};
+
+// One CTA per token: merge, translate (block * to + offset) and optionally compact.
+cudaError_t launch_merge_rows(const MergeRowsParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
 // host memory helper (huge-page experiment of the benchmarks and the worker's host pool)
 // ---------------------------------------------------------------------------------------
 

@@ -199,6 +199,31 @@ void spin_py(uint64_t nanoseconds, int ctas, bool busy, uint64_t stream) {
   check(launch_spin(nanoseconds, ctas, busy, as_stream(stream)), "spin");
 }
 
+void token_state_rows_py(uint64_t batch_rows, bool batch_rows_64, uint64_t step_table,
+                         uint64_t out, int num_tokens, int num_batch_rows, int limit,
+                         uint64_t stream) {
+  check(launch_token_state_rows(as_ptr<const void>(batch_rows), batch_rows_64,
+                                as_ptr<const int32_t>(step_table), as_ptr<int32_t>(out),
+                                num_tokens, num_batch_rows, limit, as_stream(stream)),
+        "token_state_rows");
+}
+
+void merge_rows_py(uint64_t ours, uint64_t token_rows, uint64_t theirs, uint64_t out,
+                   uint64_t counts, int num_tokens, int k, int from_stride_rows,
+                   int to_stride_rows, uint64_t stream) {
+  MergeRowsParams p{};
+  p.ours = as_ptr<const int32_t>(ours);
+  p.token_rows = as_ptr<const int32_t>(token_rows);
+  p.theirs = as_ptr<const int32_t>(theirs);
+  p.out = as_ptr<int32_t>(out);
+  p.counts = as_ptr<int32_t>(counts);
+  p.num_tokens = num_tokens;
+  p.k = k;
+  p.from_stride_rows = from_stride_rows;
+  p.to_stride_rows = to_stride_rows;
+  check(launch_merge_rows(p, as_stream(stream)), "merge_rows");
+}
+
 int host_free_py(uint64_t ptr, size_t bytes) {
   py::gil_scoped_release release;
   return host_free_registered(as_ptr<void>(ptr), bytes);
@@ -264,6 +289,15 @@ void register_ops(py::module_& m) {
         py::arg("n_outer"), py::arg("n_inner"), py::arg("rows_per_warp") = 0,
         py::arg("ctas_per_sm") = 0, py::arg("stream") = 0, py::arg("src_stride") = 0,
         py::arg("dst_stride") = 0, py::arg("pair_major") = 1, py::arg("max_ctas") = 0);
+  m.def("token_state_rows", &token_state_rows_py,
+        "Launch the token -> state row lookup of a step (int32 out [T]).", py::arg("batch_rows"),
+        py::arg("batch_rows_64"), py::arg("step_table"), py::arg("out"), py::arg("num_tokens"),
+        py::arg("num_batch_rows"), py::arg("limit"), py::arg("stream"));
+  m.def("merge_rows", &merge_rows_py,
+        "Launch merge + translate (+ compaction when `counts` != 0) of a top-k conversion.",
+        py::arg("ours"), py::arg("token_rows"), py::arg("theirs"), py::arg("out"),
+        py::arg("counts"), py::arg("num_tokens"), py::arg("k"), py::arg("from_stride_rows"),
+        py::arg("to_stride_rows"), py::arg("stream"));
   m.def("host_alloc_registered", &host_alloc_py,
         "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
         py::arg("mode"));

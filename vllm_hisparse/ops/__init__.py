@@ -1,4 +1,7 @@
-"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``.
+"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
+and the two ops that finish an attention layer's top-k conversion around ``resolve``:
+``token_state_rows`` (each token's state row) and ``merge_rows`` (resolve's rows merged into
+the engine's, translated, optionally compacted; docs/kernels.md "Finishing a conversion").
 
 Each public function validates every tensor (dtype, device, shape, contiguity) and raises a
 ``ValueError`` naming the argument, then runs the CUDA kernel when the index tensors are on a
@@ -31,10 +34,12 @@ __all__ = [
     "ResolveErrorCode",
     "copy_blocks",
     "gather_rows",
+    "merge_rows",
     "mirror_rows",
     "reference",
     "resolve",
     "select",
+    "token_state_rows",
 ]
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -119,9 +124,27 @@ def _mirror_rows(backend: str, tuning: KernelTuning, src_layers, dst_layers, src
           src_rows, dst_rows)
 
 
+def _token_state_rows(backend: str, tuning: KernelTuning, batch_rows, step_table, out,
+                      limit=None) -> None:
+    _checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
+    kernels = _kernels(batch_rows.device, backend)
+    (reference if kernels is None else kernels).token_state_rows(
+        batch_rows, step_table, out, limit, **({} if kernels is None else {"tuning": tuning}))
+
+
+def _merge_rows(backend: str, tuning: KernelTuning, ours, token_rows, theirs, from_stride_rows,
+                to_stride_rows, out, counts=None) -> None:
+    _checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows, to_stride_rows,
+                                  out, counts)
+    kernels = _kernels(ours.device, backend)
+    (reference if kernels is None else kernels).merge_rows(
+        ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts,
+        **({} if kernels is None else {"tuning": tuning}))
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """The four ops bound to one backend name and one kernel tuning; see :func:`select`."""
+    """The ops bound to one backend name and one kernel tuning; see :func:`select`."""
 
     name: str
     tuning: KernelTuning
@@ -129,6 +152,8 @@ class Backend:
     gather_rows: Callable[..., None]
     copy_blocks: Callable[..., None]
     mirror_rows: Callable[..., None]
+    token_state_rows: Callable[..., None]
+    merge_rows: Callable[..., None]
 
 
 def select(backend: str = "auto", **tuning) -> Backend:
@@ -152,7 +177,8 @@ def select(backend: str = "auto", **tuning) -> Backend:
         return bound
 
     return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
-                   bind(_copy_blocks), bind(_mirror_rows))
+                   bind(_copy_blocks), bind(_mirror_rows), bind(_token_state_rows),
+                   bind(_merge_rows))
 
 
 _auto = select("auto")
@@ -160,3 +186,5 @@ resolve = _auto.resolve
 gather_rows = _auto.gather_rows
 copy_blocks = _auto.copy_blocks
 mirror_rows = _auto.mirror_rows
+token_state_rows = _auto.token_state_rows
+merge_rows = _auto.merge_rows

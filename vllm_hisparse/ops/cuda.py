@@ -38,10 +38,12 @@ __all__ = [
     "copy_blocks",
     "gather_rows",
     "gather_rows_tuned",
+    "merge_rows",
     "mirror_rows",
     "poll_errors",
     "resolve",
     "resolve_launch_info",
+    "token_state_rows",
 ]
 
 
@@ -336,3 +338,39 @@ def mirror_rows(src_layers, dst_layers, src_rows, dst_rows, *,
     entries with -1 on either side are skipped."""
     _copy(_module().COPY_PAIRS, src_layers, dst_layers, src_rows, dst_rows, None,
           int(src_rows.shape[0]), 1, tuning)
+
+
+# --------------------------------------------------------------------------------------
+# finishing a conversion
+# --------------------------------------------------------------------------------------
+
+
+def token_state_rows(batch_rows, step_table, out, limit=None, *,
+                     tuning: KernelTuning = DEFAULT_TUNING) -> None:
+    """One launch of :func:`vllm_hisparse.ops.reference.token_state_rows`."""
+    num_tokens = batch_rows.shape[0]
+    if num_tokens == 0:
+        return
+    device = batch_rows.device
+    bound = num_tokens if limit is None else max(0, min(int(limit), num_tokens))
+    with _on_device(device):
+        _module().token_state_rows(
+            batch_rows.data_ptr(), batch_rows.dtype == torch.int64, step_table.data_ptr(),
+            out.data_ptr(), num_tokens, step_table.shape[0] - 1, bound,
+            torch.cuda.current_stream(device).cuda_stream)
+
+
+def merge_rows(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts=None, *,
+               tuning: KernelTuning = DEFAULT_TUNING) -> None:
+    """One launch of :func:`vllm_hisparse.ops.reference.merge_rows` (one CTA per token)."""
+    num_tokens, k = ours.shape
+    if num_tokens == 0 or k == 0:
+        if counts is not None and num_tokens:
+            counts.zero_()
+        return
+    device = ours.device
+    with _on_device(device):
+        _module().merge_rows(
+            ours.data_ptr(), token_rows.data_ptr(), theirs.data_ptr(), out.data_ptr(),
+            0 if counts is None else counts.data_ptr(), num_tokens, k, int(from_stride_rows),
+            int(to_stride_rows), torch.cuda.current_stream(device).cuda_stream)

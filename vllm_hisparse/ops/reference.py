@@ -31,7 +31,8 @@ import torch
 from vllm_hisparse.ops import _checks
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 
-__all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows", "MAX_SLOT_CLASS"]
+__all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows", "token_state_rows",
+           "merge_rows", "MAX_SLOT_CLASS"]
 
 #: ``slot_class`` values above this count as this (four eviction classes, 0 evicted first).
 MAX_SLOT_CLASS = 3
@@ -323,6 +324,79 @@ def _resolve_unchecked(topk, token_rows, residency, host_blocks, hot_blocks, slo
         totals[2] += num_misses
     if stats is not None:
         stats += torch.tensor(totals, dtype=torch.int64, device=stats.device)
+
+
+# --------------------------------------------------------------------------------------
+# finishing a conversion: the ops around resolve in an attention layer's top-k conversion
+# --------------------------------------------------------------------------------------
+
+
+def token_state_rows(batch_rows: torch.Tensor, step_table: torch.Tensor, out: torch.Tensor,
+                     limit: int | None = None) -> None:
+    """The state row of every token of a step, for ``resolve``'s ``token_rows``.
+
+    Args:
+        batch_rows: int32 or int64 ``[T]``: the batch row of each token (vLLM's
+            ``req_id_per_token``).
+        step_table: int32 ``[1 + B]``: ``[0]`` the step's real token count, ``[1 + b]`` the
+            state row of batch row ``b`` (-1: not residency-managed).
+        out: int32 ``[T]`` OUT: ``step_table[1 + batch_rows[t]]`` when
+            ``0 <= batch_rows[t] < B``, ``t < step_table[0]`` and ``t < limit``; else -1.
+        limit: tokens at or past it are padding (None: no limit beyond the table's count).
+    """
+    _checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
+    num_batch_rows = step_table.shape[0] - 1
+    t = torch.arange(batch_rows.shape[0], device=batch_rows.device)
+    b = batch_rows.to(torch.int64)
+    valid = (b >= 0) & (b < num_batch_rows) & (t < step_table[0].to(torch.int64))
+    if limit is not None:
+        valid &= t < limit
+    rows = step_table[1:][b.clamp(0, max(num_batch_rows - 1, 0))] if num_batch_rows else \
+        torch.full_like(out, -1)
+    out.copy_(torch.where(valid, rows, torch.full_like(rows, -1)))
+
+
+def merge_rows(ours: torch.Tensor, token_rows: torch.Tensor, theirs: torch.Tensor,
+               from_stride_rows: int, to_stride_rows: int, out: torch.Tensor,
+               counts: torch.Tensor | None = None) -> None:
+    """The last step of a residency-aware top-k conversion: each token's rows from ``ours``
+    (resolve's rows, translated) or ``theirs`` (the engine's own conversion), optionally
+    compacted.
+
+    Args:
+        ours: int32 ``[T, K]`` flat device rows ``block * from_stride_rows + offset``
+            (-1 = none), e.g. ``resolve``'s ``out_rows``.
+        token_rows: int32 ``[T]``: tokens with a value ``>= 0`` take ``ours``, the others
+            ``theirs``.
+        theirs: int32 ``[T, K]`` rows already in the target space, uncompacted.
+        from_stride_rows, to_stride_rows: rows between consecutive device blocks in ``ours``
+            and in the target space; a row ``r >= 0`` of ``ours`` becomes
+            ``(r // from) * to + r % from``.
+        out: int32 ``[T, K]`` OUT, overlapping no input. Without ``counts``: the merged rows
+            column for column. With ``counts``: each token's valid (``>= 0``) entries moved
+            to the front in column order, ``-1`` after.
+        counts: int32 ``[T]`` OUT or None: the valid entries of each token.
+    """
+    _checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows, to_stride_rows,
+                                  out, counts)
+    r = ours.to(torch.int64)
+    block = torch.div(r, from_stride_rows, rounding_mode="floor")
+    translated = torch.where(r >= 0, block * to_stride_rows + r - block * from_stride_rows, r)
+    merged = torch.where((token_rows >= 0)[:, None], translated, theirs.to(torch.int64))
+    if counts is None:
+        out.copy_(merged.to(torch.int32))
+        return
+    # A stable partition by prefix sums: a valid entry goes to (valid entries before it), an
+    # invalid one to (row total) + (invalid entries before it).
+    valid = merged >= 0
+    ahead = torch.cumsum(valid, dim=1)
+    total = ahead[:, -1:] if merged.shape[1] else \
+        torch.zeros((merged.shape[0], 1), dtype=torch.int64, device=merged.device)
+    column = torch.arange(merged.shape[1], device=merged.device)
+    slot = torch.where(valid, ahead - 1, total + column - ahead)
+    values = torch.where(valid, merged, torch.full_like(merged, -1))
+    out.copy_(torch.empty_like(merged).scatter_(1, slot, values).to(torch.int32))
+    counts.copy_(total[:, 0].to(torch.int32))
 
 
 # --------------------------------------------------------------------------------------

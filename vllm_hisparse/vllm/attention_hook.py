@@ -67,6 +67,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from vllm_hisparse import ops
 from vllm_hisparse.vllm.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
@@ -155,21 +156,21 @@ class StepView:
             self._token_index = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
         return self._token_index[:num_tokens]
 
-    def token_state_rows(self, req_id_per_token: torch.Tensor,
-                         num_actual_tokens: int | None) -> torch.Tensor:
+    def token_state_rows(self, req_id_per_token: torch.Tensor, num_actual_tokens: int | None,
+                         ops: Any) -> torch.Tensor:
         """int32 ``[T]``: state row of each token of a non-FULL request; -1 for tokens of FULL
         requests and padding tokens (index at or past the step's real token count, or past
-        ``num_actual_tokens`` when given, outside a capture). Device ops only: capturable, and
-        a replay reads the values :meth:`begin` wrote for its step."""
-        num_tokens = req_id_per_token.shape[0]
-        batch_rows = req_id_per_token.to(torch.int64)
-        valid = ((batch_rows >= 0) & (batch_rows < self.max_batch_rows)
-                 & (self.token_index(num_tokens) < self.num_real_tokens))
-        rows = self.batch_state_rows[batch_rows.clamp(0, self.max_batch_rows - 1)]
-        rows = torch.where(valid, rows, -1)
-        if num_actual_tokens is not None and num_actual_tokens < num_tokens and not _capturing():
-            rows[num_actual_tokens:] = -1  # (a capture would freeze the count; the buffer does not)
-        return rows.contiguous()
+        ``num_actual_tokens`` when given, outside a capture). One ``ops.token_state_rows``
+        launch of the backend ``ops``: capturable, and a replay reads the values
+        :meth:`begin` wrote for its step (a capture would freeze ``num_actual_tokens``; the
+        table does not)."""
+        batch_rows = req_id_per_token.contiguous()
+        if batch_rows.dtype not in (torch.int32, torch.int64):
+            batch_rows = batch_rows.to(torch.int32)
+        out = torch.empty(batch_rows.shape[0], dtype=torch.int32, device=batch_rows.device)
+        limit = None if num_actual_tokens is None or _capturing() else int(num_actual_tokens)
+        ops.token_state_rows(batch_rows, self._table[:1 + self.max_batch_rows], out, limit)
+        return out
 
 
 def _capturing() -> bool:
@@ -280,17 +281,14 @@ class IndexGroupResidency:
 
 def compact_valid_to_front(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid (``>= 0``) entries of each row moved to the front in their order, -1 after;
-    plus int32 ``[T]`` counts. Matches what vLLM's conversion returns with
-    ``return_valid_counts=True`` (the kernel only guarantees the set, we keep the order)."""
-    # A stable partition by prefix sums (a few elementwise kernels; a sort costs several
-    # times more): entry j goes to (valid before it) if valid, else counts + (invalid before).
-    valid = rows >= 0
-    ahead = torch.cumsum(valid, dim=1, dtype=torch.int32)
-    counts = ahead[:, -1].contiguous() if rows.shape[1] else \
-        torch.zeros(rows.shape[0], dtype=torch.int32, device=rows.device)
-    column = torch.arange(rows.shape[1], dtype=torch.int32, device=rows.device)
-    slot = torch.where(valid, ahead - 1, counts[:, None] + column - ahead)
-    compacted = torch.full_like(rows, -1).scatter_(1, slot.to(torch.int64), rows)
+    plus int32 ``[T]`` counts: what vLLM's conversion returns with ``return_valid_counts=True``
+    (its kernel only guarantees the set, we keep the order). ``ops.merge_rows`` with no
+    tracked token; the CPU simulator's and the benchmarks' stand-in for vLLM's compaction."""
+    rows = rows.to(torch.int32).contiguous()
+    untracked = torch.full((rows.shape[0],), -1, dtype=torch.int32, device=rows.device)
+    compacted = torch.empty_like(rows)
+    counts = torch.empty(rows.shape[0], dtype=torch.int32, device=rows.device)
+    ops.merge_rows(rows, untracked, rows, 1, 1, compacted, counts)
     return compacted, counts
 
 
@@ -330,9 +328,10 @@ def convert_with_residency(
     if vllm_rows.shape != logical_topk.shape:
         raise ValueError(f"convert_with_residency: vLLM rows {tuple(vllm_rows.shape)} do not "
                          f"match top-k {tuple(logical_topk.shape)}")
+    ops = binding.hot_state.ops
     if layer_index == 0:
         token_rows = binding.step.token_state_rows(req_id_per_token[:num_tokens],
-                                                   num_actual_tokens)
+                                                   num_actual_tokens, ops)
         if keep_vllm is not None:
             token_rows = torch.where(keep_vllm[:num_tokens].to(torch.bool),
                                      torch.full_like(token_rows, -1), token_rows)
@@ -340,11 +339,16 @@ def convert_with_residency(
     flat_rows, token_rows = binding.leader_rows(num_tokens)
     if layer_index > 0:
         binding.wait_for_layer(layer_index)
-    ours = binding.layout.to_kernel_rows(flat_rows, block_stride_rows)
-    rows = torch.where((token_rows >= 0)[:, None], ours, vllm_rows).to(torch.int32)
-    if return_valid_counts:
-        return compact_valid_to_front(rows)
-    return rows.contiguous()
+    # One launch: tracked tokens take resolve's rows (translated to the kernel's row space),
+    # the others vLLM's, compacted to the front when asked.
+    layout = binding.layout
+    target = layout.block_size if block_stride_rows is None else block_stride_rows
+    rows = torch.empty_like(flat_rows)
+    counts = (torch.empty(num_tokens, dtype=torch.int32, device=rows.device)
+              if return_valid_counts else None)
+    ops.merge_rows(flat_rows, token_rows, vllm_rows.to(torch.int32).contiguous(),
+                   layout.block_stride_rows, target, rows, counts)
+    return (rows, counts) if return_valid_counts else rows
 
 
 def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch.Tensor,
@@ -456,22 +460,21 @@ def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[.
     if a.get("HAS_PREFILL_WORKSPACE"):
         keep = a["prefill_workspace_request_ids"][: topk.shape[0]] >= 0
     num_actual = int(getattr(attn_metadata, "num_actual_tokens", topk.shape[0]))
-    rows = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual, vllm_rows,
-                                  block_stride_rows=a["BLOCK_STRIDE_ROWS"],
-                                  return_valid_counts=False, keep_vllm=keep)
-    return finish_conversion(rows, return_valid_counts, out, counts_out)
+    result = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual,
+                                    vllm_rows, block_stride_rows=a["BLOCK_STRIDE_ROWS"],
+                                    return_valid_counts=return_valid_counts, keep_vllm=keep)
+    return finish_conversion(result, return_valid_counts, out, counts_out)
 
 
-def finish_conversion(rows: torch.Tensor, return_valid_counts: bool, out: torch.Tensor | None,
+def finish_conversion(result: Any, return_valid_counts: bool, out: torch.Tensor | None,
                       counts_out: torch.Tensor | None) -> Any:
-    """The tail every conversion shares with vLLM's: optionally compact valid rows to the front
-    with per-token counts, and write into the caller's ``out`` / ``counts_out`` buffers."""
-    counts = None
-    if return_valid_counts:
-        rows, counts = compact_valid_to_front(rows)
-        if counts_out is not None:
-            counts_out.copy_(counts)
-            counts = counts_out
+    """The tail every conversion shares with vLLM's: ``result`` is the rows, or ``(rows,
+    counts)`` when ``return_valid_counts``; they are written into the caller's ``out`` /
+    ``counts_out`` buffers when given, and returned as vLLM's conversion returns them."""
+    rows, counts = result if return_valid_counts else (result, None)
+    if counts is not None and counts_out is not None:
+        counts_out.copy_(counts)
+        counts = counts_out
     if out is not None:
         out.copy_(rows)
         rows = out

@@ -242,6 +242,12 @@ class HotState:
         return ResolveResult(*(t[:num_tokens] for t in (storage.out_rows, storage.miss_src,
                                                           storage.miss_dst, storage.miss_count)))
 
+    @property
+    def ops(self) -> ops.Backend:
+        """The ops backend this group's tables are resolved with (the read path's other
+        per-layer ops run on the same one)."""
+        return self._ops
+
     def fence_side_work(self) -> None:
         """Order the current stream after this group's gathers still running on a side stream.
 

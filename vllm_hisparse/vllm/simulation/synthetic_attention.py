@@ -105,7 +105,8 @@ def cpu_direct_conversion(req_id, block_table, token_indices, BLOCK_SIZE=64,
                                   "idx_mapping are not simulated")
     rows = vllm_reference_conversion(req_id, block_table, token_indices, BLOCK_SIZE,
                                      BLOCK_STRIDE_ROWS)
-    return finish_conversion(rows, return_valid_counts, out, valid_counts_out)
+    result = compact_valid_to_front(rows) if return_valid_counts else rows
+    return finish_conversion(result, return_valid_counts, out, valid_counts_out)
 
 
 def cpu_convert_once(layer_index, logical_topk_indices, req_id_per_token, block_table,
