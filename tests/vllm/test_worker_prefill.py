@@ -24,7 +24,7 @@ import torch
 from tests.vllm.test_worker_side import BS, TOP_K, Rig, model_dir  # noqa: F401 (fixture)
 from vllm_hisparse.core import Residency
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import vllm_reference_conversion
+from vllm_hisparse.vllm.worker_side.read_path import vllm_reference_conversion
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
 from vllm_hisparse.worker.synthetic import describe_row, kv_rows
 

@@ -483,7 +483,7 @@ def forward_context_attn_metadata() -> Any:
 
 # --------------------------------------------------------------------------------------
 # Parallel layout: whether the tensor-parallel ranks of a replica can share one host pool
-# (vllm_hisparse/vllm/host_sharing.py). Checked by
+# (vllm_hisparse/vllm/setup/host_sharing.py). Checked by
 # tests/vllm/test_compat.py::test_parallel_layout_accessors.
 # --------------------------------------------------------------------------------------
 
@@ -526,7 +526,7 @@ def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Config time (vllm_hisparse/vllm/engine_checks.py). Checked by
+# Config time (vllm_hisparse/vllm/setup/engine_checks.py). Checked by
 # tests/vllm/test_compat.py::test_config_time_accessors.
 # --------------------------------------------------------------------------------------
 

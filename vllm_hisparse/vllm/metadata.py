@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_hisparse.core.commands import StepCommand, WorkerAcks
 from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder
+from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportOrder
 
 
 @dataclass

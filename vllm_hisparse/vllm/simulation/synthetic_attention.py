@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm.worker_side.read_path import (
     compact_valid_to_front,
     finish_conversion,
     vllm_reference_conversion,
 )
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
                                                         SimulationFailure)
 from vllm_hisparse.vllm.simulation.scored_indexer import (DecodeLogits, RequestScores,

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import dataclasses
 
 from vllm_hisparse.vllm.compat import FullAttentionManager, KVCacheBlock, KVCacheGroupSpec, KVCacheSpecRegistry
-from vllm_hisparse.vllm.kv_planning import is_target_sparse_spec
+from vllm_hisparse.vllm.setup.kv_plan import is_target_sparse_spec
 
 #: ``KVCacheGroupSpec.role`` of a group nobody gave a role.
 _DEFAULT_GROUP_ROLE = {f.name: f for f in dataclasses.fields(KVCacheGroupSpec)}["role"].default

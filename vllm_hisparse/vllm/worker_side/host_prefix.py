@@ -8,7 +8,7 @@ asynchronous for vLLM: the worker reports its request in ``finished_recving`` on
 RESTORE is decided on every sparse group, and in ``failed_recving`` too when the copy or
 the indexer page load failed (``get_transfer_results``).
 
-A mixin of :class:`~vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`.
+A mixin of :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from vllm_hisparse.core.commands import StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore, page_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")

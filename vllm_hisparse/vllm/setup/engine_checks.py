@@ -17,7 +17,7 @@ wraps ``VllmConfig.__post_init__`` and runs the two functions below around vLLM'
   a platform that has it, ``record_trace`` with full CUDA graphs, and the host pool against
   one ``max_model_len`` request.
 
-The engine core checks again when it plans (``config.resolve_config``, ``kv_planning``):
+The engine core checks again when it plans (:func:`resolve_config`, ``kv_planner``):
 that second line costs nothing and catches what only the planned layers tell (layer kinds,
 KV layout, the exact host-block rounding).
 
@@ -34,18 +34,21 @@ from typing import Any
 
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import (
+from vllm_hisparse.vllm.compat import VllmConfig
+from vllm_hisparse.vllm.setup.config import (
     CONNECTOR_NAME,
     MAX_DEVICE_BUFFER_ROWS,
     HiSparseConfigError,
+    HiSparseResidencyConfig,
     check_extra_config,
     find_connector_entry,
+    find_connector_extra_config,
     max_decode_query_len,
     model_top_k,
+    parse_extra_config,
 )
-from vllm_hisparse.vllm.compat import VllmConfig
-from vllm_hisparse.vllm.connector_entries import ConnectorEntry
-from vllm_hisparse.vllm.kv_planning import host_copies_per_replica
+from vllm_hisparse.vllm.setup.connector_entries import ConnectorEntry
+from vllm_hisparse.vllm.setup.kv_plan import host_copies_per_replica
 
 #: KV cache dtypes whose sparse-MLA row size the check knows: the ``fp8_ds_mla`` row
 #: (``auto`` included: the smallest row a DSA backend picks for it) and 16-bit rows.
@@ -161,6 +164,25 @@ def check_engine_compatible(vllm_config: VllmConfig) -> None:
         raise hybrid_manager_disabled(
             "remove --disable-hybrid-kv-cache-manager; on a GPU vLLM enables it by default")
     model_top_k(vllm_config)
+
+
+def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
+    """Validate the engine and our extra config; the one entry point for callers."""
+    extra = find_connector_extra_config(vllm_config)
+    if extra is None:
+        raise HiSparseConfigError(
+            f"kv_transfer_config does not name {CONNECTOR_NAME}; accepted: "
+            f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
+        )
+    check_engine_compatible(vllm_config)
+    config = parse_extra_config(
+        extra,
+        top_k=model_top_k(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        max_decode_query_len=max_decode_query_len(vllm_config),
+    )
+    check_trace_recording(vllm_config, config.record_trace)
+    return config
 
 
 # --------------------------------------------------------------------------------------

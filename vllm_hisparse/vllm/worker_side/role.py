@@ -45,8 +45,9 @@ from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat, patches, score_tap
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm import compat, patches
+from vllm_hisparse.vllm.worker_side import score_tap
+from vllm_hisparse.vllm.worker_side.read_path import (
     BINDING_ATTR,
     IndexGroupResidency,
     StepView,
@@ -54,14 +55,18 @@ from vllm_hisparse.vllm.attention_hook import (
     host_backed_positions,
     routed_direct_conversion,
 )
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
-from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, planned_host_blocks, sparse_group_ids
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.setup.host_sharing import plan_host_pool_sharing
+from vllm_hisparse.vllm.setup.kv_plan import (
+    indexer_group_ids,
+    planned_host_blocks,
+    sparse_group_ids,
+)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
-from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
-from vllm_hisparse.vllm.worker_import import WorkerImports
-from vllm_hisparse.vllm.worker_prefill import WorkerPrefillGuard
-from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+from vllm_hisparse.vllm.worker_side.host_prefix import WorkerHostPrefix
+from vllm_hisparse.vllm.pd.reads import PDReads
+from vllm_hisparse.vllm.worker_side.prefill_guard import WorkerPrefillGuard
+from vllm_hisparse.vllm.metrics import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
@@ -97,7 +102,7 @@ class _Lane:
     bindings: list[IndexGroupResidency] = field(default_factory=list)
 
 
-class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
+class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
     """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
 
     Args:
@@ -124,7 +129,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = planned_host_blocks(vllm_config, kv_cache_config, hisparse_config)
-        # The indexer's decode scores, with score-aware eviction (vllm/score_tap.py).
+        # The indexer's decode scores, with score-aware eviction (vllm/worker_side/score_tap.py).
         self._scores = score_tap.TAP if hisparse_config.hot_region_eviction == "score" else None
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages

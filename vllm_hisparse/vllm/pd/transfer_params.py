@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm.import_order import RemotePrefill
+from vllm_hisparse.vllm.pd.import_order import RemotePrefill
 
 #: The fields an import needs (vLLM's NixlConnector, pull mode, puts them in the params).
 REQUIRED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",

@@ -21,7 +21,7 @@ class RemotePrefill:
     ``generation`` changes when the prefill registers its KV cache again (a reader must
     then ask for its registration again); ``num_tokens`` the tokens the prefill computed
     (``remote_num_tokens``; 0 when it does not say). Built from a request's
-    ``kv_transfer_params`` by :func:`~vllm_hisparse.vllm.transfer_params.parse_remote_prefill`,
+    ``kv_transfer_params`` by :func:`~vllm_hisparse.vllm.pd.transfer_params.parse_remote_prefill`,
     which checks every field.
     """
 

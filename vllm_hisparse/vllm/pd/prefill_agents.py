@@ -19,9 +19,9 @@ import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import RemotePrefill
-from vllm_hisparse.vllm.nixl_transport import (
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.pd.import_order import RemotePrefill
+from vllm_hisparse.vllm.pd.nixl_transport import (
     HANDSHAKE_TIMEOUT_S,
     NixlTransport,
     RemoteAgent,

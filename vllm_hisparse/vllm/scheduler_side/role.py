@@ -55,24 +55,20 @@ from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.admission import AdmissionGate
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
-from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
-from vllm_hisparse.vllm.kv_planning import (
-    engine_capacity_report,
-    format_capacity_table,
-    indexer_group_ids,
-    sparse_group_ids,
-)
-from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
-from vllm_hisparse.vllm.kv_import import PDImports
-from vllm_hisparse.vllm.lockstep import lockstep_groups
-from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
+from vllm_hisparse.vllm.scheduler_side.admission import AdmissionGate
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.scheduler_side.block_pool import BlockPoolDevicePool
+from vllm_hisparse.vllm.setup.capacity_report import engine_capacity_report, format_capacity_table
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.scheduler_side.host_prefix import HostPrefixCache
+from vllm_hisparse.vllm.pd.landings import PDLandings
+from vllm_hisparse.vllm.patches.lockstep import lockstep_groups
+from vllm_hisparse.vllm.scheduler_side.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import POLICY_COUNTERS, HiSparseConnectorStats
-from vllm_hisparse.vllm.offloading_scope import describe_scope, is_scoped
-from vllm_hisparse.vllm.scheduler_acks import AckIntake
-from vllm_hisparse.vllm.spec_decode import DraftRollback
+from vllm_hisparse.vllm.setup.offloading_scope import describe_scope, is_scoped
+from vllm_hisparse.vllm.scheduler_side.acks import AckIntake
+from vllm_hisparse.vllm.scheduler_side.drafts import DraftRollback
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +76,7 @@ logger = logging.getLogger(__name__)
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
+class SchedulerRole(PDLandings, AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
