@@ -338,7 +338,7 @@ def multi_connector_types() -> tuple[type, type, type]:
 
 # ======================================================================================
 # Worker side: KV allocation, forward context and the sparse-MLA index group
-# (used by the worker role: worker_side.py, attention_hook.py, patches/;
+# (used by the worker role: worker_side/role.py, worker_side/read_path.py, patches/;
 #  existence checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
@@ -416,7 +416,7 @@ def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
 # ======================================================================================
 # Worker side (2): sparse-MLA backends' direct logical->physical conversions and the
 # per-step attention metadata.
-# (used by the worker role: worker_side.py, attention_hook.py, patches/;
+# (used by the worker role: worker_side/role.py, worker_side/read_path.py, patches/;
 #  existence and signature checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
@@ -602,7 +602,7 @@ SIMULATOR_INTERNALS = (
 
 
 # ======================================================================================
-# P/D decode consumer: vLLM's NixlConnector protocol (used by kv_import.py and
+# P/D decode consumer: vLLM's NixlConnector protocol (used by pd/landings.py and
 # nixl_transport.py; checked in tests/vllm/test_compat.py)
 # ======================================================================================
 

@@ -98,7 +98,7 @@ def _check_config(vllm_config) -> None:
 
 def _max_concurrency(vllm_config, kv_cache_config) -> float | None:
     """What vLLM's "Maximum concurrency" line reports for our configs: the startup
-    capacity report's steady state (``kv_planning.engine_capacity_report``); None keeps
+    capacity report's steady state (``capacity_report.engine_capacity_report``); None keeps
     vLLM's figure for every other config."""
     if not is_connector_configured(vllm_config):
         return None

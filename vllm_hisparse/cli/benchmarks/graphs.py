@@ -7,7 +7,7 @@ harness also runs on CPU, where tests use it).
 A decode step as vLLM's FULL-graph path runs it (``cudagraph_mode`` ``FULL_AND_PIECEWISE``,
 vLLM's default): a batch padded to the graph's size (padding tokens map to batch row 0, as
 vLLM maps them), and per layer the index group's top-k conversion through the residency hook
-(``attention_hook.hooked_conversion``, on a stand-in index group whose own conversion is the
+(``read_path.hooked_conversion``, on a stand-in index group whose own conversion is the
 pure-torch twin of vLLM's), compaction included, then a stand-in sparse attention read of the
 K rows of every token. Every input lives in a fixed buffer; each step writes its values there
 and opens the worker's :class:`StepView` (``begin``), as ``start_load_kv`` does. Requests keep

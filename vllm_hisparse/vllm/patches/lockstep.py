@@ -1,6 +1,6 @@
 """Groups that move in lockstep: one KV cache group's answer stands for all of them.
 
-Our plan splits a DSA model's layers into several KV cache groups (``kv_planning``: five
+Our plan splits a DSA model's layers into several KV cache groups (``kv_planner``: five
 sparse-MLA groups and one indexer group for DeepSeek-V3.2) where vLLM's default planner
 makes one. vLLM's ``KVCacheCoordinator`` then runs every per-request, per-step manager
 call once per group (``for manager in single_type_managers``): at 256 running requests

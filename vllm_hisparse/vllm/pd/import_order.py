@@ -1,7 +1,7 @@
 """The wire types of P/D imports (scheduler role → worker role).
 
 A decode instance receives a prefill's KV with vLLM's NixlConnector protocol, read by this
-connector's workers (``worker_import``). The scheduler role (``kv_import``) decides where
+connector's workers (``pd/reads.py``). The scheduler role (``pd/landings.py``) decides where
 each request lands and sends the workers one :class:`ImportOrder` per request, and the
 prefill leases to renew (:class:`Heartbeat`).
 """

@@ -2,7 +2,7 @@
 
 The prefill instance runs stock vLLM with NixlConnector (``kv_producer``). A request it
 prefilled arrives here with ``kv_transfer_params`` (``do_remote_prefill`` and where its
-blocks are). This connector loads it itself (``worker_import``, over NIXL): vLLM's own
+blocks are). This connector loads it itself (``pd/reads.py``, over NIXL): vLLM's own
 NixlConnector cannot read into this connector's KV plan (measured: its handshake refuses
 "Packed KV block rows differ between P and D", docs/vllm-integration.md, "P/D decode
 consumer"). The landing is decided once, when vLLM admits the request:

@@ -1,5 +1,5 @@
 """The prefill workers one decode worker knows: side-channel handshakes and the NIXL agents
-they load (P/D imports, ``worker_import``).
+they load (P/D imports, ``pd/reads.py``).
 
 A prefill rank's registration is asked for on its side channel (``query_prefill``, on a
 background thread: it blocks up to the handshake timeout) and loaded into the NIXL agent

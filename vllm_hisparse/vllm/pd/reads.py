@@ -1,4 +1,4 @@
-"""P/D decode consumer, worker side: the reads of an import (``kv_import``).
+"""P/D decode consumer, worker side: the reads of an import (``pd/landings.py``).
 
 For each :class:`~vllm_hisparse.vllm.pd.import_order.ImportOrder`, every worker of the
 decode replica:

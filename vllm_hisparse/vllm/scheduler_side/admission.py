@@ -3,7 +3,7 @@
 vLLM offers each waiting request through the connector's ``get_num_new_matched_tokens``
 (:meth:`AdmissionGate.offer`), then allocates it. The answer never keeps a request waiting
 (``None`` would make vLLM skip it and look up the prefix cache of every request behind it,
-every step; only a P/D request that can land nowhere yet waits, ``kv_import.PDLandings.offer``);
+every step; only a P/D request that can land nowhere yet waits, ``pd/landings.py.PDLandings.offer``);
 the gate acts through vLLM's own allocation check instead:
 
 * **device headroom** (docs/vllm-integration.md, "Admission headroom"): before each

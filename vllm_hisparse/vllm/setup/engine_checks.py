@@ -120,7 +120,7 @@ def check_runner_and_scheduling(vllm_config: VllmConfig) -> None:
             f"{CONNECTOR_NAME} needs vLLM's Model Runner V2, but this config runs the V1 model "
             f"runner ({why}); accepted: Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER or set "
             "it to 1, and drop the options V2 does not support).")
-    # Rejected drafts are rolled back when their step's output arrives (spec_decode.py).
+    # Rejected drafts are rolled back when their step's output arrives (scheduler_side/drafts.py).
     # Under async scheduling the next step is planned before that, and the worker moves
     # its positions on the GPU, so the rows a step writes are unknown when it is planned.
     spec_tokens = max_decode_query_len(vllm_config) - 1
@@ -139,7 +139,7 @@ def envs_v2_runner_off() -> bool:
 
 
 def check_trace_recording(vllm_config: VllmConfig, record_trace: Any) -> None:
-    """Every cudagraph_mode runs (attention_hook.py: a captured forward reads each step's
+    """Every cudagraph_mode runs (worker_side/read_path.py: a captured forward reads each step's
     values from fixed buffers), but the trace recorder reads each step's selections back to
     the host, which a graph replay cannot do."""
     mode = vllm_config.compilation_config.cudagraph_mode

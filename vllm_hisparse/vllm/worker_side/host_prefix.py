@@ -57,12 +57,12 @@ class WorkerHostPrefix:
         failed ones also in ``failed_recving`` (vLLM then fails or recomputes the request
         alone; block-level ``invalid_block_ids`` are refused with several KV cache
         groups). A load is decided once every sparse group's copy is (``AckVote``). P/D
-        host landings (``worker_import``) are reported the same way."""
+        host landings (``pd/reads.py``) are reported the same way."""
         if self.lanes:
             self._poll_acks()
         finished, self._finished_loads = self._finished_loads, set()
         failed, self._failed_loads = self._failed_loads, set()
-        imported, import_failed = self._poll_imports()  # P/D host landings (worker_import)
+        imported, import_failed = self._poll_imports()  # P/D host landings (pd/reads.py)
         finished |= imported
         failed |= import_failed
         return compat.KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
