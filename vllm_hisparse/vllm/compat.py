@@ -6,9 +6,10 @@ function or constant below, so an upgrade touches one file and
 ``tests/vllm/test_compat.py`` / ``tests/vllm/test_compat_worker.py`` (which check every name
 and signature relied on here) say exactly what moved.
 
-Only accessors live here. The runtime patches this package applies to vLLM (six, each
-replacing one vLLM attribute) are in ``vllm_hisparse/vllm/patches/``, one table with
-install / installed / remove for each.
+Only accessors live here. The runtime patches this package applies to vLLM (each replacing
+one vLLM attribute) are in ``vllm_hisparse/vllm/patches/``, one table (``patches.PATCHES``)
+with install / installed / remove for each; the other writes to vLLM objects made through
+this module are listed in docs/vllm-integration.md, "Other changes to vLLM's objects".
 """
 
 from __future__ import annotations

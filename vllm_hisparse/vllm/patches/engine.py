@@ -110,7 +110,8 @@ LOCKSTEP_COORDINATOR = Patch(
     why="vLLM runs every per-request manager call once per KV cache group; our plan has six "
         "groups where plain vLLM has one, all full attention with one block size, so a "
         "decode step with nothing to allocate or cache in the first group has nothing in "
-        "any (lockstep.py). Without it vLLM's scheduler step costs 1.8x stock vLLM's.",
+        "any (lockstep.py). Without it vLLM's scheduler step nearly doubles (docs/benchmarks.md, "
+        "\"Scheduler cost against stock vLLM\").",
     installed_by="the scheduler role, when it binds the KV cache manager, if every group "
                  "moves in lockstep (lockstep.lockstep_groups)",
     install_args="coordinator (KVCacheManager.coordinator)",
