@@ -42,7 +42,7 @@ from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm import config as config_module
+from vllm_hisparse.vllm.setup import config as config_module
 
 SYSTEMS = ("stock", "intree", "plan", "noop", "hisparse")
 NOOP_CONNECTOR = "BenchNoopConnector"

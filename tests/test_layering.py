@@ -1,4 +1,5 @@
-"""Imports go downwards only: core ← ops ← worker ← vllm ← cli (DESIGN.md §2).
+"""Imports go downwards only: core ← ops ← worker ← vllm ← cli (docs/design.md, "Layers"), and inside
+the vllm layer by side (``VLLM_RANKS``).
 
 Two checks: a static one over every module's import statements, and a dynamic one that
 imports the lower layers in a fresh interpreter where vllm (and, for core, torch) cannot be
@@ -92,3 +93,108 @@ def test_lower_layers_import_without_vllm():
 def test_blocking_really_blocks():
     result = _run_blocked("import torch\n", ["torch"])
     assert result.returncode != 0
+
+
+# ---------------------------------------------------------------- inside the vllm layer
+
+#: The vLLM layer's folders (and root modules) by side, top to bottom: a module imports only
+#: what sits below it or in its own folder. The two roles' folders share a rank and import
+#: nothing from each other.
+VLLM_RANKS = {
+    "simulation": 7,
+    "connector": 6, "plugin": 6,
+    "scheduler_side": 5, "worker_side": 5,
+    "metadata": 4,
+    "pd": 3,
+    "setup": 2,
+    "metrics": 1, "patches": 1,
+    "compat": 0,
+}
+VLLM = PACKAGE / "vllm"
+
+
+def _vllm_modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted name under ``vllm_hisparse.vllm`` (``pd.reads``, ``metrics``) -> file."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name:
+            found[name] = path
+    return found
+
+
+def _vllm_arrows(root: pathlib.Path) -> set[tuple[str, str]]:
+    """Every import between two modules of the vllm layer, function-level ones included."""
+    modules = _vllm_modules(root)
+    arrows = set()
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                own = target.removeprefix("vllm_hisparse.vllm.")
+                if target.startswith("vllm_hisparse.vllm.") and own in modules and own != name:
+                    arrows.add((name, own))
+    return arrows
+
+
+def _vllm_layer_violations(root: pathlib.Path) -> list[str]:
+    modules = _vllm_modules(root)
+    bad = [f"{name}: not placed in VLLM_RANKS" for name in modules
+           if name.split(".")[0] not in VLLM_RANKS]
+    arrows = _vllm_arrows(root)
+    for source, target in sorted(arrows):
+        src, dst = source.split(".")[0], target.split(".")[0]
+        if src in VLLM_RANKS and dst in VLLM_RANKS and src != dst \
+                and VLLM_RANKS[src] <= VLLM_RANKS[dst]:
+            bad.append(f"{source} imports {target}: {src} does not sit above {dst}")
+    graph: dict[str, set[str]] = {}
+    for source, target in arrows:
+        graph.setdefault(source, set()).add(target)
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                bad.append("import circle: " + " -> ".join(path[path.index(nxt):] + [node, nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return bad
+
+
+def test_vllm_layer_folders_point_down_without_a_circle():
+    assert _vllm_layer_violations(VLLM) == []
+
+
+def test_vllm_layer_check_can_fail(tmp_path):
+    """A worker-side module importing the scheduler side, an arrow back up from setup, and
+    a circle hidden behind a function-level import are each flagged."""
+    root = tmp_path / "vllm"
+    for folder in ("setup", "scheduler_side", "worker_side"):
+        (root / folder).mkdir(parents=True)
+    (root / "compat.py").write_text("")
+    (root / "worker_side" / "role.py").write_text(
+        "from vllm_hisparse.vllm.scheduler_side import role\n")
+    (root / "scheduler_side" / "role.py").write_text("")
+    (root / "setup" / "config.py").write_text(
+        "from vllm_hisparse.vllm.scheduler_side.role import X\n")
+    (root / "setup" / "a.py").write_text("from vllm_hisparse.vllm.setup import b\n")
+    (root / "setup" / "b.py").write_text("def f():\n    from vllm_hisparse.vllm.setup import a\n")
+    (root / "stray.py").write_text("")
+    bad = _vllm_layer_violations(root)
+    assert any(b.startswith("worker_side.role imports scheduler_side.role") for b in bad)
+    assert any(b.startswith("setup.config imports scheduler_side.role") for b in bad)
+    assert any(b.startswith("import circle: setup.a -> setup.b -> setup.a") for b in bad)
+    assert "stray: not placed in VLLM_RANKS" in bad
+    assert len(bad) == 4

@@ -61,7 +61,7 @@ def test_simulate_rejects_bad_arguments_before_importing_torch_or_vllm(tmp_path)
         ("--connector-config", str(stock)): "names no HiSparseResidencyConnector",
     }
     from vllm_hisparse.cli import simulate
-    from vllm_hisparse.vllm.config import CONNECTOR_NAME
+    from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 
     assert simulate.CONNECTOR_NAME == CONNECTOR_NAME  # its copy, kept to avoid importing vLLM
     argvs = [["simulate", "--quiet", *flags] for flags in cases]

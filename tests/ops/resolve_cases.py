@@ -225,7 +225,7 @@ def adversarial_cases():
     topk = torch.tensor([rng.sample(range(num_pages * bs), k)], dtype=torch.int32)
     yield "max sizes, ids at the int32 edge", ResolveCase(topk, i32([0]), residency, host_blocks,
                                                           hot_blocks, slot_pos, lru, bs)
-    # Partial hot regions and eviction classes (DESIGN.md §4.1 rules 4-5).
+    # Partial hot regions and eviction classes (docs/design.md, "Op contracts", `resolve`, rules 4-5).
     c = random_case(random.Random(8), resident_fraction=0.0, hot_blocks_per_request=4,
                     partial_fraction=1.0)
     yield "partial hot regions, misses only in leased blocks", c

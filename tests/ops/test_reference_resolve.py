@@ -1,4 +1,4 @@
-"""The reference ``resolve`` against DESIGN.md §4.1: the worked example, one case per rule,
+"""The reference ``resolve`` against docs/design.md, "Op contracts", `resolve`: the worked example, one case per rule,
 every error case, and random cases against a deliberately naive implementation."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def check_against_naive(case: ResolveCase) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Worked example of DESIGN.md §4.1 and one case per rule
+# Worked example of docs/design.md, "Op contracts", `resolve`, and one case per rule
 # --------------------------------------------------------------------------------------
 
 def worked_example() -> ResolveCase:

@@ -1,6 +1,6 @@
 """A fake of the worker role's acks, for driving the real scheduler on CPU.
 
-The real worker role (``vllm_hisparse.vllm.worker_side``) copies KV and reports each
+The real worker role (``vllm_hisparse.vllm.worker_side.role``) copies KV and reports each
 transfer once its event completed. Here each step's command is read from the
 ``SchedulerOutput`` (directly or as a ``MultiConnector`` child) and its transfers are
 acknowledged later, in a configurable way:

@@ -2,7 +2,7 @@
 
 Like ``FakeWorker`` (the harness's well-behaved fake) it reads each step's
 ``HiSparseConnectorMetadata`` from the ``SchedulerOutput`` and answers with the
-``KVConnectorOutput`` the real worker role (``vllm_hisparse.vllm.worker_side``) would
+``KVConnectorOutput`` the real worker role (``vllm_hisparse.vllm.worker_side.role``) would
 send: per-worker ``WorkerAcks`` under each worker's ``worker_rank``, aggregated the way
 vLLM's ``KVOutputAggregator`` does, and each host-prefix load (``metadata.load_requests``)
 per request: in ``finished_recving`` once every worker reported its RESTORE, in

@@ -30,7 +30,7 @@ from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.scheduler_harness import SchedulerHarness, planned_worker_kv_cache_config
 from tests.vllm.vllm_configs import make_vllm_config
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.import_order import ImportOrder
+from vllm_hisparse.vllm.pd.import_order import ImportOrder
 from vllm_hisparse.worker.synthetic import kv_rows
 
 #: The synthetic serial of the KV every prefill process holds (pages in PREFILL_BLOCKS).

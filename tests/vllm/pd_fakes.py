@@ -23,7 +23,7 @@ from vllm.v1.request import Request
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.vllm_configs import CONNECTOR
-from vllm_hisparse.vllm.import_order import ImportAction
+from vllm_hisparse.vllm.pd.import_order import ImportAction
 
 PREFILL_ENGINE = "prefill-engine-0"
 

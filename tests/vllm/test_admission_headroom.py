@@ -1,4 +1,4 @@
-"""Admission headroom (``HiSparseSchedulerRole.offer``) on vLLM's real Scheduler.
+"""Admission headroom (``SchedulerRole.offer``) on vLLM's real Scheduler.
 
 The gate never answers ``None``: it sets vLLM's admission watermark for each offered
 request, capped by the blocks residency spares, so a refused request ends vLLM's

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm.worker_side.read_path import (
     IndexGroupResidency,
     StepView,
     compact_valid_to_front,
@@ -124,7 +124,7 @@ def test_next_resolve_fences_followers_that_did_not_convert():
 def test_all_full_step_adds_no_work():
     """A step without tracked requests takes vLLM's conversion as is: no resolve, no gather
     launch, no wait, whatever the layer."""
-    from vllm_hisparse.vllm.attention_hook import BINDING_ATTR, hooked_conversion
+    from vllm_hisparse.vllm.worker_side.read_path import BINDING_ATTR, hooked_conversion
 
     state, binding, step, dev = setup("side")
     group = SimpleNamespace(**{BINDING_ATTR: binding})

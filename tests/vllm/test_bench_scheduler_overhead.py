@@ -38,8 +38,8 @@ def test_what_each_system_builds(bench, dsa_model_dir):
     from benchmarks.vllm_baselines import InTreeFakeWorker, NoopConnector
     from vllm_hisparse.vllm import compat
     from vllm_hisparse.vllm.connector import HiSparseResidencyConnector
-    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
-    from vllm_hisparse.vllm.managers import ResidencyAwareManager
+    from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator
+    from vllm_hisparse.vllm.scheduler_side.managers import ResidencyAwareManager
 
     built = {mode: bench.build_harness(dsa_model_dir, mode, requests=2, context=128, max_tokens=4)
              for mode in bench.MODES}

@@ -17,10 +17,10 @@ from tests.vllm.dsa_specs import deepseek_v32_specs
 from tests.vllm.scheduler_harness import planned_kv_cache_config
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core.capacity import HostMemoryLimit
-from vllm_hisparse.vllm import config as config_module
+from vllm_hisparse.vllm.setup import config as config_module
 from vllm_hisparse.vllm import patches
-from vllm_hisparse.vllm.config import resolve_config
-from vllm_hisparse.vllm.kv_planning import engine_capacity_report
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
+from vllm_hisparse.vllm.setup.capacity_report import engine_capacity_report
 
 GIB = 1 << 30
 BYTES_PER_BLOCK = 545_792  # the 5 + 1 split of DeepSeek-V3.2 (docs/vllm-integration.md)
@@ -72,7 +72,7 @@ def test_scheduler_and_workers_size_the_same_host_pool(dsa_model_dir):
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 
-    from vllm_hisparse.vllm.kv_planning import host_page_bytes
+    from vllm_hisparse.vllm.setup.kv_plan import host_page_bytes
 
     vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 384}),
                                    max_model_len=32768)

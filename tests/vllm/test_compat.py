@@ -236,7 +236,7 @@ def test_lockstep_coordinator_internals():
     signatures, the managers' fast paths are the ones it answers for."""
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
-    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
+    from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator
 
     hybrid = compat.hybrid_coordinator_class()
     assert issubclass(hybrid, KVCacheCoordinator)
@@ -294,7 +294,7 @@ def test_simulator_internals_exist():
 
 
 def test_parallel_layout_accessors(dsa_model_dir):
-    """What the host-pool sharing decision reads (vllm/host_sharing.py)."""
+    """What the host-pool sharing decision reads (vllm/setup/host_sharing.py)."""
     import copy
     import pickle
 
@@ -333,7 +333,7 @@ def test_parallel_layout_accessors(dsa_model_dir):
 
 
 def test_config_time_accessors(dsa_model_dir):
-    """What the checks at VllmConfig time read (vllm/engine_checks.py)."""
+    """What the checks at VllmConfig time read (vllm/setup/engine_checks.py)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     from tests.vllm.vllm_configs import make_vllm_config

@@ -12,11 +12,11 @@ from vllm.config import KVTransferConfig
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core import capacity
 from vllm_hisparse.core.capacity import HostMemoryLimit
-from vllm_hisparse.vllm import config as config_module
+from vllm_hisparse.vllm.setup import config as config_module
 from vllm_hisparse.vllm import patches
 from vllm_hisparse.vllm.plugin import register
 from vllm_hisparse.vllm.compat import CUDAGraphMode
-from vllm_hisparse.vllm.config import (
+from vllm_hisparse.vllm.setup.config import (
     ACCEPTED_KEYS,
     CONNECTOR_NAME,
     MAX_DEVICE_BUFFER_ROWS,
@@ -25,9 +25,9 @@ from vllm_hisparse.vllm.config import (
     find_connector_extra_config,
     is_connector_configured,
     parse_extra_config,
-    resolve_config,
 )
-from vllm_hisparse.vllm.kv_planning import check_host_pool_holds_one_request
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
+from vllm_hisparse.vllm.setup.kv_plan import check_host_pool_holds_one_request
 
 ENGINE = dict(top_k=2048, block_size=64, max_decode_query_len=1)
 GIB = 1 << 30

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from vllm_hisparse.vllm.config import HiSparseConfigError
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
 
@@ -135,7 +135,7 @@ def test_the_v1_model_runner_fails_with_one_readable_sentence(serve_parser, dsa_
 def test_the_host_pool_bound_counts_index_share_layers(serve_parser, tmp_path, gpu_host):
     """GLM-5.x IndexShare: only the layers that keep an indexer add indexer rows, so a pool
     that holds the sparse-MLA rows and those indexer rows is accepted."""
-    from vllm_hisparse.vllm.engine_checks import host_bytes_per_token_lower_bound
+    from vllm_hisparse.vllm.setup.engine_checks import host_bytes_per_token_lower_bound
     from vllm_hisparse.vllm.simulation.model import write_model_dir
 
     model_dir = write_model_dir(tmp_path / "share", num_hidden_layers=8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hisparse.vllm.connector_entries import connector_entries
+from vllm_hisparse.vllm.setup.connector_entries import connector_entries
 
 
 def _multi(*children: dict) -> dict:

@@ -41,7 +41,7 @@ class _RecordingWorkerRole:
         return HiSparseWorkerMetadata()
 
     def get_stats(self):
-        from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+        from vllm_hisparse.vllm.metrics import HiSparseWorkerStats
 
         return HiSparseWorkerStats(data={"hot_hits": 3})
 
@@ -50,9 +50,9 @@ class _RecordingWorkerRole:
 
 
 def test_worker_role_delegates_to_hisparse_worker_role(dsa_model_dir, monkeypatch):
-    module = types.ModuleType("vllm_hisparse.vllm.worker_side")
-    module.HiSparseWorkerRole = _RecordingWorkerRole
-    monkeypatch.setitem(sys.modules, "vllm_hisparse.vllm.worker_side", module)
+    module = types.ModuleType("vllm_hisparse.vllm.worker_side.role")
+    module.WorkerRole = _RecordingWorkerRole
+    monkeypatch.setitem(sys.modules, "vllm_hisparse.vllm.worker_side.role", module)
     from vllm_hisparse.connector import HiSparseResidencyConnector
 
     vllm_config = make_vllm_config(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}))

@@ -275,7 +275,7 @@ def test_a_lost_ack_stops_with_a_named_error(small_topk_model_dir, num_workers):
 
 
 def test_ack_deadline_s_is_validated():
-    from vllm_hisparse.vllm.config import HiSparseConfigError, parse_extra_config
+    from vllm_hisparse.vllm.setup.config import HiSparseConfigError, parse_extra_config
 
     facts = dict(top_k=128, block_size=64, max_decode_query_len=1)
     assert parse_extra_config({"host_pool_gib": 1}, **facts).ack_deadline_s == 60.0

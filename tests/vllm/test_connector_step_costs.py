@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.test_connector_scheduler import WORKLOAD, build, run
-from vllm_hisparse.vllm import scheduler_side
-from vllm_hisparse.vllm.scheduler_side import _STATS_EVERY_STEPS
+from vllm_hisparse.vllm.scheduler_side import role as scheduler_side
+from vllm_hisparse.vllm.scheduler_side.role import _STATS_EVERY_STEPS
 
 
 def test_stats_are_throttled_and_lose_nothing(small_topk_model_dir):
@@ -79,7 +79,7 @@ def test_unadmitted_requests_and_prefill_chunks_are_reported_as_demand(small_top
 
     policy.note_device_demand = recorded
     calls = {"unadmitted": 0}
-    real_unadmitted = scheduler_side.HiSparseSchedulerRole._note_unadmitted
+    real_unadmitted = scheduler_side.SchedulerRole._note_unadmitted
 
     def counting(self, scheduled):
         before = len(noted)

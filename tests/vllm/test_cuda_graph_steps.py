@@ -20,7 +20,7 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.graphs import GraphStepSpec, HookedDecodeStep
 from vllm_hisparse.ops import ResolveError, ResolveErrorCode
-from vllm_hisparse.vllm.attention_hook import BINDING_ATTR
+from vllm_hisparse.vllm.worker_side.read_path import BINDING_ATTR
 from vllm_hisparse.worker.hot_state import HotState
 
 CPU_SPEC = GraphStepSpec(batch=6, requests=4, topk=32, hot_rows=64, block_size=16, context=512,

@@ -17,7 +17,8 @@ from vllm.config import KVTransferConfig  # noqa: E402
 
 from tests.vllm.vllm_configs import make_vllm_config  # noqa: E402
 from vllm_hisparse.cli.main import main  # noqa: E402
-from vllm_hisparse.vllm.config import find_connector_extra_config, resolve_config  # noqa: E402
+from vllm_hisparse.vllm.setup.config import find_connector_extra_config  # noqa: E402
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
 from vllm_hisparse.vllm.plugin import register  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

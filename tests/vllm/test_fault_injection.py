@@ -44,7 +44,7 @@ from tests.vllm.fault_worker import FaultRates, FaultWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.vllm_configs import kv_transfer_config
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import ACCEPTED_KEYS
+from vllm_hisparse.vllm.setup.config import ACCEPTED_KEYS
 
 #: Worker faults that work on this branch.
 WORKING_FAULTS = frozenset({"delay", "shuffle", "fail", "fail_prefix_load", "duplicate"})

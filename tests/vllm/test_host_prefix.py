@@ -23,9 +23,9 @@ from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.test_worker_side import allocate, planned
 from tests.vllm.vllm_configs import kv_transfer_config
 from vllm_hisparse.core import StepCommand, TransferKind, TransferSpec
-from vllm_hisparse.vllm.config import resolve_config
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
-from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+from vllm_hisparse.vllm.worker_side.role import WorkerRole
 
 BS = 64
 
@@ -164,7 +164,7 @@ def test_preempted_requests_resume_from_the_host(dsa_model_dir):
     host (external tokens), not recomputed, and everything is returned at the end."""
     h = _harness(dsa_model_dir, num_blocks=140)
     # Long outputs: growth, not admission, runs out of blocks (the admission headroom
-    # gate, HiSparseSchedulerRole.offer, prevents preemptions right after admission).
+    # gate, SchedulerRole.offer, prevents preemptions right after admission).
     h.add_requests(8, prompt_len=4 * BS, max_tokens=400)
     stats = h.run_to_completion()
     assert stats.preemptions > 0
@@ -211,7 +211,7 @@ def role_rig(dsa_model_dir):
     vllm_config, kv_cache_config = planned_for(dsa_model_dir)
     kv = allocate(vllm_config, kv_cache_config)
     failing: set[int] = set()
-    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+    role = WorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
                               fail_transfer=lambda tid: tid in failing, huge_pages="never")
     role.register_kv_caches(kv)
     yield role, kv, failing

@@ -34,17 +34,15 @@ from vllm_hisparse.core.capacity import (
     layout_for_geometry,
 )
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm import config as config_module
-from vllm_hisparse.vllm.config import HiSparseConfigError, resolve_config
-from vllm_hisparse.vllm.kv_planning import (
+from vllm_hisparse.vllm.setup import config as config_module
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
+from vllm_hisparse.vllm.setup.capacity_report import engine_capacity_report, format_capacity_table
+from vllm_hisparse.vllm.setup.kv_plan import host_page_bytes, planned_host_blocks, sparse_group_ids
+from vllm_hisparse.vllm.setup.kv_planner import (
     HiSparseKVCacheConfigBuilder,
     classify_layers,
-    engine_capacity_report,
-    format_capacity_table,
-    host_page_bytes,
     index_units,
-    planned_host_blocks,
-    sparse_group_ids,
     split_kv_cache_groups,
 )
 

@@ -12,7 +12,7 @@ import pytest
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.vllm_configs import kv_transfer_config
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.lockstep import LockstepCoordinator, lockstep_groups
+from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator, lockstep_groups
 
 
 def _harness(model_dir, *, lockstep: bool, connector: bool = True, **config) -> SchedulerHarness:

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.vllm.metrics import GAUGES, PREFIX, PROMETHEUS_METRICS, HiSparseConnectorStats
 from vllm_hisparse.vllm.simulation.probe import StepProbe
-from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+from vllm_hisparse.vllm.metrics import HiSparseWorkerStats
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {"model_name": "m", "engine": "0"}

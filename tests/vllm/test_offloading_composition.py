@@ -27,9 +27,9 @@ from tests.vllm.vllm_configs import CONNECTOR, kv_transfer_config
 from vllm_hisparse.core.commands import TransferKind
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import multi_connector_types
-from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
-from vllm_hisparse.vllm.offloading_scope import check_offloading_scope
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.setup.offloading_scope import check_offloading_scope
 
 BS = 64
 PROMPT_PAGES = 8

@@ -78,7 +78,7 @@ def test_nothing_else_patches_vllm():
 def test_planner_hook():
     from vllm.platforms import current_platform
 
-    from vllm_hisparse.vllm.kv_planning import select_builder
+    from vllm_hisparse.vllm.setup.kv_planner import select_builder
 
     was_installed = patches.PLANNER_HOOK.installed()
     patches.PLANNER_HOOK.remove()
@@ -338,7 +338,7 @@ def test_lockstep_coordinator(dsa_model_dir):
     per-step calls reach the override), and taken off again (vLLM's class is back)."""
     from tests.vllm.scheduler_harness import SchedulerHarness
     from tests.vllm.vllm_configs import kv_transfer_config
-    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
+    from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator
 
     harness = SchedulerHarness.build(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),
                                      num_blocks=200, max_model_len=2048, construct_connector=False)

@@ -26,8 +26,8 @@ from vllm.v1.request import RequestStatus
 
 from tests.vllm.pd_engine import PREFILL_BLOCKS, PREFILL_REGION_BLOCKS, PDEngine
 from tests.vllm.pd_prefill import free_port
-from vllm_hisparse.vllm.nixl_transport import nixl_missing
-from vllm_hisparse.vllm.transfer_params import REQUIRED_PARAMS
+from vllm_hisparse.vllm.pd.nixl_transport import nixl_missing
+from vllm_hisparse.vllm.pd.transfer_params import REQUIRED_PARAMS
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
 
@@ -208,7 +208,7 @@ def fuzz(engine: PDEngine, seed: int, num_cases: int, caplog, *, vanishing: int 
     engine.assert_no_leaks()
 
     worker = engine.worker
-    refusals = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.kv_import"
+    refusals = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.pd.landings"
                 and "refused" in r.getMessage()]
     assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
     counts = {GOOD: 0, REFUSED: 0, FAILED: 0, EITHER: 0}

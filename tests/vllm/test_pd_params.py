@@ -1,5 +1,5 @@
 """``kv_transfer_params`` are untrusted input: every field the decode side uses is checked
-(``vllm_hisparse.vllm.transfer_params``), and each refusal names the field and the problem.
+(``vllm_hisparse.vllm.pd.transfer_params``), and each refusal names the field and the problem.
 
 At arrival (``parse_remote_prefill``), once the imported token count is known
 (``check_import_coverage``) and, on the worker, against the prefill's registration before
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.vllm.pd_fakes import remote_params
-from vllm_hisparse.vllm.transfer_params import (
+from vllm_hisparse.vllm.pd.transfer_params import (
     MAX_BLOCK_GROUPS,
     MAX_TP_SIZE,
     InvalidTransferParams,

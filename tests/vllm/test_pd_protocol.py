@@ -12,17 +12,17 @@ import pytest
 from vllm.config import KVTransferConfig
 
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.transfer_params import parse_remote_prefill
-from vllm_hisparse.vllm.kv_import import pd_composition
-from vllm_hisparse.vllm.nixl_transport import (
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
+from vllm_hisparse.vllm.pd.transfer_params import parse_remote_prefill
+from vllm_hisparse.vllm.pd.composition import pd_composition
+from vllm_hisparse.vllm.pd.nixl_transport import (
     ImportTransferError,
     RemotePage,
     nixl_missing,
     query_prefill,
     remote_layer_pages,
 )
-from vllm_hisparse.vllm.worker_import import readers_of
+from vllm_hisparse.vllm.pd.reads import readers_of
 from tests.vllm.pd_fakes import pd_kv_transfer, remote_params
 from tests.vllm.pd_prefill import free_port
 from tests.vllm.test_worker_side import model_dir  # noqa: F401 (fixture)

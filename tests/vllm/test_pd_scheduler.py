@@ -17,9 +17,9 @@ from vllm.v1.request import RequestStatus
 from tests.vllm.pd_fakes import PDFakeWorker, add_pd_request, pd_kv_transfer, remote_params
 from tests.vllm.scheduler_harness import SchedulerHarness
 from vllm_hisparse.core import Residency
-from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.import_order import ImportAction
-from vllm_hisparse.vllm.kv_import import Landing
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
+from vllm_hisparse.vllm.pd.import_order import ImportAction
+from vllm_hisparse.vllm.pd.landings import Landing
 
 BLOCKS = 200
 PROMPT = 1024  # 16 pages; 17 with the first decode token: 85 blocks resident, 45 host-landed
@@ -247,7 +247,7 @@ def test_refused_requests_fail_alone(small_topk_model_dir, async_scheduling, cap
     nobody, FINISHED_ERROR; the good P/D request and the local one finish; nothing leaks.
     (Before: ``int("http")`` raised out of on_new_request, stopping the engine; the
     duplicate, missing and uncovered blocks reached the workers' reads.)"""
-    caplog.set_level("WARNING", logger="vllm_hisparse.vllm.kv_import")
+    caplog.set_level("WARNING", logger="vllm_hisparse.vllm.pd.landings")
     harness, worker = build(small_topk_model_dir, async_scheduling=async_scheduling)
     local = harness.add_request(200, 12)
     good = add_pd_request(harness, PROMPT, 8)
@@ -264,7 +264,7 @@ def test_refused_requests_fail_alone(small_topk_model_dir, async_scheduling, cap
         "coverage": add_pd_request(harness, PROMPT, 8, kv_params=_bad_params(harness, 256)),
     }
     finish(harness)
-    refused = [r for r in caplog.records if r.name == "vllm_hisparse.vllm.kv_import"]
+    refused = [r for r in caplog.records if r.name == "vllm_hisparse.vllm.pd.landings"]
     assert len(refused) == len(bad)
     for field, request in bad.items():
         assert request.status == RequestStatus.FINISHED_ERROR and not request.output_token_ids, field
@@ -285,11 +285,11 @@ def test_refused_requests_fail_alone(small_topk_model_dir, async_scheduling, cap
 
 def test_a_refused_request_is_recomputed_under_recompute(small_topk_model_dir, caplog):
     harness, worker = build(small_topk_model_dir, failure_policy="recompute")
-    with caplog.at_level("WARNING", logger="vllm_hisparse.vllm.kv_import"):
+    with caplog.at_level("WARNING", logger="vllm_hisparse.vllm.pd.landings"):
         request = add_pd_request(harness, 300, 6, kv_params=_bad_params(harness, 300, tp_size=10**6))
         finish(harness)
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(request.output_token_ids) == 6
-    ours = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.kv_import"]
+    ours = [r.getMessage() for r in caplog.records if r.name == "vllm_hisparse.vllm.pd.landings"]
     assert len(ours) == 1 and "tp_size: 1000000 is outside 1..64" in ours[0]
     assert "vLLM recomputes it here" in ours[0]
     assert list(worker.imports) == [request.request_id]  # refused once, then computed here

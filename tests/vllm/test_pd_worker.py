@@ -24,10 +24,10 @@ from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
 from vllm_hisparse.core import Outcome, Residency
-from vllm_hisparse.vllm import worker_import
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder, RemotePrefill
+from vllm_hisparse.vllm.pd import reads as worker_import
+from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportOrder, RemotePrefill
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
-from vllm_hisparse.vllm.nixl_transport import nixl_missing
+from vllm_hisparse.vllm.pd.nixl_transport import nixl_missing
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
 

@@ -18,8 +18,9 @@ from vllm.platforms.interface import Platform
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 import vllm_hisparse
 from vllm_hisparse.vllm import compat, patches, plugin
-from vllm_hisparse.vllm.config import HiSparseConfigError
-from vllm_hisparse.vllm.kv_planning import BUILDER_QUALNAME, select_builder
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError
+from vllm_hisparse.vllm.setup.config import BUILDER_QUALNAME
+from vllm_hisparse.vllm.setup.kv_planner import select_builder
 from vllm_hisparse.vllm.plugin import register
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):
         "configure_logging(LoggingConfig())\n"
         "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
         f"make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"
-        "logging.getLogger('vllm_hisparse.vllm.scheduler_side').info('capacity table')\n"
+        "logging.getLogger('vllm_hisparse.vllm.scheduler_side.role').info('capacity table')\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_PLUGINS="hisparse_residency")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

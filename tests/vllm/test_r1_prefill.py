@@ -2,7 +2,7 @@
 
 The worker role refuses a step that schedules more than ``max_decode_query_len`` tokens
 for a residency-managed request while one of its pages that has a host block has no
-device block (``HiSparseWorkerRole._check_prefill_context``, docs/worker.md). Here the
+device block (``WorkerRole._check_prefill_context``, docs/worker.md). Here the
 worker role's own bookkeeping and check (``_track_residency``, ``_check_prefill_context``)
 run on the exact command stream the scheduler role produces, step by step, next to
 vLLM's real scheduler with chunked prefill under pool pressure.
@@ -18,7 +18,7 @@ import pytest
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.test_connector_scheduler import build
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+from vllm_hisparse.vllm.worker_side.role import WorkerRole
 
 
 class R1Monitor:
@@ -36,7 +36,7 @@ class R1Monitor:
         shape = (cfg.max_num_rows, cfg.max_pages_per_request)
         executor = SimpleNamespace(residency=np.full(shape, -1, dtype=np.int64),
                                    host_blocks=np.full(shape, -1, dtype=np.int64))
-        # The attributes HiSparseWorkerRole's R1 methods read.
+        # The attributes WorkerRole's R1 methods read.
         self.role = SimpleNamespace(
             lanes=[SimpleNamespace(executor=executor)],
             config=SimpleNamespace(max_decode_query_len=residency.max_decode_query_len),
@@ -69,7 +69,7 @@ class R1Monitor:
                                         cmd.page_device_blocks, cmd.page_host_blocks):
             ex.residency[row, page] = dev
             ex.host_blocks[row, page] = host
-        HiSparseWorkerRole._track_residency(self.role, cmd)
+        WorkerRole._track_residency(self.role, cmd)
         # The worker's own selection (_tracked_prefills) and check.
         counts = scheduler_output.num_scheduled_tokens
         limit = self.role.config.max_decode_query_len
@@ -77,7 +77,7 @@ class R1Monitor:
                    if n > limit and rid in self.role._tracked]
         if prefill:
             self.prefill_checks += len(prefill)
-            HiSparseWorkerRole._check_prefill_context(self.role, cmd.step_id, prefill)
+            WorkerRole._check_prefill_context(self.role, cmd.step_id, prefill)
         # R1.a on the policy's side: prefilling requests stay FULL.
         policy = self.harness.residency.policy
         for rid in prefilling:

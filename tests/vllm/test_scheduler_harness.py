@@ -55,7 +55,7 @@ def test_split_plan_runs_on_the_real_scheduler(dsa_model_dir):
 def test_connector_is_constructed_by_the_real_scheduler(dsa_model_dir):
     """The real Scheduler builds our connector through the factory, before its
     KVCacheManager, so the sparse-MLA groups get the residency-aware manager."""
-    from vllm_hisparse.vllm.managers import ResidencyAwareManager
+    from vllm_hisparse.vllm.scheduler_side.managers import ResidencyAwareManager
 
     harness = SchedulerHarness.build(
         dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),

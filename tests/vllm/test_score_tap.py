@@ -14,9 +14,9 @@ from tests.vllm.test_worker_side import (  # noqa: F401 - model_dir is a fixture
     run_decode_loop,
 )
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import (IndexGroupResidency, StepView,
+from vllm_hisparse.vllm.worker_side.read_path import (IndexGroupResidency, StepView,
                                                convert_with_residency)
-from vllm_hisparse.vllm.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import HotState
 from vllm_hisparse.worker.synthetic import kv_rows
@@ -133,7 +133,7 @@ def test_the_tap_records_nothing_until_enabled():
 
 
 def test_the_worker_role_binds_scores_only_with_score_eviction(model_dir):  # noqa: F811
-    from vllm_hisparse.vllm import score_tap
+    from vllm_hisparse.vllm.worker_side import score_tap
 
     patches.INDEXER_SCORES.remove()
     rig = Rig(model_dir, num_blocks=200, policy_blocks=44)

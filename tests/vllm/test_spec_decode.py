@@ -17,9 +17,10 @@ import pytest
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
-from vllm_hisparse.vllm.config import HiSparseConfigError, default_device_buffer_size, resolve_config
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
-from vllm_hisparse.vllm.spec_decode import DraftRollback
+from vllm_hisparse.vllm.setup.config import HiSparseConfigError, default_device_buffer_size
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.scheduler_side.drafts import DraftRollback
 
 
 def build(model_dir, *, k, block_size=64, num_blocks=400, delay=0, num_draft_layers=0,

@@ -5,7 +5,8 @@ with ``triton_convert_req_index_to_global_index`` from the batch block table
 (``compat.DIRECT_CONVERSION_SITES``). Here the direct sites are driven as the backends call
 them, inside the layer context ``patches.LAYER_FORWARD_CONTEXT`` sets, over vLLM's real KV
 allocation and the core policy's commands. The Triton function is replaced by a pure-torch
-twin with its exact signature (no Triton on CPU).
+twin with its exact signature (no Triton on CPU): the simulator's
+``synthetic_attention.cpu_direct_conversion``.
 
 vLLM's worker block table is append-only: a page keeps the first block it was given even
 after a restore moved it. :class:`PrefillRig` models that table, so a read that trusted it
@@ -17,44 +18,16 @@ from __future__ import annotations
 import inspect
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from tests.vllm.test_worker_side import BS, TOP_K, Rig, model_dir  # noqa: F401 (fixture)
 from vllm_hisparse.core import Residency
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import vllm_reference_conversion
+from vllm_hisparse.vllm.worker_side.read_path import vllm_reference_conversion
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
+from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
 from vllm_hisparse.worker.synthetic import describe_row, kv_rows
-
-
-def torch_direct_conversion(req_id, block_table, token_indices, BLOCK_SIZE=64,
-                            BLOCK_STRIDE_ROWS=None, NUM_TOPK_TOKENS=2048, BLOCK_N=128,
-                            HAS_PREFILL_WORKSPACE=False, prefill_workspace_request_ids=None,
-                            prefill_workspace_starts=None, prefill_workspace_rank_stride=None,
-                            dcp_size=1, dcp_rank=0, cp_kv_cache_interleave_size=1,
-                            return_valid_counts=False, out=None, valid_counts_out=None,
-                            idx_mapping=None):
-    """Pure-torch twin of vLLM's direct conversion (same signature and semantics)."""
-    rows = vllm_reference_conversion(req_id, block_table, token_indices, BLOCK_SIZE,
-                                     BLOCK_STRIDE_ROWS)
-    if HAS_PREFILL_WORKSPACE:
-        ws = prefill_workspace_request_ids[: token_indices.shape[0]].to(torch.int64)
-        start = prefill_workspace_starts.to(torch.int64)[ws.clamp(0)][:, None]
-        offsets = torch.where(token_indices >= 0, start + token_indices, -1).to(torch.int32)
-        rows = torch.where((ws >= 0)[:, None], offsets, rows)
-    counts = (rows >= 0).sum(dim=1, dtype=torch.int32)
-    if return_valid_counts:
-        order = torch.argsort((rows < 0).to(torch.int8), dim=1, stable=True)
-        rows = torch.gather(rows, 1, order)
-    if out is not None:
-        out.copy_(rows)
-        rows = out
-    if valid_counts_out is not None:
-        valid_counts_out.copy_(counts)
-        counts = valid_counts_out
-    return (rows, counts) if return_valid_counts else rows
 
 
 @pytest.fixture(autouse=True)
@@ -63,11 +36,11 @@ def _cpu_direct_conversion(monkeypatch):
     from vllm.v1.attention.backends.mla import sparse_utils
 
     real = sparse_utils.triton_convert_req_index_to_global_index
-    assert list(inspect.signature(torch_direct_conversion).parameters) == \
+    assert list(inspect.signature(cpu_direct_conversion).parameters) == \
         list(inspect.signature(real).parameters)
     patches.DIRECT_CONVERSION_ROUTING.remove()
     monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index",
-                        torch_direct_conversion)
+                        cpu_direct_conversion)
     yield
     patches.DIRECT_CONVERSION_ROUTING.remove()
     patches.TOPK_CONVERSION_HOOK.remove()
@@ -362,7 +335,7 @@ def test_workspace_tokens_keep_vllms_offsets(model_dir):  # noqa: F811
     want = 1000 + topk[n_dec:]
     assert rows[n_dec:].tolist() == torch.where(want >= 1000, want, -1).tolist()
     leader_rows, token_rows = binding.leader_rows(topk.shape[0])
-    vllm_rows = torch_direct_conversion(md.req_id_per_token[: topk.shape[0]], md.block_table,
+    vllm_rows = cpu_direct_conversion(md.req_id_per_token[: topk.shape[0]], md.block_table,
                                         topk, BLOCK_SIZE=BS,
                                         BLOCK_STRIDE_ROWS=lane.layout.block_stride_rows,
                                         NUM_TOPK_TOKENS=TOP_K, return_valid_counts=True)[0]
@@ -399,7 +372,7 @@ def test_full_only_batches_take_vllms_direct_conversion_unchanged(model_dir):  #
                                            valid_counts_out=cnt)
     finally:
         rig.role.step_view.ready = False
-    want = torch_direct_conversion(md.req_id_per_token[: topk.shape[0]], md.block_table, topk,
+    want = cpu_direct_conversion(md.req_id_per_token[: topk.shape[0]], md.block_table, topk,
                                    BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K, return_valid_counts=True)
     assert got[0] is out and got[1] is cnt
     assert torch.equal(out, want[0]) and torch.equal(cnt, want[1])
@@ -413,7 +386,7 @@ def test_unbound_layers_and_no_context_call_vllm(model_dir):  # noqa: F811
     topk = torch.full((1, TOP_K), -1, dtype=torch.int32)
     topk[0, :2] = torch.tensor([70, 3])
     convert = _site("flashinfer_mla_sparse_sm90")
-    want = torch_direct_conversion(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K)
+    want = cpu_direct_conversion(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K)
     assert torch.equal(convert(req, table, topk, BLOCK_SIZE=BS, NUM_TOPK_TOKENS=TOP_K), want)
     unbound = SimpleNamespace()  # an index group without a binding
     with patches.sparse_layer_context(unbound, 0, SimpleNamespace(num_actual_tokens=1)):

@@ -29,15 +29,15 @@ from vllm_hisparse.core import (
     ResidencyPolicy,
 )
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm.worker_side.read_path import (
     BINDING_ATTR,
     compact_valid_to_front,
     hooked_conversion,
     vllm_reference_conversion,
 )
-from vllm_hisparse.vllm.config import resolve_config
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
-from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+from vllm_hisparse.vllm.worker_side.role import WorkerRole
 from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
 
 BS = 64
@@ -117,7 +117,7 @@ class Rig:
             model_dir, num_blocks, extra=extra, num_speculative_tokens=num_speculative_tokens)
         self.hs_config = resolve_config(self.vllm_config)
         self.kv = allocate(self.vllm_config, self.kv_cache_config)
-        self.role = HiSparseWorkerRole(self.vllm_config, self.hs_config, self.kv_cache_config,
+        self.role = WorkerRole(self.vllm_config, self.hs_config, self.kv_cache_config,
                                        fail_transfer=fail, huge_pages="never")
         self.role.register_kv_caches(self.kv)
         self.num_groups = len(self.role.lanes)
@@ -288,7 +288,7 @@ def shift_blocks(cmd, lead):
 def test_binds_vllm_allocated_packed_tensors(model_dir):
     vllm_config, kv_cache_config = planned(model_dir, 100)
     kv = allocate(vllm_config, kv_cache_config)
-    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+    role = WorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
                               huge_pages="never")
     role.register_kv_caches(kv)
     assert len(role.lanes) >= 1
@@ -315,7 +315,7 @@ def test_binds_vllm_allocated_packed_tensors(model_dir):
 ])
 def test_prefetch_keys_reach_every_index_group_binding(model_dir, extra, mode, max_ctas):
     vllm_config, kv_cache_config = planned(model_dir, 100, extra=extra)
-    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+    role = WorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
                               huge_pages="never")
     role.register_kv_caches(allocate(vllm_config, kv_cache_config))
     bindings = [b for lane in role.lanes for b in lane.bindings]
@@ -340,7 +340,7 @@ def test_register_rejects_missing_layer(model_dir):
     vllm_config, kv_cache_config = planned(model_dir, 100)
     kv = allocate(vllm_config, kv_cache_config)
     kv.pop(next(iter(kv_cache_config.kv_cache_groups[0].layer_names)))
-    role = HiSparseWorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
+    role = WorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
                               huge_pages="never")
     with pytest.raises(ValueError, match="no tensor for sparse-MLA layer"):
         role.register_kv_caches(kv)

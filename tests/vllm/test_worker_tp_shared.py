@@ -4,7 +4,7 @@ and two worker roles ("TP ranks" 0 and 1) driven by the same commands on CPU.
 
 The two-rank run reuses ``test_worker_side.Rig`` (core policy, vLLM's real KV allocation for a
 planned IndexShare model, reads through the hook on real ``SparseMLAIndexGroup`` objects,
-every row checked against ground truth). Rank 1 is a second ``HiSparseWorkerRole`` built
+every row checked against ground truth). Rank 1 is a second ``WorkerRole`` built
 from a pickled copy of the config with ``parallel_config.rank = 1`` (as vLLM's multiprocess
 executor ships the config to each worker), with its own device KV; both ranks get every
 command, both ranks' acks are merged as the scheduler merges workers' reports
@@ -34,11 +34,11 @@ from tests.vllm.test_worker_side import (  # noqa: F401  (fixtures)
 from vllm_hisparse.core import Residency
 from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import WorkerAcks
-from vllm_hisparse.vllm import host_sharing
-from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing, segment_name
-from vllm_hisparse.vllm.kv_planning import host_copies_per_replica
+from vllm_hisparse.vllm.setup import host_sharing
+from vllm_hisparse.vllm.setup.host_sharing import plan_host_pool_sharing, segment_name
+from vllm_hisparse.vllm.setup.kv_plan import host_copies_per_replica
 from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata
-from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+from vllm_hisparse.vllm.worker_side.role import WorkerRole
 from vllm_hisparse.worker import shm_segment
 
 
@@ -167,7 +167,7 @@ class TwoRankRig(Rig):
         self.writer = self.role
         config = pickle.loads(pickle.dumps(self.vllm_config))  # what a worker receives
         config.parallel_config.rank = 1
-        self.reader = HiSparseWorkerRole(config, self.hs_config, self.kv_cache_config,
+        self.reader = WorkerRole(config, self.hs_config, self.kv_cache_config,
                                          fail_transfer=reader_fail, huge_pages="never")
         self.reader.register_kv_caches(allocate(config, self.kv_cache_config))
         self.writer_groups, self.reader_groups = self.groups, []

@@ -185,7 +185,7 @@ def _read_connector_config(path: str | None) -> tuple[dict | None, dict | None]:
         return None, None
     import json
 
-    from vllm_hisparse.vllm.connector_entries import connector_entries
+    from vllm_hisparse.vllm.setup.connector_entries import connector_entries
 
     try:
         with open(path) as f:
@@ -210,7 +210,7 @@ def _check_connector_config(path: str, raw: dict) -> None:
 
     from vllm.config import KVTransferConfig
 
-    from vllm_hisparse.vllm.config import find_connector_extra_config
+    from vllm_hisparse.vllm.setup.config import find_connector_extra_config
 
     try:
         kv_transfer_config = KVTransferConfig(**raw)

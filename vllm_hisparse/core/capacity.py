@@ -5,7 +5,7 @@ of ``device_blocks`` blocks of ``bytes_per_block`` bytes shared by the sparse-ML
 and other KV cache groups, a host pool of ``host_blocks`` blocks (one page of every
 sparse-MLA and indexer layer each), the hot region of a request in pages, and the admission
 window (``max_num_batched_tokens``). The startup table reads it off the planned engine
-(``vllm.kv_planning.engine_capacity_report``); ``plan`` derives it from a
+(``vllm.setup.capacity_report.engine_capacity_report``); ``plan`` derives it from a
 :class:`ModelGeometry` with the planner's own group split (:func:`layout_for_geometry`).
 Both then call :func:`concurrency_report`, so they agree to the request.
 

@@ -9,7 +9,7 @@ below ``target * (1 - hysteresis)``. Under pool pressure it never grows, and it 
 as the rate is at or below the target.
 
 The region changes size without moving a slot: ``resolve`` never takes a slot whose hot block
-is -1 (DESIGN.md §4.1 rule 4), so a shrink sets the last leased blocks to -1 and empties their
+is -1 (docs/design.md, "Op contracts", `resolve`, rule 4), so a shrink sets the last leased blocks to -1 and empties their
 slots, a grow leases blocks there again, and the emptied slots lead the LRU order, so a grown
 region fills them first. :func:`replay_adaptive` replays exactly that on a selection trace.
 """
@@ -100,7 +100,7 @@ def replay_adaptive(sets: Sequence[np.ndarray], config: HotSizingConfig,
     references)``).
 
     Slots are ``max_blocks * block_size``; slots of unleased blocks are empty, never taken, and
-    lead the LRU order (DESIGN.md §4.1). Raises ValueError when a step selects more positions
+    lead the LRU order (docs/design.md, "Op contracts", `resolve`). Raises ValueError when a step selects more positions
     than the leased slots (``min_blocks`` too small for the trace).
     """
     bs = config.block_size

@@ -1,8 +1,8 @@
 """P/D imports: host blocks handed to an external writer, then activation.
 
 An import fills an empty request from outside (a prefill instance's KV, read over the
-network): :meth:`Imports.begin` hands out host blocks for every page, the writer fills
-them, and :meth:`Imports.finish` makes them host-valid and activates the request (NONE),
+network): :meth:`ImportLedger.begin` hands out host blocks for every page, the writer fills
+them, and :meth:`ImportLedger.finish` makes them host-valid and activates the request (NONE),
 or gives everything back when the transfer failed.
 
 With the engine's tail blocks (``tail_device_blocks``: the engine allocated the last
@@ -24,7 +24,7 @@ from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 
-class Imports(PolicyPart):
+class ImportLedger(PolicyPart):
     """``begin_import`` / ``finish_import`` of :class:`~vllm_hisparse.core.policy.ResidencyPolicy`."""
 
     def begin(self, req: Request, num_tokens: int, tail_device_blocks: Sequence[int] | None) -> list[int]:

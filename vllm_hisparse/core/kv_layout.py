@@ -10,7 +10,7 @@ indexer layers contiguously into the groups that minimise that cost, with at mos
 ``max_groups`` groups: each group is one more block table and one more manager call per
 request and step in vLLM's scheduler.
 
-The planner (``vllm.kv_planning``) splits a real model's layer specs with it;
+The planner (``vllm.setup.kv_planner``) splits a real model's layer specs with it;
 :func:`geometry_split` splits a :class:`~vllm_hisparse.core.capacity.ModelGeometry`
 (``vllm-hisparse plan``), so both size the pool the same way.
 """

@@ -39,7 +39,7 @@ from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
 from vllm_hisparse.core.hot_regions import HotRegionSizer
-from vllm_hisparse.core.imports import Imports
+from vllm_hisparse.core.imports import ImportLedger
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
@@ -86,7 +86,7 @@ class ResidencyPolicy:
                                                  self._leases, self._planner, device_pool, self.stats)
         self._prefixes = HostPrefixes(config.max_pages_per_request, self.tables, self._requests, self._steps,
                                       self._planner, host_pool, self.stats)
-        self._imports = Imports(config, self.tables, self._requests, self._steps, self._leases,
+        self._imports = ImportLedger(config, self.tables, self._requests, self._steps, self._leases,
                                 device_pool, host_pool, self.stats)
         self._hot_sizer = (None if config.hot_sizing is None else HotRegionSizer(
             config.hot_sizing, self._requests, self._leases, device_pool))

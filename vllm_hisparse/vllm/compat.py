@@ -6,9 +6,10 @@ function or constant below, so an upgrade touches one file and
 ``tests/vllm/test_compat.py`` / ``tests/vllm/test_compat_worker.py`` (which check every name
 and signature relied on here) say exactly what moved.
 
-Only accessors live here. The runtime patches this package applies to vLLM (six, each
-replacing one vLLM attribute) are in ``vllm_hisparse/vllm/patches/``, one table with
-install / installed / remove for each.
+Only accessors live here. The runtime patches this package applies to vLLM (each replacing
+one vLLM attribute) are in ``vllm_hisparse/vllm/patches/``, one table (``patches.PATCHES``)
+with install / installed / remove for each; the other writes to vLLM objects made through
+this module are listed in docs/vllm-integration.md, "Other changes to vLLM's objects".
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def multi_connector_types() -> tuple[type, type, type]:
 
 # ======================================================================================
 # Worker side: KV allocation, forward context and the sparse-MLA index group
-# (used by the worker role: worker_side.py, attention_hook.py, patches/;
+# (used by the worker role: worker_side/role.py, worker_side/read_path.py, patches/;
 #  existence checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
@@ -416,7 +417,7 @@ def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
 # ======================================================================================
 # Worker side (2): sparse-MLA backends' direct logical->physical conversions and the
 # per-step attention metadata.
-# (used by the worker role: worker_side.py, attention_hook.py, patches/;
+# (used by the worker role: worker_side/role.py, worker_side/read_path.py, patches/;
 #  existence and signature checks in tests/vllm/test_compat_worker.py)
 # ======================================================================================
 
@@ -483,7 +484,7 @@ def forward_context_attn_metadata() -> Any:
 
 # --------------------------------------------------------------------------------------
 # Parallel layout: whether the tensor-parallel ranks of a replica can share one host pool
-# (vllm_hisparse/vllm/host_sharing.py). Checked by
+# (vllm_hisparse/vllm/setup/host_sharing.py). Checked by
 # tests/vllm/test_compat.py::test_parallel_layout_accessors.
 # --------------------------------------------------------------------------------------
 
@@ -526,7 +527,7 @@ def tensor_parallel_rank(vllm_config: VllmConfig) -> int:
 
 
 # --------------------------------------------------------------------------------------
-# Config time (vllm_hisparse/vllm/engine_checks.py). Checked by
+# Config time (vllm_hisparse/vllm/setup/engine_checks.py). Checked by
 # tests/vllm/test_compat.py::test_config_time_accessors.
 # --------------------------------------------------------------------------------------
 
@@ -602,7 +603,7 @@ SIMULATOR_INTERNALS = (
 
 
 # ======================================================================================
-# P/D decode consumer: vLLM's NixlConnector protocol (used by kv_import.py and
+# P/D decode consumer: vLLM's NixlConnector protocol (used by pd/landings.py and
 # nixl_transport.py; checked in tests/vllm/test_compat.py)
 # ======================================================================================
 

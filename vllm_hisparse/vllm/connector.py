@@ -5,8 +5,8 @@ The class is what vLLM's factory resolves for ``"kv_connector":
 (``SupportsHMA``, the required KV layout). Construction validates the configuration
 in both roles, then builds the role's implementation:
 
-* scheduler role → :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`;
-* worker role → ``vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`` (imported lazily,
+* scheduler role → :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`;
+* worker role → ``vllm_hisparse.vllm.worker_side.role.WorkerRole`` (imported lazily,
   so the scheduler process never imports the worker stack).
 
 Every connector method is a two-line delegation to the role that owns it.
@@ -23,13 +23,14 @@ from vllm_hisparse.vllm.compat import (
     SupportsHMA,
     VllmConfig,
 )
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, resolve_config
-from vllm_hisparse.vllm.kv_planning import sparse_group_ids
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.engine_checks import resolve_config
+from vllm_hisparse.vllm.setup.kv_plan import sparse_group_ids
 from vllm_hisparse.vllm.metrics import HiSparseConnectorStats, HiSparsePromMetrics
-from vllm_hisparse.vllm.offloading_scope import check_offloading_scope
+from vllm_hisparse.vllm.setup.offloading_scope import check_offloading_scope
 
 if TYPE_CHECKING:
-    from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
+    from vllm_hisparse.vllm.scheduler_side.role import SchedulerRole
 
 #: Physical KV layout the split needs: groups of different page sizes share one
 #: pool only when the block is the outermost dimension.
@@ -67,16 +68,16 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         sparse_group_ids(kv_cache_config)  # the planner split must have run
         check_offloading_scope(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
-        self._scheduler: HiSparseSchedulerRole | None = None
+        self._scheduler: SchedulerRole | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_hisparse.vllm.scheduler_side import HiSparseSchedulerRole
+            from vllm_hisparse.vllm.scheduler_side.role import SchedulerRole
 
-            self._scheduler = HiSparseSchedulerRole(vllm_config, self.hisparse_config, kv_cache_config)
+            self._scheduler = SchedulerRole(vllm_config, self.hisparse_config, kv_cache_config)
         else:
-            from vllm_hisparse.vllm.worker_side import HiSparseWorkerRole
+            from vllm_hisparse.vllm.worker_side.role import WorkerRole
 
-            self._worker = HiSparseWorkerRole(vllm_config, self.hisparse_config, kv_cache_config)
+            self._worker = WorkerRole(vllm_config, self.hisparse_config, kv_cache_config)
 
     # ------------------------------------------------------------------ scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -117,13 +118,13 @@ class HiSparseResidencyConnector(KVConnectorBase_V1, SupportsHMA):
         return HiSparseConnectorStats.from_worker(self._worker.get_stats())
 
     @property
-    def scheduler_role(self) -> HiSparseSchedulerRole:
+    def scheduler_role(self) -> SchedulerRole:
         """The scheduler-role implementation (tests and tools)."""
         return self._scheduler
 
     @property
     def worker_role(self) -> Any:
-        """The worker-role implementation, ``HiSparseWorkerRole`` (tests and tools)."""
+        """The worker-role implementation, ``WorkerRole`` (tests and tools)."""
         return self._worker
 
     # ------------------------------------------------------------------ worker role

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vllm_hisparse.core.commands import StepCommand, WorkerAcks
 from vllm_hisparse.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportOrder
+from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportOrder
 
 
 @dataclass
@@ -39,7 +39,7 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     """The step's command for every worker.
 
     ``command`` names a page's device block by its *lead* block: the block of the first
-    sparse-MLA KV cache group. With several sparse groups (``kv_planning`` splits a
+    sparse-MLA KV cache group. With several sparse groups (``kv_planner`` splits a
     DSA model's sparse layers into up to 8), ``bundles`` gives, for every lead block the
     command mentions, the block of each sparse group in group order (empty with one
     sparse group: the lead block is the only one). ``new_rows`` maps the requests the
@@ -54,7 +54,7 @@ class HiSparseConnectorMetadata(KVConnectorMetadata):
     #: RESTORE id -> the request whose host-prefix hit it loads (an asynchronous load:
     #: the worker reports the request in ``finished_recving`` / ``failed_recving``).
     load_requests: dict[int, str] = field(default_factory=dict)
-    #: P/D imports that start this step (``kv_import``): every worker reads its share and
+    #: P/D imports that start this step (``pd/landings.py``): every worker reads its share and
     #: reports the request in ``finished_recving``.
     imports: list[ImportOrder] = field(default_factory=list)
     #: Prefill leases to renew now (P/D requests waiting here or being read).

@@ -1,7 +1,7 @@
 """Connector statistics (``KVConnectorStats``) and their Prometheus metrics.
 
 Both roles report :class:`HiSparseConnectorStats`: the scheduler role its counters and
-gauges, the worker role its data-plane counters (``worker_stats.HiSparseWorkerStats``,
+gauges, the worker role its data-plane counters (:class:`HiSparseWorkerStats`,
 converted by :meth:`HiSparseConnectorStats.from_worker`), because vLLM folds the workers'
 report into the scheduler's (``Scheduler.update_from_output``: ``worker_stats.aggregate(
 scheduler_stats)``) and, inside ``MultiConnector``, asserts that both have one type. Two kinds
@@ -28,9 +28,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hisparse.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, VllmConfig
-from vllm_hisparse.vllm.worker_stats import COUNTER_KEYS as WORKER_COUNTER_KEYS
-from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+from vllm_hisparse.vllm.compat import KVConnectorPromMetrics, KVConnectorStats, VllmConfig, create_metric_per_engine
+
+#: What each worker reports since its previous report, in vLLM's ``KVConnectorStats``
+#: shape. Every value is an integer count that adds up across workers (tensor-parallel
+#: ranks) and across reports, so :meth:`HiSparseWorkerStats.aggregate` sums and
+#: :meth:`HiSparseWorkerStats.reduce` adds the hit rate.
+#:
+#: | key | meaning |
+#: |---|---|
+#: | ``resident`` | distinct selected positions read from a resident page |
+#: | ``hot_hits`` | distinct host-backed selections already in the hot region |
+#: | ``misses`` | distinct host-backed selections copied from the host pool |
+#: | ``bytes_to_host`` | spill + mirror bytes, device → host (all layers) |
+#: | ``bytes_to_device`` | restore bytes, host → device (all layers) |
+#: | ``gather_bytes`` | miss-gather bytes, host → device (all layers of every index group) |
+#: | ``steps`` | step commands applied |
+#: | ``failed_transfers`` | transfers reported failed |
+WORKER_COUNTERS = ("resident", "hot_hits", "misses", "bytes_to_host", "bytes_to_device",
+                   "gather_bytes", "steps", "failed_transfers")
+
 
 #: The residency policy's monotonic counters (``core.stats.PolicyStats`` field) the scheduler
 #: role reports as deltas, under their stats key.
@@ -73,10 +90,6 @@ GAUGES = (
     "num_pending_transfers",
     "num_mixed_requests",
 )
-
-#: Worker-side counters (``worker_stats.COUNTER_KEYS``), summed over the workers of an
-#: engine (its tensor-parallel ranks) and over reports.
-WORKER_COUNTERS = WORKER_COUNTER_KEYS
 
 #: The prefix of every metric name.
 PREFIX = "vllm:hisparse_residency_"
@@ -232,8 +245,6 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        from vllm_hisparse.vllm.compat import create_metric_per_engine
-
         self._metrics: dict[str, tuple[str, dict[int, Any]]] = {}
         for key, (name, kind, doc) in PROMETHEUS_METRICS.items():
             cls = self._counter_cls if kind == "counter" else self._gauge_cls
@@ -251,3 +262,47 @@ class HiSparsePromMetrics(KVConnectorPromMetrics):
                     per_engine[engine_idx].inc(value)
             else:
                 per_engine[engine_idx].set(value)
+
+
+@dataclass
+class HiSparseWorkerStats(KVConnectorStats):
+    """Counters of one or more workers (``data`` maps every key of ``WORKER_COUNTERS`` to an int)."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.data) - set(WORKER_COUNTERS)
+        if unknown:
+            raise ValueError(f"HiSparseWorkerStats: unknown counters {sorted(unknown)}; "
+                             f"accepted: {', '.join(WORKER_COUNTERS)}")
+        for key in WORKER_COUNTERS:
+            self.data[key] = int(self.data.get(key, 0))
+
+    def add(self, **counts: int) -> None:
+        """Add to named counters (unknown names raise)."""
+        for key, value in counts.items():
+            if key not in self.data:
+                raise ValueError(f"HiSparseWorkerStats: unknown counter {key!r}; accepted: "
+                                 f"{', '.join(WORKER_COUNTERS)}")
+            self.data[key] += int(value)
+
+    def reset(self) -> None:
+        for key in WORKER_COUNTERS:
+            self.data[key] = 0
+
+    def aggregate(self, other: KVConnectorStats) -> "HiSparseWorkerStats":
+        """Sum ``other``'s counters into this object (vLLM's aggregation contract)."""
+        if not isinstance(other, HiSparseWorkerStats):
+            raise TypeError(f"HiSparseWorkerStats.aggregate: cannot add "
+                            f"{type(other).__name__}")
+        for key in WORKER_COUNTERS:
+            self.data[key] += other.data[key]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The counters plus the hot hit rate over host-backed selections (0 when none)."""
+        out: dict[str, int | float] = dict(self.data)
+        host_backed = self.data["hot_hits"] + self.data["misses"]
+        out["hot_hit_rate"] = self.data["hot_hits"] / host_backed if host_backed else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[key] for key in WORKER_COUNTERS)

@@ -35,14 +35,14 @@ import logging
 
 import vllm_hisparse
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.config import (
+from vllm_hisparse.vllm.setup.config import (
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     is_connector_configured,
-    resolve_config,
 )
-from vllm_hisparse.vllm.engine_checks import check_after_vllm, check_before_vllm
-from vllm_hisparse.vllm.kv_planning import engine_capacity_report, select_builder
+from vllm_hisparse.vllm.setup.capacity_report import engine_capacity_report
+from vllm_hisparse.vllm.setup.engine_checks import check_after_vllm, check_before_vllm, resolve_config
+from vllm_hisparse.vllm.setup.kv_planner import select_builder
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _check_config(vllm_config) -> None:
 
 def _max_concurrency(vllm_config, kv_cache_config) -> float | None:
     """What vLLM's "Maximum concurrency" line reports for our configs: the startup
-    capacity report's steady state (``kv_planning.engine_capacity_report``); None keeps
+    capacity report's steady state (``capacity_report.engine_capacity_report``); None keeps
     vLLM's figure for every other config."""
     if not is_connector_configured(vllm_config):
         return None

@@ -37,37 +37,28 @@ from vllm_hisparse.worker.hot_counts import RowHotCounts
 #: event per follower layer). ``"single"``: every layer in one launch on the current stream.
 GATHER_MODES = ("side", "single")
 #: ``"side"``: the followers' transfers run under the compute of the layers before them. It
-#: pays only with the side launches kept to a few SMs (:data:`DEFAULT_SIDE_MAX_CTAS`); on
-#: the H200 decode-capacity benchmark (docs/benchmarks.md, "Decode capacity") it took the
-#: 32K step from 7.6 to 6.0 ms, and it is a single launch for an index group of one layer.
+#: pays only with the side launches kept to a few SMs (:data:`DEFAULT_SIDE_MAX_CTAS`), and it
+#: is a single launch for an index group of one layer. The measured figures behind this and
+#: the four side-mode defaults below: docs/benchmarks.md, "Side-stream gather defaults".
 DEFAULT_GATHER_MODE = "side"
 #: Launch schedule of side mode (see :func:`fit_chunks`): the leader with its first follower
-#: on the current stream, then followers in launches of 2, 4, 8, ... layers. A launch of one
-#: layer reads a position-major host pool at ~19 GB/s (one 4 KiB host page per row: the
-#: translation limit, docs/kernels.md "Host pool layout"), two adjacent layers at nearly
-#: the same time per position, so the leader alone is no sooner ready than leader + one
-#: follower (measured: (1, 1, 2, 4) took 0.7-0.8 ms more per step than (2, 2, 4) at 32K).
+#: on the current stream, then followers in launches of 2, 4, 8, ... layers. One layer alone
+#: reads a position-major host pool at the host-page translation limit (docs/kernels.md,
+#: "Host pool layout") and two adjacent layers take nearly the same time per position, so the
+#: leader alone is no sooner ready than leader + one follower.
 DEFAULT_SIDE_CHUNKS: tuple[int, ...] = (PREFETCH_FIRST_LAUNCH_LAYERS, 2, 4, 8, 16, 32, 64)
 #: Grid cap of the side-stream launches, in CTAs per SM (0 = the gather kernel's default, 4).
-#: The gather kernel's CTAs stride over the whole plan and stay resident until it is done;
-#: at 4 per SM (70 registers x 256 threads each) they hold nearly the whole register file,
-#: which the compute kernels they should overlap with need. One per SM still keeps ~2.8 MB of
-#: reads in flight, far more than the PCIe link needs (docs/kernels.md: 1-8 CTAs per SM
-#: gather within +-2 GB/s of each other). Measured step times: within noise of 2 or 4.
+#: The gather kernel's CTAs stride over the whole plan and stay resident until it is done; at
+#: 4 per SM they hold nearly the whole register file, which the compute kernels they should
+#: overlap with need. One per SM still keeps far more reads in flight than the PCIe link needs.
 DEFAULT_SIDE_CTAS_PER_SM = 1
 #: CUDA priority of the side stream (lower = higher; the compute stream is 0): pending side
-#: work gets freed SM slots before pending compute blocks. Measured: with no misses (4K) the
-#: empty side launches cost 0.06 ms per step instead of 0.36 ms; at 32K within noise.
+#: work gets freed SM slots before pending compute blocks.
 DEFAULT_SIDE_PRIORITY = -1
 #: Cap on the whole grid of a side-stream launch, in CTAs (0 = none, ``side_ctas_per_sm``
-#: alone decides). A gather CTA keeps dozens of ~2 µs host loads in flight; spread over
-#: every SM, those loads hold the memory pipeline that the compute kernels beside them need,
-#: and the compute slowed by as much as the gather hid (measured with
-#: ``vllm-hisparse bench capacity --trace``: 2.3 ms of gather ran hidden, the other kernels took
-#: 2.0 ms longer). 16 CTAs (8 warps, 4 rows each: ~340 KB in flight) still keep the PCIe
-#: link nearly busy (the side gathers took 3.5 ms instead of 3.3) and leave 116 SMs to the
-#: compute: step 7.6 → 6.0 ms at 32K. Measured on the H200 (132 SMs, PCIe Gen5): 8 CTAs
-#: 6.1 ms, 32 6.4, 64 7.0, uncapped 7.6.
+#: alone decides). A gather CTA keeps dozens of host loads in flight; spread over every SM,
+#: those loads hold the memory pipeline the compute kernels beside them need, and the
+#: compute slows by as much as the gather hid. A few CTAs still keep the PCIe link nearly busy.
 DEFAULT_SIDE_MAX_CTAS = 16
 
 

@@ -7,7 +7,7 @@ harness also runs on CPU, where tests use it).
 A decode step as vLLM's FULL-graph path runs it (``cudagraph_mode`` ``FULL_AND_PIECEWISE``,
 vLLM's default): a batch padded to the graph's size (padding tokens map to batch row 0, as
 vLLM maps them), and per layer the index group's top-k conversion through the residency hook
-(``attention_hook.hooked_conversion``, on a stand-in index group whose own conversion is the
+(``read_path.hooked_conversion``, on a stand-in index group whose own conversion is the
 pure-torch twin of vLLM's), compaction included, then a stand-in sparse attention read of the
 K rows of every token. Every input lives in a fixed buffer; each step writes its values there
 and opens the worker's :class:`StepView` (``begin``), as ``start_load_kv`` does. Requests keep
@@ -34,10 +34,10 @@ import torch
 
 from vllm_hisparse.cli.args import CliParser, nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_json
-from vllm_hisparse.vllm.attention_hook import (BINDING_ATTR, IndexGroupResidency, StepView,
+from vllm_hisparse.vllm.worker_side.read_path import (BINDING_ATTR, IndexGroupResidency, StepView,
                                               compact_valid_to_front, hooked_conversion,
                                               vllm_reference_conversion)
-from vllm_hisparse.vllm.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import HotState

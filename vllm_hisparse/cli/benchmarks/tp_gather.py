@@ -14,9 +14,9 @@ launch, captured in a CUDA graph of several launches) from the pool into its own
 2. all ranks at once, released together by a barrier.
 
 It prints per-rank GB/s and the aggregate (every rank's bytes over the window from the first
-start to the last end) next to DESIGN.md §8's figures for one link. PCIe links are per GPU,
-so the aggregate should approach ``ranks x`` one rank alone unless the host side (DRAM, the
-root complex, address translation of the one pool) is the limit. Every rank's gathered rows
+start to the last end) next to the one-link figures of docs/benchmarks.md, "CUDA kernels".
+PCIe links are per GPU, so the aggregate should approach ``ranks x`` one rank alone unless
+the host side (DRAM, the root complex, address translation of the one pool) is the limit. Every rank's gathered rows
 are compared with the pool's bytes (rank r > 0 reads what rank 0 wrote), and each rank's
 host memory is measured (``HostPool.memory_usage``, ``VmRSS``/``RssShmem``): the pool is held
 once however many ranks map it.
@@ -43,7 +43,7 @@ import uuid
 from vllm_hisparse.cli.args import output_path, positive_float, positive_int
 from vllm_hisparse.cli.memory import check_fits_in_memory
 
-#: DESIGN.md §8, measured on the H200 machine (one GPU, PCIe Gen5 x16): GB/s of the GPU
+#: docs/benchmarks.md, "CUDA kernels": measured on the H200 machine (one GPU, PCIe Gen5 x16): GB/s of the GPU
 #: zero-copy gather of scattered rows, by (row bytes, rows per launch).
 DESIGN_GATHER_GBPS = {(656, 2048): 38.0, (656, 16384): 44.0, (1152, 2048): 47.0,
                       (1152, 16384): 50.0}

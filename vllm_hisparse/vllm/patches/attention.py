@@ -66,7 +66,7 @@ TOPK_CONVERSION_HOOK = Patch(
         "table. vLLM's in-tree HiSparseMLAIndexGroup overrides the method, so the wrapper "
         "never runs for it.",
     installed_by="the worker role, when it binds the KV caches",
-    install_args="body (attention_hook.hooked_conversion)",
+    install_args="body (read_path.hooked_conversion)",
     install=_install_topk, installed=_topk_installed, remove=_remove_topk)
 
 
@@ -146,7 +146,7 @@ DIRECT_CONVERSION_ROUTING = Patch(
         "the resolver too. index_group.py's own import of the name is left alone (the group "
         "method has its own patch).",
     installed_by="the worker role, when it binds the KV caches",
-    install_args="body (attention_hook.routed_direct_conversion)",
+    install_args="body (read_path.routed_direct_conversion)",
     install=_install_routing, installed=_routing_installed, remove=_remove_routing)
 
 

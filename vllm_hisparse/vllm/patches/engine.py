@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator, lockstep_groups
 from vllm_hisparse.vllm.patches.record import ORIGINAL, Patch, is_ours, marked
 
 
@@ -81,16 +82,12 @@ _LOCKSTEP = "lockstep_coordinator"
 
 
 def _lockstep_installed(coordinator: Any) -> bool:
-    from vllm_hisparse.vllm.lockstep import LockstepCoordinator
-
     return type(coordinator) is LockstepCoordinator
 
 
 def _install_lockstep(coordinator: Any) -> bool:
     """Give the scheduler's coordinator object the lockstep class (it adds no state).
     Raises ``ValueError`` unless ``lockstep.lockstep_groups(coordinator)``."""
-    from vllm_hisparse.vllm.lockstep import LockstepCoordinator, lockstep_groups
-
     if _lockstep_installed(coordinator):
         return False
     if not lockstep_groups(coordinator):
@@ -113,7 +110,8 @@ LOCKSTEP_COORDINATOR = Patch(
     why="vLLM runs every per-request manager call once per KV cache group; our plan has six "
         "groups where plain vLLM has one, all full attention with one block size, so a "
         "decode step with nothing to allocate or cache in the first group has nothing in "
-        "any (lockstep.py). Without it vLLM's scheduler step costs 1.8x stock vLLM's.",
+        "any (lockstep.py). Without it vLLM's scheduler step nearly doubles (docs/benchmarks.md, "
+        "\"Scheduler cost against stock vLLM\").",
     installed_by="the scheduler role, when it binds the KV cache manager, if every group "
                  "moves in lockstep (lockstep.lockstep_groups)",
     install_args="coordinator (KVCacheManager.coordinator)",

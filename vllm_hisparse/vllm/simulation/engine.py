@@ -45,12 +45,12 @@ from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import BINDING_ATTR
 from vllm_hisparse.vllm.compat import (KVConnectorOutput, ModelRunnerOutput, Request, SamplingParams,
                                        StructuredOutputManager, generate_scheduler_kv_cache_config,
                                        get_global_kv_cache_groups, get_kv_cache_configs,
                                        get_request_block_hasher, init_none_hash, sha256)
-from vllm_hisparse.vllm.kv_planning import host_page_bytes
+from vllm_hisparse.vllm.plugin import register
+from vllm_hisparse.vllm.setup.kv_plan import host_page_bytes, indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
 from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, kv_transfer_config, make_vllm_config, write_model_dir
 from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
@@ -60,6 +60,7 @@ from vllm_hisparse.vllm.simulation.scored_indexer import decodes_first
 from vllm_hisparse.vllm.simulation.spec import (SAMPLED_TOKEN, RequestPlan, SimulationSpec, make_workload,
                                                 prompt_token_ids, token_ids)
 from vllm_hisparse.vllm.simulation.synthetic_attention import BatchEntry, RequestState, SyntheticModel, cpu_direct_twin
+from vllm_hisparse.vllm.worker_side.read_path import BINDING_ATTR
 
 __all__ = ["SimulationEngine", "SimulationFailure", "SimulationMismatch", "SimulationSpec"]
 
@@ -127,8 +128,6 @@ class SimulationEngine:
         self.model_dir = write_model_dir(Path(workdir) / "dsa-tiny", index_topk=spec.top_k,
                                          num_hidden_layers=spec.num_layers,
                                          max_position_embeddings=spec.max_model_len)
-        from vllm_hisparse.vllm.plugin import register
-
         register()  # what vLLM's plugin loader does in every process
 
     def close(self) -> None:
@@ -177,8 +176,6 @@ class SimulationEngine:
         allocation every KV cache group overlays),
         ``num_groups``, ``num_sparse_groups``, ``num_indexer_groups`` and
         ``host_block_bytes`` (one page of every sparse-MLA and indexer layer)."""
-        from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
-
         # Enough blocks for vLLM's max_model_len check whatever spec.device_blocks says.
         blocks = 16 * cdiv(self.spec.max_model_len, self.spec.block_size)
         full, _ = self._plan(self._config(self.spec.host_pool_gib or _probe_host_gib()), blocks)

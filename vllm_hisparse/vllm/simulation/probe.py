@@ -33,7 +33,7 @@ class ProbeRun:
             layer name -> (KV cache group, model layer, flat row view, block stride)).
         bindings: the attention hook's ``IndexGroupResidency`` of every index unit, in
             layer order (empty without the connector).
-        worker_role: the connector's ``HiSparseWorkerRole`` (its ``host_pool``, lanes), or
+        worker_role: the connector's ``WorkerRole`` (its ``host_pool``, lanes), or
             None without the connector.
         scheduler: the run's vLLM ``Scheduler`` (its ``running`` requests).
     """

@@ -9,7 +9,7 @@ same inside one process:
 * rank r gets its own copy of the ``VllmConfig`` (pickled, ``parallel_config.rank = r``, as
   vLLM ships the config to each worker), its own KV tensors on ``cuda:r`` (``cpu`` on a CPU
   run), synthetic model (ground truth, top-k generators) and worker role. The host-pool
-  sharing decision (``vllm/host_sharing.py``) is taken from that config: the ranks map ONE
+  sharing decision (``vllm/setup/host_sharing.py``) is taken from that config: the ranks map ONE
   named shared segment, rank 0 creates and writes it, the others map it read-only
   (``VLLM_HISPARSE_SHARED_HOST_POOL=0``: one private pool per rank);
 * each rank runs in a thread of its own, so its current CUDA device, vLLM's current stream

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm.worker_side.read_path import (
     compact_valid_to_front,
     finish_conversion,
     vllm_reference_conversion,
 )
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import (INDEXER_LAYER_BASE, GroundTruth,
                                                         SimulationFailure)
 from vllm_hisparse.vllm.simulation.scored_indexer import (DecodeLogits, RequestScores,
@@ -98,13 +98,19 @@ def cpu_direct_conversion(req_id, block_table, token_indices, BLOCK_SIZE=64,
                           return_valid_counts=False, out=None, valid_counts_out=None,
                           idx_mapping=None):
     """Pure-torch twin of vLLM's ``triton_convert_req_index_to_global_index``
-    (``sparse_utils.py:493``, same signature) for CPU runs, where Triton cannot run. The
-    prefill workspace, DCP and ``idx_mapping`` are not needed by the simulator."""
-    if HAS_PREFILL_WORKSPACE or dcp_size != 1 or idx_mapping is not None:
-        raise NotImplementedError("cpu_direct_conversion: prefill workspace, DCP and "
-                                  "idx_mapping are not simulated")
+    (``sparse_utils.py:493``, same signature) for CPU runs, where Triton cannot run. With
+    ``HAS_PREFILL_WORKSPACE``, a token of a workspace request (``prefill_workspace_request_ids``
+    ``>= 0``) gets its request's ``prefill_workspace_starts`` entry plus the logical index
+    (-1 stays -1), as vLLM's kernel gives it. DCP and ``idx_mapping`` are not simulated."""
+    if dcp_size != 1 or idx_mapping is not None:
+        raise NotImplementedError("cpu_direct_conversion: DCP and idx_mapping are not simulated")
     rows = vllm_reference_conversion(req_id, block_table, token_indices, BLOCK_SIZE,
                                      BLOCK_STRIDE_ROWS)
+    if HAS_PREFILL_WORKSPACE:
+        ws = prefill_workspace_request_ids[: token_indices.shape[0]].to(torch.int64)
+        start = prefill_workspace_starts.to(torch.int64)[ws.clamp(0)][:, None]
+        offsets = torch.where(token_indices >= 0, start + token_indices, -1).to(torch.int32)
+        rows = torch.where((ws >= 0)[:, None], offsets, rows)
     result = compact_valid_to_front(rows) if return_valid_counts else rows
     return finish_conversion(result, return_valid_counts, out, valid_counts_out)
 

@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse import ops
-from vllm_hisparse.vllm.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
                                             GroupGather, HotState)

@@ -1,7 +1,7 @@
 """``core.DevicePool`` over vLLM's ``BlockPool``: one policy block = one block per sparse group.
 
 The core policy thinks in *pages*: one device block per page. vLLM plans a DSA model's
-sparse-MLA layers into ``G`` groups (``kv_planning``), and every group holds its own
+sparse-MLA layers into ``G`` groups (``kv_planner``), and every group holds its own
 block for every page, all drawn from the one shared ``BlockPool``. A page of the policy
 is therefore a **bundle** of ``G`` vLLM blocks, one per sparse group, and the bundle
 moves as a whole: released together, re-pinned together, lost together.

@@ -1,11 +1,12 @@
 """Groups that move in lockstep: one KV cache group's answer stands for all of them.
 
-Our plan splits a DSA model's layers into several KV cache groups (``kv_planning``: five
+Our plan splits a DSA model's layers into several KV cache groups (``kv_planner``: five
 sparse-MLA groups and one indexer group for DeepSeek-V3.2) where vLLM's default planner
 makes one. vLLM's ``KVCacheCoordinator`` then runs every per-request, per-step manager
 call once per group (``for manager in single_type_managers``): at 256 running requests
-that loop, not the work inside it, made vLLM's own ``schedule()`` + ``update_from_output()``
-1.8x stock vLLM's instructions.
+that loop, not the work inside it, nearly doubled vLLM's own ``schedule()`` +
+``update_from_output()`` (docs/benchmarks.md, "Scheduler cost against stock vLLM", has the
+figures).
 
 The groups of our plan are all full attention with one block size, and vLLM allocates,
 caches and frees them together, so every request holds the same number of blocks in each

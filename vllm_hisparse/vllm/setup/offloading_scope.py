@@ -30,8 +30,13 @@ from __future__ import annotations
 import logging
 
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError, HiSparseResidencyConfig
-from vllm_hisparse.vllm.connector_entries import connector_entries
+from vllm_hisparse.vllm.setup.config import (
+    CONNECTOR_NAME,
+    HiSparseConfigError,
+    HiSparseResidencyConfig,
+)
+from vllm_hisparse.vllm.setup.connector_entries import connector_entries
+from vllm_hisparse.vllm.setup.kv_plan import planned_host_blocks, sparse_group_ids
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +62,6 @@ def offloaded_group_ids(kv_cache_config: compat.KVCacheConfig) -> tuple[int, ...
     """The groups OffloadingConnector should offload: every group but the sparse-MLA ones
     (indexer groups, draft/MTP groups). A group it does not offload bounds its loads and
     must keep its cached blocks for them, which only the sparse groups' manager does."""
-    from vllm_hisparse.vllm.kv_planning import sparse_group_ids
-
     sparse = set(sparse_group_ids(kv_cache_config))
     return tuple(g for g in range(len(kv_cache_config.kv_cache_groups)) if g not in sparse)
 
@@ -69,8 +72,6 @@ def scope_planned_config(vllm_config: compat.VllmConfig, kv_cache_config: compat
     publish our host pool's size, when the two are composed (no-op otherwise)."""
     if not offloading_composed(vllm_config):
         return
-    from vllm_hisparse.vllm.kv_planning import planned_host_blocks
-
     # No fit check: vLLM also places probes here before auto-fit shortens max_model_len;
     # both roles check the fit at construction.
     host_blocks = planned_host_blocks(vllm_config, kv_cache_config, config, check_one_request=False)

@@ -12,7 +12,7 @@ role votes them per (transfer, worker) with the one vote of the package
   with :class:`~vllm_hisparse.core.ack_vote.WorkerSilentError` naming the silent workers
   (docs/core.md, "Failure semantics").
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`.
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from vllm_hisparse.core.ack_vote import AckVote, WorkerSilentError
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata
 
 logger = logging.getLogger(__name__)

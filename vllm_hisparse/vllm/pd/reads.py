@@ -1,6 +1,6 @@
-"""P/D decode consumer, worker side: the reads of an import (``kv_import``).
+"""P/D decode consumer, worker side: the reads of an import (``pd/landings.py``).
 
-For each :class:`~vllm_hisparse.vllm.import_order.ImportOrder`, every worker of the
+For each :class:`~vllm_hisparse.vllm.pd.import_order.ImportOrder`, every worker of the
 decode replica:
 
 1. loads the registration of the prefill worker it reads from (vLLM's side channel, on a
@@ -41,17 +41,20 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder
-from vllm_hisparse.vllm.nixl_transport import ImportTransferError, NixlTransport, RemoteAgent
-from vllm_hisparse.vllm.prefill_agents import PrefillAgents, agent_key
-from vllm_hisparse.vllm.transfer_params import InvalidTransferParams, check_registered_blocks
+from vllm_hisparse.vllm import compat
+from vllm_hisparse.vllm.pd.composition import pd_composition
+from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportAction, ImportOrder
+from vllm_hisparse.vllm.pd.nixl_transport import ImportTransferError, NixlTransport, RemoteAgent
+from vllm_hisparse.vllm.pd.prefill_agents import PrefillAgents, agent_key
+from vllm_hisparse.vllm.pd.transfer_params import InvalidTransferParams, check_registered_blocks
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.worker import TransferEngine
 
 logger = logging.getLogger("vllm_hisparse.vllm")
@@ -480,16 +483,13 @@ class KVImporter:
                    for agent in imp.agents.values())
 
 
-class WorkerImports:
+class PDReads:
     """The worker role's share of P/D host landings: a mixin of
-    :class:`~vllm_hisparse.vllm.worker_side.HiSparseWorkerRole` (``_init_imports`` from its
+    :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole` (``_init_imports`` from its
     constructor, ``_bind_importer`` once the KV caches are bound, ``_submit_imports`` at
     ``start_load_kv``, ``_poll_imports`` with the transfer results)."""
 
     def _init_imports(self, vllm_config: Any) -> None:
-        from vllm_hisparse.vllm import compat
-        from vllm_hisparse.vllm.kv_import import pd_composition
-
         # Called from the constructor: the composing MultiConnector is on the stack.
         self.pd = pd_composition(compat.composing_kv_transfer_config(vllm_config))
         self.importer: KVImporter | None = None
@@ -498,10 +498,6 @@ class WorkerImports:
         """Build this worker's importer when the composition lands imports in the host tier."""
         if not self.pd.enabled:
             return
-        import uuid
-
-        from vllm_hisparse.vllm import compat
-
         extra = self.pd.nixl_extra_config
         _, _, _, compat_hash = compat.nixl_handshake_types()
         enforce = bool(extra.get("enforce_handshake_compat", True))

@@ -11,7 +11,7 @@ each row's threshold and class width (:func:`worker.score_classes.threshold_and_
 output buffer may be rewritten after the call, in the padded speculative-decoding layout).
 
 The leader layer of each bound index group runs its indexer, then its attention, whose top-k
-conversion calls :meth:`ScoreTap.take` (``attention_hook``): the record is handed over once,
+conversion calls :meth:`ScoreTap.take` (``read_path``): the record is handed over once,
 and only to a conversion whose top-k tensor starts where the recorded top-k was written (the
 model's shared ``topk_indices_buffer``); anything else (a prefill-only step, another model's
 indexer) leaves the conversion without scores and its slots in plain LRU order for that

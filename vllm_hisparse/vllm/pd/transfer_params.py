@@ -15,7 +15,7 @@ decode side uses from it is therefore checked, in two places:
   region of its layer, and every layer's group has a block list.
 
 A failed check raises :class:`InvalidTransferParams` naming the field and the problem; the
-request is then refused alone (``kv_import``: a ``REFUSE`` order, reported in
+request is then refused alone (``pd/landings.py``: a ``REFUSE`` order, reported in
 ``failed_recving``, so vLLM fails or recomputes it as ``kv_load_failure_policy`` says), and
 nothing is contacted on its behalf.
 """
@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm.import_order import RemotePrefill
+from vllm_hisparse.vllm.pd.import_order import RemotePrefill
 
 #: The fields an import needs (vLLM's NixlConnector, pull mode, puts them in the params).
 REQUIRED_PARAMS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import dataclasses
 
 from vllm_hisparse.vllm.compat import FullAttentionManager, KVCacheBlock, KVCacheGroupSpec, KVCacheSpecRegistry
-from vllm_hisparse.vllm.kv_planning import is_target_sparse_spec
+from vllm_hisparse.vllm.setup.kv_plan import is_target_sparse_spec
 
 #: ``KVCacheGroupSpec.role`` of a group nobody gave a role.
 _DEFAULT_GROUP_ROLE = {f.name: f for f in dataclasses.fields(KVCacheGroupSpec)}["role"].default
@@ -87,7 +87,7 @@ class ResidencyOwner(Protocol):
 
     def import_null_pages(self, request_id: str, num_external_tokens: int, num_local_tokens: int) -> int:
         """Leading pages of a waiting request to leave null while vLLM allocates its
-        external tokens (a P/D import landing in the host tier: ``kv_import``)."""
+        external tokens (a P/D import landing in the host tier: ``pd/landings.py``)."""
         ...
 
 
@@ -113,7 +113,7 @@ class ResidencyAwareManager(FullAttentionManager):
 
     # ------------------------------------------------------- P/D host landing
     # A request whose imported prefix lands in the host tier gets vLLM's null block for
-    # every sparse page but its tail (``kv_import``). vLLM allocates external tokens with
+    # every sparse page but its tail (``pd/landings.py``). vLLM allocates external tokens with
     # ``allocate_external_computed_blocks`` (rare: overridden here) after sizing the
     # allocation with ``get_num_blocks_to_allocate`` (every request, every step: only
     # shadowed on the instance while a host landing is being offered).

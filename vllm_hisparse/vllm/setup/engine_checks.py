@@ -17,7 +17,7 @@ wraps ``VllmConfig.__post_init__`` and runs the two functions below around vLLM'
   a platform that has it, ``record_trace`` with full CUDA graphs, and the host pool against
   one ``max_model_len`` request.
 
-The engine core checks again when it plans (``config.resolve_config``, ``kv_planning``):
+The engine core checks again when it plans (:func:`resolve_config`, ``kv_planner``):
 that second line costs nothing and catches what only the planned layers tell (layer kinds,
 KV layout, the exact host-block rounding).
 
@@ -34,18 +34,21 @@ from typing import Any
 
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import (
+from vllm_hisparse.vllm.compat import VllmConfig
+from vllm_hisparse.vllm.setup.config import (
     CONNECTOR_NAME,
     MAX_DEVICE_BUFFER_ROWS,
     HiSparseConfigError,
+    HiSparseResidencyConfig,
     check_extra_config,
     find_connector_entry,
+    find_connector_extra_config,
     max_decode_query_len,
     model_top_k,
+    parse_extra_config,
 )
-from vllm_hisparse.vllm.compat import VllmConfig
-from vllm_hisparse.vllm.connector_entries import ConnectorEntry
-from vllm_hisparse.vllm.kv_planning import host_copies_per_replica
+from vllm_hisparse.vllm.setup.connector_entries import ConnectorEntry
+from vllm_hisparse.vllm.setup.kv_plan import host_copies_per_replica
 
 #: KV cache dtypes whose sparse-MLA row size the check knows: the ``fp8_ds_mla`` row
 #: (``auto`` included: the smallest row a DSA backend picks for it) and 16-bit rows.
@@ -117,7 +120,7 @@ def check_runner_and_scheduling(vllm_config: VllmConfig) -> None:
             f"{CONNECTOR_NAME} needs vLLM's Model Runner V2, but this config runs the V1 model "
             f"runner ({why}); accepted: Model Runner V2 (unset VLLM_USE_V2_MODEL_RUNNER or set "
             "it to 1, and drop the options V2 does not support).")
-    # Rejected drafts are rolled back when their step's output arrives (spec_decode.py).
+    # Rejected drafts are rolled back when their step's output arrives (scheduler_side/drafts.py).
     # Under async scheduling the next step is planned before that, and the worker moves
     # its positions on the GPU, so the rows a step writes are unknown when it is planned.
     spec_tokens = max_decode_query_len(vllm_config) - 1
@@ -136,7 +139,7 @@ def envs_v2_runner_off() -> bool:
 
 
 def check_trace_recording(vllm_config: VllmConfig, record_trace: Any) -> None:
-    """Every cudagraph_mode runs (attention_hook.py: a captured forward reads each step's
+    """Every cudagraph_mode runs (worker_side/read_path.py: a captured forward reads each step's
     values from fixed buffers), but the trace recorder reads each step's selections back to
     the host, which a graph replay cannot do."""
     mode = vllm_config.compilation_config.cudagraph_mode
@@ -161,6 +164,25 @@ def check_engine_compatible(vllm_config: VllmConfig) -> None:
         raise hybrid_manager_disabled(
             "remove --disable-hybrid-kv-cache-manager; on a GPU vLLM enables it by default")
     model_top_k(vllm_config)
+
+
+def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
+    """Validate the engine and our extra config; the one entry point for callers."""
+    extra = find_connector_extra_config(vllm_config)
+    if extra is None:
+        raise HiSparseConfigError(
+            f"kv_transfer_config does not name {CONNECTOR_NAME}; accepted: "
+            f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
+        )
+    check_engine_compatible(vllm_config)
+    config = parse_extra_config(
+        extra,
+        top_k=model_top_k(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        max_decode_query_len=max_decode_query_len(vllm_config),
+    )
+    check_trace_recording(vllm_config, config.record_trace)
+    return config
 
 
 # --------------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ changes vLLM state. Two entry points:
   ranges, the host budget against this machine's memory, the shape of a MultiConnector
   entry). The plugin runs it when vLLM builds a ``VllmConfig`` (``patches.CONFIG_CHECK``), so
   ``vllm serve`` fails in the API-server process, before any engine process starts.
-* ``resolve_config(vllm_config)`` is the one parse: the above plus the engine facts
-  (``top_k``, ``block_size``, speculative tokens) and engine compatibility
-  (``engine_checks.py``, which also runs those checks while the ``VllmConfig`` is built).
+* ``engine_checks.resolve_config(vllm_config)`` is the one parse: the above plus the engine
+  facts (``top_k``, ``block_size``, speculative tokens) and engine compatibility (the checks
+  ``engine_checks.py`` also runs while the ``VllmConfig`` is built).
   The planner calls it once per planning and the connector once per role; the roles get
   the result.
 
@@ -32,7 +32,7 @@ from vllm_hisparse.core.capacity import host_memory_limit
 from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import VllmConfig
-from vllm_hisparse.vllm.connector_entries import ConnectorEntry, connector_entries
+from vllm_hisparse.vllm.setup.connector_entries import ConnectorEntry, connector_entries
 # The default grid cap of the followers' copies (its docstring says why 16).
 from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
 
@@ -42,6 +42,9 @@ CONNECTOR_NAME = "HiSparseResidencyConnector"
 
 #: Module the factory imports the connector class from.
 CONNECTOR_MODULE = "vllm_hisparse.connector"
+
+#: Qualified name of our KV cache config builder, which the planner hook hands to vLLM.
+BUILDER_QUALNAME = "vllm_hisparse.vllm.setup.kv_planner.HiSparseKVCacheConfigBuilder"
 
 #: Upper bound on hot rows per request: the resolver keeps a request's slot state
 #: (int32 position + int16 LRU rank per slot) in on-chip shared memory.
@@ -414,7 +417,7 @@ def check_extra_config(vllm_config: VllmConfig) -> None:
     """Validate our extra config without engine facts; a no-op unless it names us.
 
     What the plugin runs while vLLM builds a ``VllmConfig`` (the model's ``index_topk``
-    and the final ``block_size`` may not be known yet; ``resolve_config`` checks the
+    and the final ``block_size`` may not be known yet; ``engine_checks.resolve_config`` checks the
     rest when the engine plans its KV cache)."""
     extra = find_connector_extra_config(vllm_config)
     if extra is not None:
@@ -507,28 +510,6 @@ def max_decode_query_len(vllm_config: VllmConfig) -> int:
     if spec is None:
         return 1
     return 1 + (spec.num_speculative_tokens or 0)
-
-
-def resolve_config(vllm_config: VllmConfig) -> HiSparseResidencyConfig:
-    """Validate the engine and our extra config; the one entry point for callers."""
-    extra = find_connector_extra_config(vllm_config)
-    if extra is None:
-        raise HiSparseConfigError(
-            f"kv_transfer_config does not name {CONNECTOR_NAME}; accepted: "
-            f'"kv_connector": "{CONNECTOR_NAME}" or a MultiConnector child with that name.'
-        )
-    # engine_checks imports this module, hence the import here.
-    from vllm_hisparse.vllm.engine_checks import check_engine_compatible, check_trace_recording
-
-    check_engine_compatible(vllm_config)
-    config = parse_extra_config(
-        extra,
-        top_k=model_top_k(vllm_config),
-        block_size=vllm_config.cache_config.block_size,
-        max_decode_query_len=max_decode_query_len(vllm_config),
-    )
-    check_trace_recording(vllm_config, config.record_trace)
-    return config
 
 
 def _round_up(a: int, b: int) -> int:

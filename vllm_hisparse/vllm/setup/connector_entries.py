@@ -5,7 +5,7 @@ vLLM takes ``kv_connector_extra_config`` as an untyped dict: a MultiConnector en
 and a child may itself be a MultiConnector. :func:`connector_entries` is the one walk over
 that shape; its callers decide what to look for: ``config`` (our entry, strict: a malformed
 shape is a named error), ``offloading_scope`` (is OffloadingConnector composed) and
-``kv_import`` (the order of the top MultiConnector's children).
+``pd/landings.py`` (the order of the top MultiConnector's children).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 vLLM offers each waiting request through the connector's ``get_num_new_matched_tokens``
 (:meth:`AdmissionGate.offer`), then allocates it. The answer never keeps a request waiting
 (``None`` would make vLLM skip it and look up the prefix cache of every request behind it,
-every step; only a P/D request that can land nowhere yet waits, ``kv_import.PDImports.offer``);
+every step; only a P/D request that can land nowhere yet waits, ``pd/landings.py.PDLandings.offer``);
 the gate acts through vLLM's own allocation check instead:
 
 * **device headroom** (docs/vllm-integration.md, "Admission headroom"): before each
@@ -20,7 +20,7 @@ the gate acts through vLLM's own allocation check instead:
 * **host-prefix hit** (``host_prefix_cache``): published pages past vLLM's own hit are
   reported as external tokens, leased in ``update_state_after_alloc``.
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`: it reads
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`: it reads
 the role's requests, prefilling set, device pool and policy.
 """
 

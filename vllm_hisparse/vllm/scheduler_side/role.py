@@ -1,7 +1,7 @@
 """The scheduler role of ``HiSparseResidencyConnector``: core policy ↔ vLLM's scheduler.
 
 The role is one object; its admission gate (``admission``), host-prefix cache
-(``host_prefix_cache``) and ack intake (``scheduler_acks``) live in their own modules
+(``host_prefix_cache``) and ack intake (``scheduler_side/acks.py``) live in their own modules
 as mixins over this state.
 
 Division of labour
@@ -9,7 +9,7 @@ Division of labour
 * **vLLM allocates every page.** The sparse-MLA groups keep vLLM's full-attention
   allocation (admission, chunked prefill, prefix-cache hits, preemption all stay
   vLLM's). A page's blocks (one per sparse group, a *bundle*, see
-  ``device_pool_adapter``) are handed to the core :class:`~vllm_hisparse.core.ResidencyPolicy`
+  ``scheduler_side/block_pool.py``) are handed to the core :class:`~vllm_hisparse.core.ResidencyPolicy`
   the step the page first holds a scheduled token; from then on the policy owns that
   lease.
 * **The policy decides residency.** Under pool pressure (or a chunked prefill past its
@@ -28,7 +28,7 @@ vLLM's blocks through a callback), takes the policy's
 (null blocks), and returns the command as metadata. The one field of
 ``scheduler_output`` it sets is ``has_sync_kv_loads`` (the worker applies the command
 before the forward; docs/vllm-integration.md, "Step order"). ``update_connector_output`` votes the worker acks per (transfer,
-worker) and applies them (``scheduler_acks``). The work is proportional to the scheduled
+worker) and applies them (``scheduler_side/acks.py``). The work is proportional to the scheduled
 requests (one dict walk and a few numpy operations) plus what changed this step.
 
 Requirement R1 (docs/core.md): the policy is told which requests are prefilling (a
@@ -55,24 +55,20 @@ from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.admission import AdmissionGate
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
-from vllm_hisparse.vllm.device_pool_adapter import BlockPoolDevicePool
-from vllm_hisparse.vllm.kv_planning import (
-    engine_capacity_report,
-    format_capacity_table,
-    indexer_group_ids,
-    sparse_group_ids,
-)
-from vllm_hisparse.vllm.host_prefix_cache import HostPrefixCache
-from vllm_hisparse.vllm.kv_import import PDImports
-from vllm_hisparse.vllm.lockstep import lockstep_groups
-from vllm_hisparse.vllm.managers import ResidencyAwareManager, residency_manager_group_ids
+from vllm_hisparse.vllm.scheduler_side.admission import AdmissionGate
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.scheduler_side.block_pool import BlockPoolDevicePool
+from vllm_hisparse.vllm.setup.capacity_report import engine_capacity_report, format_capacity_table
+from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids
+from vllm_hisparse.vllm.scheduler_side.host_prefix import HostPrefixCache
+from vllm_hisparse.vllm.pd.landings import PDLandings
+from vllm_hisparse.vllm.patches.lockstep import lockstep_groups
+from vllm_hisparse.vllm.scheduler_side.managers import ResidencyAwareManager, residency_manager_group_ids
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages
 from vllm_hisparse.vllm.metrics import POLICY_COUNTERS, HiSparseConnectorStats
-from vllm_hisparse.vllm.offloading_scope import describe_scope, is_scoped
-from vllm_hisparse.vllm.scheduler_acks import AckIntake
-from vllm_hisparse.vllm.spec_decode import DraftRollback
+from vllm_hisparse.vllm.setup.offloading_scope import describe_scope, is_scoped
+from vllm_hisparse.vllm.scheduler_side.acks import AckIntake
+from vllm_hisparse.vllm.scheduler_side.drafts import DraftRollback
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +76,7 @@ logger = logging.getLogger(__name__)
 _STATS_EVERY_STEPS = 16
 
 
-class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
+class SchedulerRole(PDLandings, AdmissionGate, HostPrefixCache, AckIntake, DraftRollback):
     """Scheduler side of ``HiSparseResidencyConnector``: owns the host pool, the policy and
     the ack vote (see the module docstring)."""
 
@@ -201,7 +197,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
         self._stats = HiSparseConnectorStats()
         self._policy_stats_seen = {k: 0 for k in POLICY_COUNTERS}
         self.num_preemptions = 0  # lifetime count (tests, tools)
-        self._init_pd_imports(vllm_config)  # P/D decode consumer (kv_import)
+        self._init_pd_imports(vllm_config)  # P/D decode consumer (pd/landings.py)
 
     def _watermarks(self, kv_cache_config, sched, hisparse_config) -> tuple[int, int]:
         """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
@@ -270,7 +266,7 @@ class HiSparseSchedulerRole(PDImports, AdmissionGate, HostPrefixCache, AckIntake
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Finish or abort (not preemption): the free that follows ends it as finished."""
         self._finishing.add(request.request_id)
-        self._pd_finished(request)  # a P/D request aborted while waiting (kv_import)
+        self._pd_finished(request)  # a P/D request aborted while waiting (pd/landings.py)
         return False, None
 
     # ==================================================================== the step

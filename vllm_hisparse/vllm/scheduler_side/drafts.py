@@ -20,7 +20,7 @@ not known when its command is built (``engine_checks.check_runner_and_scheduling
 combination). Cost: nothing without speculative tokens; otherwise one pass over the
 step's scheduled requests (reading ``num_computed_tokens``) and a vectorised rollback.
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`.
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The prefill workers one decode worker knows: side-channel handshakes and the NIXL agents
-they load (P/D imports, ``worker_import``).
+they load (P/D imports, ``pd/reads.py``).
 
 A prefill rank's registration is asked for on its side channel (``query_prefill``, on a
 background thread: it blocks up to the handshake timeout) and loaded into the NIXL agent
@@ -19,9 +19,9 @@ import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
-from vllm_hisparse.vllm.import_order import RemotePrefill
-from vllm_hisparse.vllm.nixl_transport import (
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.pd.import_order import RemotePrefill
+from vllm_hisparse.vllm.pd.nixl_transport import (
     HANDSHAKE_TIMEOUT_S,
     NixlTransport,
     RemoteAgent,

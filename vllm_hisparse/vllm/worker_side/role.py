@@ -1,25 +1,23 @@
 """The worker role of ``HiSparseResidencyConnector``: vLLM KV tensors → the worker data plane.
 
 What it binds (``register_kv_caches``): for every sparse-MLA KV cache group of the plan
-(``kv_planning.sparse_group_ids``), the uint8 **flat row views** of its layers' KV
+(``kv_plan.sparse_group_ids``), the uint8 **flat row views** of its layers' KV
 (``worker.device_rows.flat_row_view`` over the ``[B, 1, N, C]`` views vLLM's
 ``allocate_kv_cache`` made; block-outermost packing puts ``block_stride_rows`` flat rows
 between a layer's blocks). It builds:
 
 * one :class:`~vllm_hisparse.worker.HostPool` holding one page of every sparse-MLA layer per
   host block, sized from ``host_pool_gib`` exactly as the planner and the scheduler size it
-  (``kv_planning.planned_host_blocks``), per data-parallel replica and TP rank;
+  (``kv_plan.planned_host_blocks``), per data-parallel replica and TP rank;
 * per sparse group, a **lane**: a :class:`TransferEngine` over the group's device and host
   layers, one :class:`HotState` per index unit (IndexShare leader + followers share one;
   the lane's HotStates share one residency / host-block table), and a
   :class:`StepExecutor`;
 * the attention-hook bindings of vLLM's index-group objects (when the model is built).
 
-Device block ids on the wire are the page bundle's **lead** block (sparse group 0's block,
-``device_pool_adapter``). Lane ``g`` needs its own group's block: with more than one sparse
-group the command must come with the bundle members (``metadata.bundles``: lead id →
-one block id per sparse group, for every bundle new since the previous step). Ids are then
-scaled to flat-row blocks (``DeviceRowLayout``).
+Device block ids on the wire are the page bundle's **lead** block; each lane rewrites the
+command to its own group's blocks (``lanes.py``) from the bundle members the metadata
+carries (``metadata.bundles``, every bundle new since the previous step).
 
 Per step: ``start_load_kv`` (before the forward: the scheduler role sets
 ``has_sync_kv_loads`` on every step that runs one) applies the
@@ -29,13 +27,12 @@ their rows of the sparse groups' batch block tables, and opens the step for the 
 hook (group method and routed direct conversion sites); the forward reads through the
 hook; ``wait_for_save`` launches the post-forward spills and mirrors;
 ``build_worker_meta`` votes the lanes' acks (``core.ack_vote``) and reports them under
-this worker's rank. Indexer pages and host-prefix loads: ``worker_host_prefix``.
+this worker's rank. Indexer pages and host-prefix loads: ``worker_side/host_prefix.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,8 +42,9 @@ from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.core.units import cdiv
-from vllm_hisparse.vllm import compat, patches, score_tap
-from vllm_hisparse.vllm.attention_hook import (
+from vllm_hisparse.vllm import compat, patches
+from vllm_hisparse.vllm.worker_side import score_tap
+from vllm_hisparse.vllm.worker_side.read_path import (
     BINDING_ATTR,
     IndexGroupResidency,
     StepView,
@@ -54,14 +52,19 @@ from vllm_hisparse.vllm.attention_hook import (
     host_backed_positions,
     routed_direct_conversion,
 )
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseResidencyConfig
-from vllm_hisparse.vllm.host_sharing import plan_host_pool_sharing
-from vllm_hisparse.vllm.kv_planning import indexer_group_ids, planned_host_blocks, sparse_group_ids
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.setup.host_sharing import plan_host_pool_sharing
+from vllm_hisparse.vllm.setup.kv_plan import (
+    indexer_group_ids,
+    planned_host_blocks,
+    sparse_group_ids,
+)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
-from vllm_hisparse.vllm.worker_host_prefix import WorkerHostPrefix
-from vllm_hisparse.vllm.worker_import import WorkerImports
-from vllm_hisparse.vllm.worker_prefill import WorkerPrefillGuard
-from vllm_hisparse.vllm.worker_stats import HiSparseWorkerStats
+from vllm_hisparse.vllm.worker_side.host_prefix import WorkerHostPrefix
+from vllm_hisparse.vllm.worker_side.lanes import Lane
+from vllm_hisparse.vllm.pd.reads import PDReads
+from vllm_hisparse.vllm.worker_side.prefill_guard import WorkerPrefillGuard
+from vllm_hisparse.vllm.metrics import HiSparseWorkerStats
 from vllm_hisparse.worker import HostPool, HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
@@ -80,30 +83,13 @@ def _layer_number(name: str) -> float:
     return float("inf")
 
 
-@dataclass
-class _Lane:
-    """One sparse-MLA KV cache group's share of the data plane."""
-
-    group_id: int
-    sparse_index: int  # position among the sparse groups (0 = the bundle's lead group)
-    layer_names: list[str]
-    units: list[list[int]]  # index units as positions into layer_names, leader first
-    layout: DeviceRowLayout
-    device_layers: list[torch.Tensor]
-    host_layers: list[torch.Tensor]
-    engine: TransferEngine
-    hot_states: list[HotState]
-    executor: StepExecutor
-    bindings: list[IndexGroupResidency] = field(default_factory=list)
-
-
-class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
+class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
     """Worker side of ``HiSparseResidencyConnector`` (see the module docstring).
 
     Args:
         vllm_config: the engine's ``VllmConfig``.
         hisparse_config: the validated connector config.
-        kv_cache_config: the planned KV cache config (split by ``kv_planning``).
+        kv_cache_config: the planned KV cache config (split by ``kv_planner``).
         num_state_rows: rows of the per-request tables; must equal the scheduler-side
             policy's ``max_num_rows`` (default ``max_num_seqs``).
         fail_transfer: fault injection passed to every lane's transfer engine (tests, drills).
@@ -124,7 +110,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.num_state_rows = int(num_state_rows or self.max_num_seqs)
         self.host_num_blocks = planned_host_blocks(vllm_config, kv_cache_config, hisparse_config)
-        # The indexer's decode scores, with score-aware eviction (vllm/score_tap.py).
+        # The indexer's decode scores, with score-aware eviction (vllm/worker_side/score_tap.py).
         self._scores = score_tap.TAP if hisparse_config.hot_region_eviction == "score" else None
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages
@@ -143,7 +129,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._failed_indexer_saves: list[int] = []
         self._pending_acks: list[WorkerAcks] = []
         self.host_pool: HostPool | None = None
-        self.lanes: list[_Lane] = []
+        self.lanes: list[Lane] = []
         self.step_view: StepView | None = None
         # Every transfer runs in each sparse group's executor: one vote over them.
         self._vote = AckVote(len(self.sparse_group_ids), "sparse-group executor")
@@ -171,7 +157,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._row_request: dict[int, str] = {}
         self._step_id = -1
         self._closed = False
-        self._init_imports(vllm_config)  # P/D host landings (worker_import)
+        self._init_imports(vllm_config)  # P/D host landings (pd/reads.py)
 
     # ================================================================== binding
 
@@ -271,7 +257,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         return units
 
     def _build_lane(self, group_id, sparse_index, names, units, layout, views, host_layers,
-                    device) -> _Lane:
+                    device) -> Lane:
         engine = TransferEngine(views, host_layers, self.block_size,
                                 ops_backend=self.config.ops_backend,
                                 fail_transfer=self._fail_transfer, writes_host=self.writes_host)
@@ -285,7 +271,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
             state.host_blocks = hot_states[0].host_blocks
         executor = StepExecutor(hot_states, engine, self.num_state_rows, self.max_pages,
                                 self.block_size)
-        lane = _Lane(group_id, sparse_index, names, units, layout, views, list(host_layers),
+        lane = Lane(group_id, sparse_index, names, units, layout, views, list(host_layers),
                      engine, hot_states, executor)
         for unit, state in zip(units, hot_states):
             lane.bindings.append(IndexGroupResidency(
@@ -377,7 +363,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
-            lane.executor.before_forward(self._lane_command(lane, cmd))
+            lane.executor.before_forward(lane.command(cmd, self._bundles, len(self.lanes)))
         self._step_indexer_pages = getattr(metadata, "indexer_pages", None) or {}
         self._submit_imports(metadata)  # P/D imports and prefill lease renewals
         if self._step_indexer_pages:
@@ -393,7 +379,7 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
     def bind_step_metadata(self, bound: bool = True) -> None:
         """vLLM bound (``bound``) or cleared this step's connector metadata. While bound, a
         forward before ``start_load_kv`` is an error; forwards outside (graph capture, its
-        warm-up, dummy batches) see an inert step view (``attention_hook.uses_residency_path``)."""
+        warm-up, dummy batches) see an inert step view (``read_path.uses_residency_path``)."""
         if self.step_view is not None:
             self.step_view.bound = bound
 
@@ -503,38 +489,6 @@ class HiSparseWorkerRole(WorkerHostPrefix, WorkerImports, WorkerPrefillGuard):
                 raise ValueError(f"{CONNECTOR_NAME}: bundle {lead} lists {list(members)}; "
                                  f"expected {len(self.lanes)} blocks starting with the lead")
             self._bundles[int(lead)] = [int(b) for b in members]
-
-    def _member_block(self, lane: _Lane, lead: int) -> int:
-        if lead < 0 or lane.sparse_index == 0:
-            return lead
-        members = self._bundles.get(lead)
-        if members is None:
-            raise ValueError(
-                f"{CONNECTOR_NAME}: device block {lead} has no bundle members for sparse group "
-                f"{lane.group_id}; with {len(self.lanes)} sparse-MLA KV cache groups the "
-                "connector metadata must carry bundles (lead block -> one block per "
-                "sparse group) for every page bundle the command names")
-        return members[lane.sparse_index]
-
-    def _lane_command(self, lane: _Lane, cmd: StepCommand) -> StepCommand:
-        """``cmd`` in lane ``lane``'s block ids, scaled to flat-row blocks."""
-        if len(self.lanes) > 1 and lane.sparse_index > 0:
-            import dataclasses
-
-            from vllm_hisparse.core.commands import TransferKind
-
-            def member(blocks):
-                return [self._member_block(lane, b) for b in blocks]
-
-            cmd = dataclasses.replace(
-                cmd,
-                page_device_blocks=member(cmd.page_device_blocks),
-                hot_leases=[dataclasses.replace(l, block_ids=member(l.block_ids))
-                            for l in cmd.hot_leases],
-                transfers=[t if TransferKind(t.kind) is TransferKind.MIRROR
-                           else dataclasses.replace(t, device_blocks=member(t.device_blocks))
-                           for t in cmd.transfers])
-        return lane.layout.scale_command(cmd)
 
     def _check_rows(self, cmd: StepCommand) -> None:
         rows = [*cmd.cleared_rows, *cmd.page_rows, *(l.row for l in cmd.hot_leases)]

@@ -10,7 +10,7 @@ into them (``ResidencyPolicy.adopt_host_prefix``), indexer pages included, and t
 reports the request in ``finished_recving`` (``failed_recving`` too if the load failed:
 vLLM then fails that request alone).
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`: it keeps
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`: it keeps
 the leased hits (``_host_hits``), the identities waiting for their mirror
 (``_identity_pending``) and the step's indexer page copies (``_step_indexer_pages``).
 """
@@ -24,7 +24,7 @@ import numpy as np
 
 from vllm_hisparse.core.commands import StepCommand, TransferKind
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.vllm.metadata import IndexerPages
 
 logger = logging.getLogger(__name__)

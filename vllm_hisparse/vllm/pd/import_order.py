@@ -1,7 +1,7 @@
 """The wire types of P/D imports (scheduler role → worker role).
 
 A decode instance receives a prefill's KV with vLLM's NixlConnector protocol, read by this
-connector's workers (``worker_import``). The scheduler role (``kv_import``) decides where
+connector's workers (``pd/reads.py``). The scheduler role (``pd/landings.py``) decides where
 each request lands and sends the workers one :class:`ImportOrder` per request, and the
 prefill leases to renew (:class:`Heartbeat`).
 """
@@ -21,7 +21,7 @@ class RemotePrefill:
     ``generation`` changes when the prefill registers its KV cache again (a reader must
     then ask for its registration again); ``num_tokens`` the tokens the prefill computed
     (``remote_num_tokens``; 0 when it does not say). Built from a request's
-    ``kv_transfer_params`` by :func:`~vllm_hisparse.vllm.transfer_params.parse_remote_prefill`,
+    ``kv_transfer_params`` by :func:`~vllm_hisparse.vllm.pd.transfer_params.parse_remote_prefill`,
     which checks every field.
     """
 

@@ -2,7 +2,7 @@
 
 The prefill instance runs stock vLLM with NixlConnector (``kv_producer``). A request it
 prefilled arrives here with ``kv_transfer_params`` (``do_remote_prefill`` and where its
-blocks are). This connector loads it itself (``worker_import``, over NIXL): vLLM's own
+blocks are). This connector loads it itself (``pd/reads.py``, over NIXL): vLLM's own
 NixlConnector cannot read into this connector's KV plan (measured: its handshake refuses
 "Packed KV block rows differ between P and D", docs/vllm-integration.md, "P/D decode
 consumer"). The landing is decided once, when vLLM admits the request:
@@ -13,7 +13,7 @@ consumer"). The landing is decided once, when vLLM admits the request:
   (computed tokens, mirrored to the host like a device prefix-cache hit);
 * **host**, otherwise: vLLM allocates the indexer pages and the sparse-MLA tail pages only
   (``ResidencyAwareManager`` leaves the other sparse pages null, asking
-  :meth:`PDImports.import_null_pages`), the policy hands out host blocks and a hot region
+  :meth:`PDLandings.import_null_pages`), the policy hands out host blocks and a hot region
   (``ResidencyPolicy.begin_import`` with the tail blocks), and the workers read the
   sparse-MLA rows into the host pool, the tail and indexer pages into vLLM's blocks. When
   vLLM reports the request in ``finished_recving`` the policy activates it NONE at once
@@ -34,10 +34,9 @@ the prefill's lease on its blocks is renewed (:class:`~import_order.Heartbeat`);
 aborted before admission tells the prefill to free them (``ImportAction.RELEASE``).
 
 Composition: this connector alone (``kv_role`` ``kv_consumer``), or the first child of a
-MultiConnector. A NixlConnector consumer listed before it would claim P/D requests and
-fail to load them: refused at startup.
+MultiConnector (``composition.py``).
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.HiSparseSchedulerRole`, first in
+A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`, first in
 its bases: ``offer``, ``update_state_after_alloc``, ``update_connector_output`` and
 ``on_new_request`` see P/D requests first and hand everything else on; the role calls
 ``_start_imports`` / ``_pd_heartbeats`` in ``build_connector_meta``, ``_pd_finished``
@@ -57,14 +56,14 @@ from vllm_hisparse.core.errors import BackPressure
 from vllm_hisparse.core.request_table import RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME, HiSparseConfigError
-from vllm_hisparse.vllm.connector_entries import MULTI_CONNECTOR, connector_entries
-from vllm_hisparse.vllm.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
-from vllm_hisparse.vllm.transfer_params import (
+from vllm_hisparse.vllm.pd.composition import pd_composition
+from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportAction, ImportOrder, RemotePrefill
+from vllm_hisparse.vllm.pd.transfer_params import (
     InvalidTransferParams,
     check_import_coverage,
     parse_remote_prefill,
 )
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -72,60 +71,9 @@ logger = logging.getLogger(__name__)
 #: (vLLM's NixlConnector: every kv_lease_duration / 6, 30 s / 6 by default).
 PD_HEARTBEAT_EVERY_S = 5.0
 
-#: ``kv_role`` of our entry that makes this instance a P/D decode consumer (``kv_both``, the
-#: colocated default, does not: it would need NIXL on every instance).
-_CONSUMER_ROLES = ("kv_consumer",)
-
-
 class Landing(enum.Enum):
     RESIDENT = "resident"
     HOST = "host"
-
-
-@dataclass(frozen=True)
-class PDComposition:
-    """Whether this connector reads P/D requests, why not, and the settings of a
-    NixlConnector child (``backends``, ``enforce_handshake_compat``), if one is composed."""
-
-    enabled: bool
-    reason: str
-    nixl_extra_config: dict
-
-
-def pd_composition(kv: Any) -> PDComposition:
-    """Read the composing ``kv_transfer_config`` (``compat.composing_kv_transfer_config``:
-    a MultiConnector child sees only its own entry). Raises :class:`HiSparseConfigError`
-    when a NixlConnector consumer is listed before this connector."""
-    if kv is None:
-        return PDComposition(False, "no kv_transfer_config", {})
-    if kv.kv_connector == CONNECTOR_NAME:
-        if kv.kv_role not in _CONSUMER_ROLES:
-            return PDComposition(False, f"kv_role={kv.kv_role!r} is not a consumer", {})
-        return PDComposition(True, "", {})
-    if kv.kv_connector != MULTI_CONNECTOR:
-        return PDComposition(False, f"kv_connector={kv.kv_connector!r}", {})
-    children = [entry for entry in connector_entries(kv.kv_connector, kv.kv_connector_extra_config)
-                if entry.depth == 1]
-    ours = next((entry for entry in children if entry.name == CONNECTOR_NAME), None)
-    if ours is None:
-        return PDComposition(False, "nested MultiConnector", {})
-    nixl = [entry for entry in children if entry.name in compat.NIXL_PULL_CONNECTORS
-            and entry.child.get("kv_role", kv.kv_role) in ("kv_consumer", "kv_both")]
-    extra = dict(nixl[0].extra) if nixl else {}
-    if nixl and nixl[0].index < ours.index:
-        raise HiSparseConfigError(
-            f"kv_transfer_config lists {nixl[0].name} (kv_consumer) before {CONNECTOR_NAME}: "
-            "vLLM lets the first child that reports tokens load a request, and NixlConnector "
-            f"cannot read into {CONNECTOR_NAME}'s KV plan (it refuses: packed KV block rows "
-            f"differ between P and D); accepted: {CONNECTOR_NAME} first, which reads P/D "
-            "requests itself (NixlConnector is then not needed on the decode instance)")
-    role = ours.child.get("kv_role", kv.kv_role)
-    if role not in _CONSUMER_ROLES:
-        return PDComposition(False, f"kv_role={role!r} is not a consumer", extra)
-    if ours.index != 0:
-        return PDComposition(False, f"{CONNECTOR_NAME} is not the first MultiConnector child "
-                             "(the first child that reports tokens loads a request)", extra)
-    return PDComposition(True, "", extra)
 
 
 @dataclass(frozen=True)
@@ -139,7 +87,7 @@ class _Offer:
     remote: RemotePrefill | None
 
 
-class PDImports:
+class PDLandings:
     """Landing decision and import bookkeeping (module docstring)."""
 
     def _init_pd_imports(self, vllm_config: Any) -> None:

@@ -3,7 +3,7 @@ prefills must read its whole context through vLLM's block table, so every page o
 resident, and the batch block-table rows must name the blocks the residency tables name
 (vLLM's worker table is append-only and misses restores into new blocks).
 
-A mixin of :class:`~vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`.
+A mixin of :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 
 
 class WorkerPrefillGuard:

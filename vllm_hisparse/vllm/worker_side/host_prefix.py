@@ -8,7 +8,7 @@ asynchronous for vLLM: the worker reports its request in ``finished_recving`` on
 RESTORE is decided on every sparse group, and in ``failed_recving`` too when the copy or
 the indexer page load failed (``get_transfer_results``).
 
-A mixin of :class:`~vllm_hisparse.vllm.worker_side.HiSparseWorkerRole`.
+A mixin of :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from vllm_hisparse.core.commands import StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.vllm import compat
-from vllm_hisparse.vllm.config import CONNECTOR_NAME
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore, page_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")
@@ -57,12 +57,12 @@ class WorkerHostPrefix:
         failed ones also in ``failed_recving`` (vLLM then fails or recomputes the request
         alone; block-level ``invalid_block_ids`` are refused with several KV cache
         groups). A load is decided once every sparse group's copy is (``AckVote``). P/D
-        host landings (``worker_import``) are reported the same way."""
+        host landings (``pd/reads.py``) are reported the same way."""
         if self.lanes:
             self._poll_acks()
         finished, self._finished_loads = self._finished_loads, set()
         failed, self._failed_loads = self._failed_loads, set()
-        imported, import_failed = self._poll_imports()  # P/D host landings (worker_import)
+        imported, import_failed = self._poll_imports()  # P/D host landings (pd/reads.py)
         finished |= imported
         failed |= import_failed
         return compat.KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
