@@ -86,8 +86,9 @@ def test_device_plan_counts_one_backing_allocation():
     the sum over the six tensors (3,274,752 B: the bug sized benchmark pools 6x too small)."""
     import argparse
 
-    a = argparse.Namespace(block_size=64, top_k=2048)
+    a = argparse.Namespace(block_size=64, top_k=2048, host_layout="layer")
     spec = throughput.sim_spec(a, LayerShape.named("dsv32"), 61, 32768, 1, 64, "cpu")
+    assert spec.connector_extra == {"host_layout": "layer"}  # --host-layout's plumbing
     plan = throughput.device_plan(spec)
     assert plan["bytes_per_block"] == 545_792
     assert (plan["num_sparse_groups"], plan["num_indexer_groups"]) == (5, 1)

@@ -99,3 +99,16 @@ def test_bad_arguments_exit_2_with_a_message(argv, text, capsys):
     err = capsys.readouterr().err
     assert text in err
     assert err.count("\n") == 1 and err.startswith("vllm-hisparse plan: error: ")  # one line
+
+
+@pytest.mark.parametrize("model, layout, why", [
+    ("deepseek-v3.2", "layer", "layer-major: an indexer in every layer"),
+    ("glm-5.1", "layer", "layer-major: an indexer in every layer"),
+    ("glm-5.2", "position", "position-major: IndexShare groups of up to 4 layers"),
+])
+def test_plan_names_the_host_layout_auto_picks(model, layout, why, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", model, "--contexts", "32768", "--json", str(out)]) == 0
+    assert f"host pool layout (host_layout auto): {why}" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["host_layout"] == layout and data["host_layout_reason"].startswith(why)

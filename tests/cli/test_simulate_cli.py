@@ -224,3 +224,25 @@ def test_wrong_row_in_a_shared_block_fails(monkeypatch, capsys):
     assert ("selected position 5 (page 0) read row" in err
             and "holding (request 1, position 6, layer" in err
             and "not (request 1, position 5, layer" in err), err
+
+
+@pytest.mark.parametrize("host_layout", ["position", "layer"])
+def test_both_host_layouts_are_exact(host_layout, tmp_path, monkeypatch, capsys):
+    """Mirrors, spills and miss gathers through a layer-major and a position-major pool."""
+    from vllm_hisparse.vllm import worker_side
+
+    layouts = []
+    real_pool = worker_side.HostPool
+
+    def recording_pool(*args, **kwargs):
+        layouts.append(kwargs["layout"])
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(worker_side, "HostPool", recording_pool)
+    out = tmp_path / "sim.json"
+    assert main(TINY + ["--host-layout", host_layout, "--json", str(out)]) == 0
+    assert re.search(r"exact: all [\d,]+ rows read", capsys.readouterr().out)
+    data = json.loads(out.read_text())
+    assert data["spec"]["connector_extra"]["host_layout"] == host_layout
+    assert data["runs"]["with connector"]["misses"] > 0
+    assert layouts and set(layouts) == {host_layout}

@@ -29,11 +29,11 @@ PREFILL_ENGINE = "prefill-engine-0"
 
 
 def pd_kv_transfer(*, compose: str = "alone", failure_policy: str = "fail",
-                   host_pool_gib: float = 1) -> KVTransferConfig:
+                   host_pool_gib: float = 1, extra_keys: dict | None = None) -> KVTransferConfig:
     """The decode instance's ``--kv-transfer-config``: our connector ``alone``
     (``kv_consumer``), or in a MultiConnector before (``"first"``) or after (``"after"``)
-    NixlConnector."""
-    extra = {"host_pool_gib": host_pool_gib}
+    NixlConnector; ``extra_keys``: further keys of our extra config."""
+    extra = {"host_pool_gib": host_pool_gib, **(extra_keys or {})}
     if compose == "alone":
         return KVTransferConfig(kv_connector=CONNECTOR, kv_role="kv_consumer",
                                 kv_load_failure_policy=failure_policy, kv_connector_extra_config=extra)

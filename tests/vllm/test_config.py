@@ -228,6 +228,16 @@ def test_bool_and_enum_keys():
         parse({"host_pool_gib": 1, "hot_region_eviction": "lfu"})
 
 
+def test_host_layout_key():
+    assert parse({"host_pool_gib": 1}).host_layout == "auto"
+    for value in ("auto", "position", "layer"):
+        assert parse({"host_pool_gib": 1, "host_layout": value}).host_layout == value
+    for bad in ("page", "Layer", 1, None):
+        with pytest.raises(HiSparseConfigError, match=rf"host_layout={bad!r} is invalid; "
+                                                      r"accepted: auto \| position \| layer"):
+            parse({"host_pool_gib": 1, "host_layout": bad})
+
+
 @pytest.mark.parametrize("value", [-1, 4097, 16.0, True, "16", None])
 def test_prefetch_max_ctas_bad_values(value):
     with pytest.raises(HiSparseConfigError,

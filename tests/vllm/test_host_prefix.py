@@ -183,16 +183,18 @@ def test_hits_are_off_when_vllm_would_rewind_instead_of_failing(dsa_model_dir):
     h.assert_no_leaks()
 
 
-def test_simulated_resumes_read_exact_kv():
+@pytest.mark.parametrize("host_layout", ["position", "layer"])
+def test_simulated_resumes_read_exact_kv(host_layout):
     """The real worker role on CPU (reference ops): preempted requests come back with pages
     loaded from the host; every sparse-MLA row read and the indexer KV of every request
-    that starts with computed tokens match the ground truth (else SimulationMismatch)."""
+    that starts with computed tokens match the ground truth (else SimulationMismatch), in
+    either host pool layout."""
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine, SimulationSpec
 
     # Long outputs, so that growth forces preemptions (see the test above); prefill chunks
     # of 256 tokens, so that resumes take more than one chunk (else they are recomputed).
     spec = SimulationSpec(num_requests=8, prompt_len=256, output_len=384, device_blocks=160,
-                          max_num_batched_tokens=256)
+                          max_num_batched_tokens=256, connector_extra={"host_layout": host_layout})
     engine = SimulationEngine(spec)
     try:
         result = engine.run(with_connector=True)

@@ -42,7 +42,9 @@ class PDRig(Rig):
         import tests.vllm.test_worker_side as tws
 
         real = tws.kv_transfer_config
-        tws.kv_transfer_config = lambda extra: pd_kv_transfer(host_pool_gib=extra["host_pool_gib"])
+        tws.kv_transfer_config = lambda extra: pd_kv_transfer(
+            host_pool_gib=extra["host_pool_gib"],
+            extra_keys={k: v for k, v in extra.items() if k != "host_pool_gib"})
         try:
             super().__init__(model_dir, **kwargs)
         finally:
@@ -133,6 +135,28 @@ def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, pref
     rig.drain()
     assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
     assert sorted(rig.role.importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
+
+
+def test_host_landing_into_a_layer_major_pool_reads_every_byte(model_dir):  # noqa: F811
+    """The P/D import lands in either host layout (the module's rig is position-major: the
+    test model has IndexShare units)."""
+    rig = PDRig(model_dir, num_blocks=200, policy_blocks=40, seed=5,
+                extra={"host_layout": "layer"})
+    assert rig.role.host_pool.layout == "layer"
+    prefill = FakePrefill.start(layers=rig.layers(), blocks=P_BLOCKS, num_blocks=64,
+                                serial=len(rig.serial) + 1, block_size=BS,
+                                vllm_config=rig.vllm_config)
+    try:
+        order = rig.begin("imp-l", prefill, num_tokens=NUM_TOKENS - 1)
+        assert rig.run_import(order)
+        assert _check_bytes(rig, order) > 0
+        assert rig.policy.finish_import("imp-l", success=True) == Outcome.OK
+        for _ in range(4):
+            rig.step({"imp-l": 1})
+        assert rig.reads_checked > 0
+    finally:
+        prefill.stop()
+        rig.role.shutdown()
 
 
 def test_resident_landing_reads_every_page_into_vllms_blocks(rig, prefill):

@@ -10,6 +10,7 @@ every row they name must hold the ground-truth KV of the selected position, for 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -376,10 +377,15 @@ def assert_nothing_leaked(rig: Rig):
     assert rig.role._vote.num_open == 0
 
 
-def test_decode_loop_reads_ground_truth_under_pressure(model_dir):
+@pytest.mark.parametrize("host_layout, expected", [("auto", "position"), ("layer", "layer")])
+def test_decode_loop_reads_ground_truth_under_pressure(model_dir, host_layout, expected, caplog):
     # Few policy blocks: 6 requests of 6+ pages do not all fit, so some go MIXED and read
-    # released pages through their hot regions.
-    rig = Rig(model_dir, num_blocks=200, policy_blocks=44)
+    # released pages through their hot regions. Both host pool layouts (auto: IndexShare
+    # units of 3 layers here, so position-major) mirror, spill and gather exactly.
+    with caplog.at_level(logging.INFO, logger="vllm_hisparse"):
+        rig = Rig(model_dir, num_blocks=200, policy_blocks=44, extra={"host_layout": host_layout})
+    assert rig.role.host_pool.layout == expected
+    assert f"host pool {expected}-major: " in caplog.text
     run_decode_loop(rig)
     assert int(Residency.MIXED) in rig.residency_seen, "the loop never exercised residency"
     assert rig.reads_checked > 0

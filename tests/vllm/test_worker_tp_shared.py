@@ -222,9 +222,12 @@ def run_two_ranks(model_dir, caplog=None, **kw):
     return rig
 
 
-def test_two_ranks_share_one_pool_and_only_rank0_writes(model_dir, tp2, shm_dir, caplog):
+@pytest.mark.parametrize("host_layout", ["position", "layer"])
+def test_two_ranks_share_one_pool_and_only_rank0_writes(model_dir, tp2, shm_dir, caplog,
+                                                        host_layout):
     tp2("mp")
-    rig = run_two_ranks(model_dir, caplog)
+    rig = run_two_ranks(model_dir, caplog, extra={"host_layout": host_layout})
+    assert rig.writer.host_pool.layout == rig.reader.host_pool.layout == host_layout
     assert "shared by the 2 tensor-parallel ranks of this node" in caplog.text
     assert "TP rank 0 creates it and writes it" in caplog.text
     assert "TP rank 1 maps it and only reads it" in caplog.text

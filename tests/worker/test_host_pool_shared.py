@@ -163,6 +163,19 @@ def test_opener_with_another_geometry_is_refused(shm_dir):
                      shared=SharedSegment(**spec(shm_dir, name, False)))
 
 
+@pytest.mark.parametrize("created, opened", [("position", "layer"), ("layer", "position")])
+def test_opener_with_another_layout_is_refused(shm_dir, created, opened):
+    """host_layout is decided per rank from the same model, but a rank configured otherwise
+    must not read a layer-major pool as position-major (every row would be another's)."""
+    name = new_name()
+    with HostPool(*GEOMETRY, pin=False, layout=created,
+                  shared=SharedSegment(**spec(shm_dir, name, True))):
+        with pytest.raises(ValueError, match=rf"has layout='{created}', this rank expects "
+                                             rf"'{opened}'; the ranks disagree"):
+            HostPool(*GEOMETRY, pin=False, layout=opened,
+                     shared=SharedSegment(**spec(shm_dir, name, False)))
+
+
 def test_no_room_for_the_segment_names_the_fix(shm_dir, monkeypatch):
     class Tiny:
         f_bavail, f_frsize = 1, 4096

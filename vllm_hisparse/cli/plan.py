@@ -32,6 +32,7 @@ from vllm_hisparse.core.capacity import (
     default_device_buffer_size_rows,
     layout_for_geometry,
 )
+from vllm_hisparse.core.host_layout import choose_host_layout
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, GIB
 
 MB = 1e6
@@ -154,7 +155,12 @@ def make_plan(args) -> dict:
             extra["device_buffer_size"] = hot_rows
         kv_transfer_config = {"kv_connector": "HiSparseResidencyConnector",
                               "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    # The largest index group: a leader and the IndexShare followers up to the next leader.
+    group_layers = -(-geo.num_sparse_layers // max(1, geo.indexer_layers))
+    host_layout = choose_host_layout("auto", [group_layers],
+                                     layout.host_blocks * geo.block_size * geo.row_bytes)
     return dict(
+        host_layout=host_layout.layout, host_layout_reason=host_layout.reason,
         model=geo.name, layers=geo.num_sparse_layers, indexer_layers=geo.indexer_layers,
         row_bytes=geo.row_bytes, block_size=geo.block_size, top_k=geo.top_k,
         kv_gib=args.kv_gib, host_gib=args.host_gib, host_blocks=layout.host_blocks,
@@ -210,6 +216,7 @@ def run(args) -> int:
     print(f"per token: device {plan['device_bytes_per_token_full']} B full, "
           f"{plan['device_bytes_per_token_hybrid']} B hybrid (indexer keys); host "
           f"{plan['host_bytes_per_token']} B (sparse-MLA and indexer rows)")
+    print(f"host pool layout (host_layout auto): {plan['host_layout_reason']}")
     print()
     print("| context | full residency | hybrid, steady | hybrid, at admission | limited by "
           "| gain | host GiB for device limit | I/O ms/step at steady "

@@ -119,6 +119,10 @@ def add_parser(sub) -> None:
                    "the least recently used or the one the indexer scored lowest (score "
                    "needs indexer scores: refused without --topk-drift scored) (default: "
                    "--connector-config's, else lru)")
+    m.add_argument("--host-layout", choices=("auto", "position", "layer"), default=None,
+                   help="the connector's host_layout: the host pool's layer-major or "
+                   "position-major rows, auto = by index group size (default: "
+                   "--connector-config's, else auto)")
     m.add_argument("--threads", type=int, default=1, metavar="N",
                    help="torch CPU threads (default: %(default)s; the per-step tensors are "
                    "small, more threads mostly spin)")
@@ -161,6 +165,8 @@ def _extra_keys(args, file_extra: dict | None) -> dict:
         extra["adaptive_hot_region"] = True
     if args.hot_region_target_miss_rate is not None:
         extra["hot_region_target_miss_rate"] = args.hot_region_target_miss_rate
+    if args.host_layout is not None:
+        extra["host_layout"] = args.host_layout
     # Always set, so that the report's spec says which eviction ran.
     extra["hot_region_eviction"] = args.hot_region_eviction or extra.get("hot_region_eviction",
                                                                          "lru")

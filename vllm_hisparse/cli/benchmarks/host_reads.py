@@ -1,7 +1,7 @@
-"""Host-read benchmarks of the CUDA data plane (``bench kernels --only gather,copies,huge,layout``):
-scattered row gathers from pinned host memory against the DMA and zero-copy ceilings of the same
-run, page copies and row mirrors, 4 KiB vs 2 MiB host pages, and host pool layouts. The module
-docstring of :mod:`~vllm_hisparse.cli.benchmarks.kernels` lists what each section measures."""
+"""Host-read benchmarks of the CUDA data plane (``bench kernels --only gather,copies,huge,layout``;
+the reach section is :mod:`.reach`): scattered row gathers from pinned host memory against the
+DMA and zero-copy ceilings of the same run, page copies and row mirrors, 4 KiB vs 2 MiB host
+pages, and host pool layouts. The module docstring of :mod:`~vllm_hisparse.cli.benchmarks.kernels` lists what each section measures."""
 
 from __future__ import annotations
 
@@ -358,38 +358,5 @@ def bench_layout(quick: bool):
                 torch.cuda.empty_cache()
     finally:
         RESULTS["layout"] = res
-        del buf
-        probe.host_free_registered(a["ptr"], a["bytes"])
-
-
-def bench_reach(quick: bool):
-    """One layer's miss gather against the span of host memory its rows are drawn from: the
-    address-translation reach that decides which host-pool layout a geometry wants (an
-    indexer in every layer gathers one layer's rows per step; a position-major pool spreads
-    them over the whole pool, a layer-major one over that layer's slab)."""
-    log("\n== one layer's gather against the host span its rows come from (GB/s) ==")
-    pool_bytes = 8 << 30
-    a, buf = registered_random_buffer(pool_bytes)
-    res = dict(mode=a["mode"], runs=[])
-    # 80 requests x 205 misses (DeepSeek-V3.2 at 32K, 10 % of K 2048), and 8x that
-    sizes = (16_384,) if quick else (16_384, 131_072)
-    try:
-        for row_bytes in (656, 1152):
-            rows_total = pool_bytes // row_bytes
-            src = buf[:rows_total * row_bytes].view(rows_total, row_bytes)
-            for n in sizes:
-                dst = torch.empty((n, row_bytes), dtype=torch.uint8, device=DEV)
-                line = []
-                for span_mib in (256, 512, 1024, 1760, 2048, 4096, 8192):
-                    span = min(rows_total, (span_mib << 20) // row_bytes)
-                    gb, us = gather_gbps([src], [dst], n, row_bytes, 5 if quick else 10,
-                                         span_rows=span)
-                    res["runs"].append(dict(row_bytes=row_bytes, rows=n, span_mib=span_mib,
-                                            gbps=gb, us=us))
-                    line.append(f"{span_mib} MiB {gb:.1f}")
-                log(f"{row_bytes:>4} B rows, {n:>7} rows: " + ", ".join(line))
-                del dst
-    finally:
-        RESULTS["reach"] = res
         del buf
         probe.host_free_registered(a["ptr"], a["bytes"])

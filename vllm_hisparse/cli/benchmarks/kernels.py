@@ -18,9 +18,11 @@
   positions x all layers (8 and 61 layers, 656 and 1152 B rows) from a layer-major,
   position-major (``[row][layer]``) and page-major (``[block][layer][offset]``) carving of it,
   plus a rows-in-flight x CTAs/SM sweep and the work order (pair-major vs layer-major);
-* translation reach (``--only reach``): one layer's gather of 16K (and 128K) random rows drawn
-  from 256 MiB ... 8 GiB of one registered host buffer, 656 and 1152 B rows: the span beyond
-  which scattered reads slow down, i.e. how large one layer's slab of a host pool may be.
+* translation reach (``--only reach``, :mod:`.reach`): one layer's gather of 16K (and 128K)
+  random rows drawn from 256 MiB ... 8 GiB of one registered host buffer, 656 and 1152 B rows;
+  and one layer's gather of a DeepSeek-V3.2 / GLM-5.1 batch's misses (80 requests x 205, 32K
+  contexts in consecutive host rows, request-major) from a layer-major and a position-major
+  carving of the buffer, default vs narrower grids, warm vs cold translation caches.
 
 Prints a table and writes every number as JSON with --json.
 """
@@ -39,7 +41,8 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.gpu_timing import DEV, RESULTS, flush_l2, log, spin_clocks
 from vllm_hisparse.cli.benchmarks.host_reads import (bench_copies, bench_gather, bench_huge_pages,
-                                                    bench_layout, bench_reach)
+                                                    bench_layout)
+from vllm_hisparse.cli.benchmarks.reach import bench_reach
 from vllm_hisparse.ops import probe, reference
 from vllm_hisparse.ops.tuning import KernelTuning
 

@@ -80,7 +80,8 @@ def sim_spec(a, shape: LayerShape, num_layers: int, context: int, requests: int,
         device_blocks=device_blocks, host_pool_gib=None, max_num_seqs=max(1, requests),
         max_num_batched_tokens=context + max(1, requests), num_requests=max(1, requests),
         prompt_len=context, output_len=output_len, device=device,
-        ops_backend="cuda" if device == "cuda" else "auto", attention="group", check=False)
+        ops_backend="cuda" if device == "cuda" else "auto", attention="group", check=False,
+        connector_extra={"host_layout": a.host_layout})
 
 
 def device_plan(spec) -> dict:
@@ -309,6 +310,8 @@ def main(argv=None) -> int:
                    help="EP dispatch + combine per layer, µs (0 drops the stand-in)")
     p.add_argument("--no-realism", action="store_true",
                    help="skip the full-residency step at the public figure's batch")
+    p.add_argument("--host-layout", choices=("auto", "position", "layer"), default="auto",
+                   help="the connector's host_layout (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", type=output_path)
     p.add_argument("--plot", metavar="PNG", type=output_path)
     a = p.parse_args(argv)

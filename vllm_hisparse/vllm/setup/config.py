@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_hisparse.core.capacity import host_memory_limit
+from vllm_hisparse.core.host_layout import HOST_LAYOUT_CHOICES
 from vllm_hisparse.core.hot_sizing import HotSizingConfig
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import VllmConfig
@@ -58,7 +59,7 @@ HOT_REGION_EVICTIONS = ("lru", "score")
 
 ACCEPTED_KEYS = ("host_pool_gib", "device_buffer_size", "eager_host_mirror", "ops_backend", "record_trace",
                  "index_share_prefetch", "prefetch_max_ctas", "ack_deadline_s", "adaptive_hot_region",
-                 "hot_region_target_miss_rate", "hot_region_eviction")
+                 "hot_region_target_miss_rate", "hot_region_eviction", "host_layout")
 
 #: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
 #: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
@@ -110,6 +111,9 @@ class HiSparseResidencyConfig:
     hot_region_target_miss_rate: float = DEFAULT_HOT_REGION_TARGET_MISS_RATE
     hot_region_eviction: str = "lru"
     """Victim order of the hot slots (:data:`HOT_REGION_EVICTIONS`)."""
+    host_layout: str = "auto"
+    """Host pool layout (:data:`~vllm_hisparse.core.host_layout.HOST_LAYOUT_CHOICES`);
+    ``auto`` decides per geometry (:func:`~vllm_hisparse.core.host_layout.choose_host_layout`)."""
 
     @property
     def host_pool_bytes(self) -> int:
@@ -478,6 +482,7 @@ def parse_extra_config(
         adaptive_hot_region=adaptive,
         hot_region_target_miss_rate=target,
         hot_region_eviction=_parse_choice(extra, "hot_region_eviction", HOT_REGION_EVICTIONS),
+        host_layout=_parse_choice(extra, "host_layout", HOST_LAYOUT_CHOICES),
     )
 
 

@@ -40,6 +40,7 @@ import torch
 
 from vllm_hisparse.core.ack_vote import AckVote
 from vllm_hisparse.core.commands import Residency, StepCommand, TransferKind, WorkerAcks
+from vllm_hisparse.core.host_layout import choose_host_layout
 from vllm_hisparse.core.trace import TraceRecorder
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat, patches
@@ -198,8 +199,12 @@ class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
         tp_rank = compat.tensor_parallel_rank(self.vllm_config)
         self.writes_host = sharing.writes_host(tp_rank)
         logger.info("%s worker: %s", CONNECTOR_NAME, sharing.describe(tp_rank))
+        pool_layout = choose_host_layout(
+            self.config.host_layout, [len(u) for _, _, units, _, _ in per_group for u in units],
+            self.host_num_blocks * self.block_size * row_bytes)
+        logger.info("%s worker: host pool %s", CONNECTOR_NAME, pool_layout.reason)
         self.host_pool = HostPool(num_layers, self.host_num_blocks, self.block_size, row_bytes,
-                                  huge_pages=self._huge_pages,
+                                  huge_pages=self._huge_pages, layout=pool_layout.layout,
                                   pin=device.type == "cuda", shared=sharing.segment(tp_rank))
         self._indexer_segment = sharing.segment(tp_rank, suffix="-indexer")
         self.step_view = StepView(
