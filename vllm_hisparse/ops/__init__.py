@@ -1,11 +1,13 @@
-"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``.
+"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
+and the score ops of score-aware eviction, ``score_threshold`` and ``slot_classes``
+(:mod:`vllm_hisparse.ops.reference_scores`).
 
 Each public function validates every tensor (dtype, device, shape, contiguity) and raises a
 ``ValueError`` naming the argument, then runs the CUDA kernel when the index tensors are on a
 CUDA device and the extension ``vllm_hisparse._C`` provides it, and the pure-torch twin in
 :mod:`vllm_hisparse.ops.reference` otherwise (the fallback is logged once).
 
-:func:`select` returns the same four functions bound to one backend (``"auto"``, ``"cuda"`` or
+:func:`select` returns the same functions bound to one backend (``"auto"``, ``"cuda"`` or
 ``"reference"``) and one :class:`KernelTuning` (``select("cuda", resolve_threads=512)``), which is
 how the connector's ``ops_backend`` setting is applied. The module-level functions are the
 ``"auto"`` backend with the default tuning.
@@ -19,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference
+from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference, reference_scores
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -34,7 +36,9 @@ __all__ = [
     "mirror_rows",
     "reference",
     "resolve",
+    "score_threshold",
     "select",
+    "slot_classes",
 ]
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -119,9 +123,33 @@ def _mirror_rows(backend: str, tuning: KernelTuning, src_layers, dst_layers, src
           src_rows, dst_rows)
 
 
+def _score_threshold(backend: str, tuning: KernelTuning, logits, topk, threshold,
+                     width) -> None:
+    _checks.check_score_threshold_args(logits, topk, threshold, width)
+    kernels = _kernels(logits.device, backend)
+    if kernels is None:
+        reference_scores._score_threshold_unchecked(logits, topk, threshold, width)
+        return
+    kernels.score_threshold(logits, topk, threshold, width, tuning=tuning)
+
+
+def _slot_classes(backend: str, tuning: KernelTuning, logits, threshold, width, next_n,
+                  batch_state_rows, slot_pos, slot_class) -> None:
+    args = (logits, threshold, width, next_n, batch_state_rows, slot_pos, slot_class)
+    _checks.check_slot_classes_args(*args)
+    kernels = _kernels(logits.device, backend)
+    if kernels is None:
+        _checks.check_slot_classes_values(*args)  # the twin always checks
+        reference_scores._slot_classes_unchecked(*args)
+        return
+    if _checks.value_checks_enabled():
+        _checks.check_slot_classes_values(*args)
+    kernels.slot_classes(*args, tuning=tuning)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """The four ops bound to one backend name and one kernel tuning; see :func:`select`."""
+    """The ops bound to one backend name and one kernel tuning; see :func:`select`."""
 
     name: str
     tuning: KernelTuning
@@ -129,6 +157,8 @@ class Backend:
     gather_rows: Callable[..., None]
     copy_blocks: Callable[..., None]
     mirror_rows: Callable[..., None]
+    score_threshold: Callable[..., None]
+    slot_classes: Callable[..., None]
 
 
 def select(backend: str = "auto", **tuning) -> Backend:
@@ -152,7 +182,8 @@ def select(backend: str = "auto", **tuning) -> Backend:
         return bound
 
     return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
-                   bind(_copy_blocks), bind(_mirror_rows))
+                   bind(_copy_blocks), bind(_mirror_rows), bind(_score_threshold),
+                   bind(_slot_classes))
 
 
 _auto = select("auto")
@@ -160,3 +191,5 @@ resolve = _auto.resolve
 gather_rows = _auto.gather_rows
 copy_blocks = _auto.copy_blocks
 mirror_rows = _auto.mirror_rows
+score_threshold = _auto.score_threshold
+slot_classes = _auto.slot_classes
