@@ -237,7 +237,8 @@ def _score_dtype(module, logits: torch.Tensor) -> int:
 
 def score_threshold(logits, topk, threshold, width, *,
                     tuning: KernelTuning = DEFAULT_TUNING) -> None:
-    """One launch; see :func:`vllm_hisparse.ops.reference.score_threshold`."""
+    """One launch; see :func:`vllm_hisparse.ops.reference.score_threshold` (``tuning``: taken
+    for the backend's uniform call, the launch has no choices)."""
     rows, cols = logits.shape
     if rows == 0:
         return
