@@ -97,6 +97,54 @@ cudaError_t launch_resolve(const ResolveParams& p, const ResolveConfig& config,
                            cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
+// score classes (score-aware eviction; contract: vllm_hisparse/ops/reference_scores.py)
+// ---------------------------------------------------------------------------------------
+
+constexpr int kScoreSumLanes = 256;   // core.trace.SCORE_SUM_LANES: the float64 sum's order
+constexpr int kNumScoreClasses = 4;   // core.trace.NUM_SCORE_CLASSES: edges thr - c w, c 1..3
+
+enum ScoreDtype : int32_t {
+  kScoreFloat32 = 0,
+  kScoreBFloat16 = 1,
+};
+
+struct ScoreThresholdParams {
+  const void* logits;         // [rows, cols] float32 or bf16, row stride logits_stride
+  const int32_t* topk;        // [rows, k], row stride topk_stride; outside [0, cols) = padding
+  float* threshold;           // [rows] OUT lowest finite selected score (+inf: none)
+  float* width;               // [rows] OUT class width (>= FLT_MIN)
+  long long logits_stride;    // elements between rows
+  long long topk_stride;
+  double width_units;         // core.trace.SCORE_CLASS_WIDTH
+  int rows;
+  int cols;                   // W
+  int k;                      // K
+  int dtype;                  // ScoreDtype
+};
+
+struct SlotClassesParams {
+  const void* logits;             // [requests * next_n, cols], row stride logits_stride
+  const float* threshold;         // [requests * next_n]
+  const float* width;             // [requests * next_n]
+  const int32_t* batch_state_rows;  // [>= requests]; outside [0, num_rows): skipped
+  const int32_t* slot_pos;        // [num_rows, num_slots]; outside [0, cols): class 0
+  uint8_t* slot_class;            // [num_rows, num_slots] OUT (the requests' rows only)
+  long long logits_stride;
+  int requests;
+  int next_n;
+  int cols;
+  int num_rows;                   // R
+  int num_slots;                  // D
+  int dtype;                      // ScoreDtype
+};
+
+// One launch of kScoreSumLanes threads per row (rows == 0: nothing launched). Returns
+// cudaErrorInvalidValue for an inconsistent shape; never synchronizes.
+cudaError_t launch_score_threshold(const ScoreThresholdParams& p, cudaStream_t stream);
+// One launch, a CTA per (request, chunk of 1024 slots) (no request or no slot: nothing).
+cudaError_t launch_slot_classes(const SlotClassesParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------------------------------
 // row copies (DESIGN.md §4.2): gather (miss plan), mirror (row pairs), page copies (blocks)
 // ---------------------------------------------------------------------------------------
 

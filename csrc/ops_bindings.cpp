@@ -179,6 +179,55 @@ void copy_rows_py(int mode, const std::vector<uint64_t>& src, const std::vector<
   check(err, "copy_rows");
 }
 
+void score_threshold_py(uint64_t logits, uint64_t topk, uint64_t threshold, uint64_t width,
+                        long long logits_stride, long long topk_stride, double width_units,
+                        int rows, int cols, int k, int dtype, uint64_t stream) {
+  ScoreThresholdParams p{};
+  p.logits = as_ptr<const void>(logits);
+  p.topk = as_ptr<const int32_t>(topk);
+  p.threshold = as_ptr<float>(threshold);
+  p.width = as_ptr<float>(width);
+  p.logits_stride = logits_stride;
+  p.topk_stride = topk_stride;
+  p.width_units = width_units;
+  p.rows = rows;
+  p.cols = cols;
+  p.k = k;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = launch_score_threshold(p, as_stream(stream));
+  }
+  check(err, "score_threshold");
+}
+
+void slot_classes_py(uint64_t logits, uint64_t threshold, uint64_t width,
+                     uint64_t batch_state_rows, uint64_t slot_pos, uint64_t slot_class,
+                     long long logits_stride, int requests, int next_n, int cols, int num_rows,
+                     int num_slots, int dtype, uint64_t stream) {
+  SlotClassesParams p{};
+  p.logits = as_ptr<const void>(logits);
+  p.threshold = as_ptr<const float>(threshold);
+  p.width = as_ptr<const float>(width);
+  p.batch_state_rows = as_ptr<const int32_t>(batch_state_rows);
+  p.slot_pos = as_ptr<const int32_t>(slot_pos);
+  p.slot_class = as_ptr<uint8_t>(slot_class);
+  p.logits_stride = logits_stride;
+  p.requests = requests;
+  p.next_n = next_n;
+  p.cols = cols;
+  p.num_rows = num_rows;
+  p.num_slots = num_slots;
+  p.dtype = dtype;
+  cudaError_t err;
+  {
+    py::gil_scoped_release release;
+    err = launch_slot_classes(p, as_stream(stream));
+  }
+  check(err, "slot_classes");
+}
+
 py::dict host_alloc_py(size_t bytes, int mode) {
   HostAllocation a;
   {
@@ -298,6 +347,21 @@ void register_ops(py::module_& m) {
         py::arg("ours"), py::arg("token_rows"), py::arg("theirs"), py::arg("out"),
         py::arg("counts"), py::arg("num_tokens"), py::arg("k"), py::arg("from_stride_rows"),
         py::arg("to_stride_rows"), py::arg("stream"));
+  m.attr("SCORE_SUM_LANES") = kScoreSumLanes;
+  m.attr("NUM_SCORE_CLASSES") = kNumScoreClasses;
+  m.attr("SCORE_FLOAT32") = static_cast<int>(kScoreFloat32);
+  m.attr("SCORE_BFLOAT16") = static_cast<int>(kScoreBFloat16);
+  m.def("score_threshold", &score_threshold_py,
+        "Launch score_threshold (ops/reference_scores.py) on `stream`.", py::arg("logits"),
+        py::arg("topk"), py::arg("threshold"), py::arg("width"), py::arg("logits_stride"),
+        py::arg("topk_stride"), py::arg("width_units"), py::arg("rows"), py::arg("cols"),
+        py::arg("k"), py::arg("dtype"), py::arg("stream"));
+  m.def("slot_classes", &slot_classes_py,
+        "Launch slot_classes (ops/reference_scores.py) on `stream`.", py::arg("logits"),
+        py::arg("threshold"), py::arg("width"), py::arg("batch_state_rows"),
+        py::arg("slot_pos"), py::arg("slot_class"), py::arg("logits_stride"),
+        py::arg("requests"), py::arg("next_n"), py::arg("cols"), py::arg("num_rows"),
+        py::arg("num_slots"), py::arg("dtype"), py::arg("stream"));
   m.def("host_alloc_registered", &host_alloc_py,
         "mmap + (THP | MAP_HUGETLB | 4 KiB) + cudaHostRegister; mode 0/1/2.", py::arg("bytes"),
         py::arg("mode"));

@@ -86,9 +86,29 @@ def test_device_plan_counts_one_backing_allocation():
     the sum over the six tensors (3,274,752 B: the bug sized benchmark pools 6x too small)."""
     import argparse
 
-    a = argparse.Namespace(block_size=64, top_k=2048, host_layout="layer")
+    a = argparse.Namespace(block_size=64, top_k=2048, host_layout="layer",
+                           hot_region_eviction=None, adaptive_hot_region=False)
     spec = throughput.sim_spec(a, LayerShape.named("dsv32"), 61, 32768, 1, 64, "cpu")
     assert spec.connector_extra == {"host_layout": "layer"}  # --host-layout's plumbing
     plan = throughput.device_plan(spec)
     assert plan["bytes_per_block"] == 545_792
     assert (plan["num_sparse_groups"], plan["num_indexer_groups"]) == (5, 1)
+
+
+def test_residency_options_reach_the_connector_extra_config():
+    """--hot-region-eviction / --adaptive-hot-region become the connector's extra-config keys
+    (as simulate passes them); an eviction given runs the scored drift for lru and score."""
+    import argparse
+
+    def spec(**options):
+        a = argparse.Namespace(block_size=64, top_k=2048, hot_region_eviction=None,
+                               adaptive_hot_region=False)
+        vars(a).update(options)
+        return throughput.sim_spec(a, LayerShape.named("dsv32"), 2, 4096, 1, 64, "cpu")
+
+    assert spec().connector_extra is None and spec().topk_drift == "uniform"
+    for eviction in ("lru", "score"):
+        s = spec(hot_region_eviction=eviction, adaptive_hot_region=True)
+        assert s.connector_extra == {"adaptive_hot_region": True,
+                                     "hot_region_eviction": eviction}
+        assert s.topk_drift == "scored"

@@ -145,7 +145,7 @@ def test_the_worker_role_binds_scores_only_with_score_eviction(model_dir):  # no
     try:
         assert patches.INDEXER_SCORES.installed() and score_tap.TAP.enabled
         assert all(b.scores is score_tap.TAP for b in rig.role.bindings)
-        assert all(b.hot_state.slot_class.shape == (b.hot_state.num_state_rows + 1,
+        assert all(b.hot_state.slot_class.shape == (b.hot_state.num_state_rows,
                                                     b.hot_state.hot_slots)
                    for b in rig.role.bindings)
         # steps whose top-k did not come through vLLM's indexer: plain LRU, every read exact

@@ -46,8 +46,11 @@ READ_VERSIONS = (1, 2)
 #: Eviction classes of the score-aware policy (the resolve op's ``slot_class`` range).
 NUM_SCORE_CLASSES = 4
 #: Width of one score class, in units of how far the step's mean selected score lies above its
-#: selection threshold (``score_classes``; the runtime's ``worker.score_classes``).
+#: selection threshold (``score_classes``; the runtime's ``ops.score_threshold``).
 SCORE_CLASS_WIDTH = 1.0
+#: Lanes of the fixed-order float64 sum of the selected scores (:func:`lane_tree_sum`; the
+#: CUDA op sums with one thread per lane, so the order is part of the op's contract).
+SCORE_SUM_LANES = 256
 _SCORE_ARRAYS = ("score_offsets", "score_positions", "score_classes")
 
 
@@ -402,32 +405,61 @@ def mixed_trace(num_steps: int = 300, top_k: int = 2048, context_tokens: int = 1
     return rec.trace()
 
 
+def lane_tree_sum(values: np.ndarray) -> np.ndarray:
+    """float64 sums over the last axis in the fixed order of the score ops' contract.
+
+    Entry ``j`` goes to lane ``j % SCORE_SUM_LANES``; each lane adds its entries to ``+0.0``
+    in increasing ``j``; then the lanes are halved pairwise (lane ``l`` += lane ``l + h`` for
+    ``h`` = 128, 64, ..., 1). Every step is one IEEE float64 addition, so numpy, torch and the
+    CUDA kernel (``ops.score_threshold``) get the same bits for the same ``values``."""
+    values = np.asarray(values, dtype=np.float64)
+    lanes = SCORE_SUM_LANES
+    cols = values.shape[-1]
+    padded = -(-cols // lanes) * lanes
+    if padded != cols:
+        pad = [(0, 0)] * (values.ndim - 1) + [(0, padded - cols)]
+        values = np.pad(values, pad)
+    rounds = values.reshape(values.shape[:-1] + (padded // lanes, lanes))
+    acc = np.zeros(values.shape[:-1] + (lanes,), dtype=np.float64)
+    for r in range(rounds.shape[-2]):
+        acc = acc + rounds[..., r, :]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
 def score_classes(score: np.ndarray, chosen: np.ndarray, width_units: float = SCORE_CLASS_WIDTH
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(positions, classes 1..NUM_SCORE_CLASSES-1) of the unselected positions close below the
     selection threshold; every other unselected position is class 0.
 
-    ``thr`` is the lowest selected score, ``w`` is ``width_units`` times the distance of the
-    mean finite selected score above ``thr`` (summed in float64), and a position scoring ``s``
-    has class ``[s >= thr - w] + [s >= thr - 2 w] + [s >= thr - 3 w]`` (float32 edges): the
-    numpy twin of the runtime's ``worker.score_classes``."""
-    chosen = chosen[chosen < score.shape[0]]
-    if chosen.size == 0 or score.size == 0:
+    ``chosen`` is one top-k row: entry ``j`` is a selected position, or padding when outside
+    ``[0, len(score))`` (``-1``). ``thr`` is the lowest finite selected score, ``w`` is
+    ``width_units`` times the distance of the mean finite selected score above ``thr`` (the
+    scores summed in float64 in :func:`lane_tree_sum`'s order over the entries of ``chosen``,
+    padding and non-finite scores as 0), at least the smallest normal float32, and a position
+    scoring ``s`` has class ``[s >= thr - w] + [s >= thr - 2 w] + [s >= thr - 3 w]`` (float32
+    edges). A row with no finite selection has no class above 0. The numpy twin of the
+    runtime's ``ops.score_threshold`` + ``ops.slot_classes``."""
+    chosen = np.asarray(chosen)
+    inside = (chosen >= 0) & (chosen < score.shape[0])
+    values = np.zeros(chosen.shape[0], dtype=np.float32)
+    values[inside] = score[chosen[inside]].astype(np.float32)
+    valid = inside & np.isfinite(values)
+    if not valid.any():
         return np.zeros(0, np.int32), np.zeros(0, np.uint8)
-    selected = score[chosen].astype(np.float32)
-    selected = selected[np.isfinite(selected)]
-    if selected.size == 0:
-        return np.zeros(0, np.int32), np.zeros(0, np.uint8)
-    threshold = np.float32(selected.min())
-    mean = selected.astype(np.float64).sum() / selected.size
+    threshold = np.float32(values[valid].min())
+    total = lane_tree_sum(np.where(valid, values, np.float32(0)))
+    mean = total / np.float64(valid.sum())
     width = np.float32((mean - np.float64(threshold)) * width_units)
-    width = max(width, np.finfo(np.float32).tiny) if np.isfinite(width) else \
-        np.finfo(np.float32).tiny
+    tiny = np.finfo(np.float32).tiny
+    width = width if np.isfinite(width) and width > tiny else tiny
     width = np.float32(width)
     classes = np.zeros(score.shape[0], dtype=np.uint8)
     values = score.astype(np.float32)
     for c in range(1, NUM_SCORE_CLASSES):
         classes += values >= threshold - np.float32(c) * width
-    classes[chosen] = 0
+    classes[chosen[inside]] = 0
     positions = np.flatnonzero(classes)
     return positions.astype(np.int32), classes[positions]

@@ -1,14 +1,16 @@
 """Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
 and the two ops that finish an attention layer's top-k conversion around ``resolve``:
 ``token_state_rows`` (each token's state row) and ``merge_rows`` (resolve's rows merged into
-the engine's, translated, optionally compacted; docs/kernels.md "Finishing a conversion").
+the engine's, translated, optionally compacted; docs/kernels.md "Finishing a conversion");
+and the score ops of score-aware eviction, ``score_threshold`` and ``slot_classes``
+(:mod:`vllm_hisparse.ops.reference_scores`).
 
 Each public function validates every tensor (dtype, device, shape, contiguity) and raises a
 ``ValueError`` naming the argument, then runs the CUDA kernel when the index tensors are on a
 CUDA device and the extension ``vllm_hisparse._C`` provides it, and the pure-torch twin in
 :mod:`vllm_hisparse.ops.reference` otherwise (the fallback is logged once).
 
-:func:`select` returns the same four functions bound to one backend (``"auto"``, ``"cuda"`` or
+:func:`select` returns the same functions bound to one backend (``"auto"``, ``"cuda"`` or
 ``"reference"``) and one :class:`KernelTuning` (``select("cuda", resolve_threads=512)``), which is
 how the connector's ``ops_backend`` setting is applied. The module-level functions are the
 ``"auto"`` backend with the default tuning.
@@ -22,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference
+from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference, reference_scores
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -38,8 +40,10 @@ __all__ = [
     "mirror_rows",
     "reference",
     "resolve",
+    "score_threshold",
     "select",
     "token_state_rows",
+    "slot_classes",
 ]
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -140,6 +144,28 @@ def _merge_rows(backend: str, tuning: KernelTuning, ours, token_rows, theirs, fr
     (reference if kernels is None else kernels).merge_rows(
         ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts,
         **({} if kernels is None else {"tuning": tuning}))
+def _score_threshold(backend: str, tuning: KernelTuning, logits, topk, threshold,
+                     width) -> None:
+    _checks.check_score_threshold_args(logits, topk, threshold, width)
+    kernels = _kernels(logits.device, backend)
+    if kernels is None:
+        reference_scores._score_threshold_unchecked(logits, topk, threshold, width)
+        return
+    kernels.score_threshold(logits, topk, threshold, width, tuning=tuning)
+
+
+def _slot_classes(backend: str, tuning: KernelTuning, logits, threshold, width, next_n,
+                  batch_state_rows, slot_pos, slot_class) -> None:
+    args = (logits, threshold, width, next_n, batch_state_rows, slot_pos, slot_class)
+    _checks.check_slot_classes_args(*args)
+    kernels = _kernels(logits.device, backend)
+    if kernels is None:
+        _checks.check_slot_classes_values(*args)  # the twin always checks
+        reference_scores._slot_classes_unchecked(*args)
+        return
+    if _checks.value_checks_enabled():
+        _checks.check_slot_classes_values(*args)
+    kernels.slot_classes(*args, tuning=tuning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +180,8 @@ class Backend:
     mirror_rows: Callable[..., None]
     token_state_rows: Callable[..., None]
     merge_rows: Callable[..., None]
+    score_threshold: Callable[..., None]
+    slot_classes: Callable[..., None]
 
 
 def select(backend: str = "auto", **tuning) -> Backend:
@@ -179,6 +207,8 @@ def select(backend: str = "auto", **tuning) -> Backend:
     return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
                    bind(_copy_blocks), bind(_mirror_rows), bind(_token_state_rows),
                    bind(_merge_rows))
+                   bind(_copy_blocks), bind(_mirror_rows), bind(_score_threshold),
+                   bind(_slot_classes))
 
 
 _auto = select("auto")
@@ -188,3 +218,5 @@ copy_blocks = _auto.copy_blocks
 mirror_rows = _auto.mirror_rows
 token_state_rows = _auto.token_state_rows
 merge_rows = _auto.merge_rows
+score_threshold = _auto.score_threshold
+slot_classes = _auto.slot_classes

@@ -510,3 +510,92 @@ def check_merge_rows_args(ours, token_rows, theirs, from_stride_rows, to_stride_
         check_shape("counts", counts, (num_tokens,), "one count per token")
         written.append(("counts", counts))
     check_no_aliasing(written, [("ours", ours), ("token_rows", token_rows), ("theirs", theirs)])
+# --------------------------------------------------------------------------------------
+# score ops (ops/reference_scores.py)
+# --------------------------------------------------------------------------------------
+
+SCORE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_row_strided(name: str, t: object, dtypes: Sequence[torch.dtype],
+                      device: torch.device | None = None) -> torch.Tensor:
+    """A 2-D tensor of one of ``dtypes`` whose rows are contiguous (``stride(1) == 1``) and
+    do not overlap (``stride(0) >= shape[1]``): contiguous, or a column slice such as vLLM's
+    aligned logits ``[:, :W]``."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_not_meta(name, t)
+    if t.dtype not in dtypes:
+        _fail(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != 2:
+        _fail(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    rows, cols = t.shape
+    if (cols > 1 and t.stride(1) != 1) or (rows > 1 and t.stride(0) < cols):
+        _fail(f"{name} must have contiguous rows (stride(1) == 1, stride(0) >= {cols}); got "
+              f"strides {t.stride()} for shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device} (the device of the logits)")
+    return t
+
+
+def check_score_threshold_args(logits, topk, threshold, width) -> None:
+    """Metadata checks of ``score_threshold``."""
+    dev = check_row_strided("logits", logits, SCORE_DTYPES).device
+    rows = logits.shape[0]
+    check_row_strided("topk", topk, (torch.int32,), dev)
+    if topk.shape[0] != rows:
+        _fail(f"topk must have {rows} rows (one per logits row), got {topk.shape[0]}")
+    for name, t in (("threshold", threshold), ("width", width)):
+        check_tensor(name, t, torch.float32, 1, dev)
+        check_shape(name, t, (rows,), "one value per logits row")
+    check_no_aliasing([("threshold", threshold), ("width", width)],
+                      [("logits", logits), ("topk", topk)])
+
+
+def check_next_n(next_n: object, rows: int) -> int:
+    if isinstance(next_n, bool) or not isinstance(next_n, int) or next_n <= 0:
+        _fail(f"next_n must be a positive int, got {next_n!r}")
+    if rows % next_n:
+        _fail(f"{rows} logits rows are not a whole number of requests of next_n = {next_n}")
+    return next_n
+
+
+def check_slot_classes_args(logits, threshold, width, next_n, batch_state_rows, slot_pos,
+                            slot_class) -> None:
+    """Metadata checks of ``slot_classes``."""
+    dev = check_row_strided("logits", logits, SCORE_DTYPES).device
+    rows = logits.shape[0]
+    num_requests = rows // check_next_n(next_n, rows)
+    for name, t in (("threshold", threshold), ("width", width)):
+        check_tensor(name, t, torch.float32, 1, dev)
+        check_shape(name, t, (rows,), "one value per logits row")
+    check_tensor("batch_state_rows", batch_state_rows, torch.int32, 1, dev)
+    if batch_state_rows.shape[0] < num_requests:
+        _fail(f"batch_state_rows has {batch_state_rows.shape[0]} entries for {num_requests} "
+              f"decode requests ({rows} logits rows / next_n = {next_n})")
+    check_tensor("slot_pos", slot_pos, torch.int32, 2, dev)
+    check_tensor("slot_class", slot_class, torch.uint8, 2, dev)
+    check_shape("slot_class", slot_class, tuple(slot_pos.shape), "same [R, D] as slot_pos")
+    check_no_aliasing([("slot_class", slot_class)],
+                      [("logits", logits), ("threshold", threshold), ("width", width),
+                       ("batch_state_rows", batch_state_rows), ("slot_pos", slot_pos)])
+
+
+def check_slot_classes_values(logits, threshold, width, next_n, batch_state_rows, slot_pos,
+                              slot_class) -> None:
+    """Data checks of ``slot_classes`` (reads ``batch_state_rows`` back): every state row of
+    a decode request in ``[-1, R)``, no two requests on one. The kernel skips a state row
+    outside ``[0, R)``; two requests on one row would race on it."""
+    num_requests = logits.shape[0] // next_n
+    num_rows = slot_pos.shape[0]
+    state = batch_state_rows[:num_requests].to(torch.int64)
+    check_sentinel_ids("batch_state_rows", state)
+    tracked = state[state >= 0]
+    check_row_ids("batch_state_rows", tracked, num_rows)
+    if tracked.numel() > 1:
+        ordered = torch.sort(tracked).values
+        same = ordered[1:] == ordered[:-1]
+        if bool(same.any()):
+            row = int(ordered[1:][same][0])
+            _fail(f"batch_state_rows holds state row {row} for two decode requests: each "
+                  f"request's slot classes go to its own state row")

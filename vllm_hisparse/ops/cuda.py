@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from vllm_hisparse.core.trace import SCORE_CLASS_WIDTH
 from vllm_hisparse.ops import _extension
 from vllm_hisparse.ops.errors import ResolveError
 from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
@@ -44,6 +45,8 @@ __all__ = [
     "resolve",
     "resolve_launch_info",
     "token_state_rows",
+    "score_threshold",
+    "slot_classes",
 ]
 
 
@@ -223,6 +226,49 @@ def resolve_launch_info(num_tokens: int, k: int, num_slots: int, block_size: int
     return _module().resolve_launch_info(num_tokens, k, num_slots, block_size, num_pages,
                                          threads=tuning.resolve_threads,
                                          max_tokens_per_request=tuning.max_tokens_per_request)
+
+
+# --------------------------------------------------------------------------------------
+# score classes
+# --------------------------------------------------------------------------------------
+
+
+def _score_dtype(module, logits: torch.Tensor) -> int:
+    return module.SCORE_FLOAT32 if logits.dtype == torch.float32 else module.SCORE_BFLOAT16
+
+
+def score_threshold(logits, topk, threshold, width, *,
+                    tuning: KernelTuning = DEFAULT_TUNING) -> None:
+    """One launch; see :func:`vllm_hisparse.ops.reference.score_threshold` (``tuning``: taken
+    for the backend's uniform call, the launch has no choices)."""
+    rows, cols = logits.shape
+    if rows == 0:
+        return
+    module = _module()
+    with _on_device(logits.device):
+        stream = torch.cuda.current_stream(logits.device).cuda_stream
+        module.score_threshold(logits.data_ptr(), topk.data_ptr(), threshold.data_ptr(),
+                               width.data_ptr(), int(logits.stride(0)), int(topk.stride(0)),
+                               float(SCORE_CLASS_WIDTH), rows, cols, int(topk.shape[1]),
+                               _score_dtype(module, logits), stream)
+
+
+def slot_classes(logits, threshold, width, next_n, batch_state_rows, slot_pos, slot_class, *,
+                 tuning: KernelTuning = DEFAULT_TUNING) -> None:
+    """One launch; see :func:`vllm_hisparse.ops.reference.slot_classes`. A state row outside
+    ``[0, R)`` is skipped (the reference raises)."""
+    rows, cols = logits.shape
+    num_rows, num_slots = slot_pos.shape
+    requests = rows // next_n
+    if requests == 0 or num_rows == 0 or num_slots == 0:
+        return
+    module = _module()
+    with _on_device(logits.device):
+        stream = torch.cuda.current_stream(logits.device).cuda_stream
+        module.slot_classes(logits.data_ptr(), threshold.data_ptr(), width.data_ptr(),
+                            batch_state_rows.data_ptr(), slot_pos.data_ptr(),
+                            slot_class.data_ptr(), int(logits.stride(0)), requests, int(next_n),
+                            cols, num_rows, num_slots, _score_dtype(module, logits), stream)
 
 
 # --------------------------------------------------------------------------------------

@@ -30,9 +30,12 @@ import torch
 
 from vllm_hisparse.ops import _checks
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
+# The score ops' twins live in their own module (one concept per file); re-exported here so
+# that every op's twin is ``reference.<name>``.
+from vllm_hisparse.ops.reference_scores import score_threshold, slot_classes
 
 __all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows", "token_state_rows",
-           "merge_rows", "MAX_SLOT_CLASS"]
+           "merge_rows", "score_threshold", "slot_classes", "MAX_SLOT_CLASS"]
 
 #: ``slot_class`` values above this count as this (four eviction classes, 0 evicted first).
 MAX_SLOT_CLASS = 3

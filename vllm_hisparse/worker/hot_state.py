@@ -136,8 +136,8 @@ class HotState:
         self.stats = torch.zeros(3, dtype=torch.int64, device=self.device)
         #: Per-row miss counts for adaptive hot regions (``RowHotCounts``), or None.
         self.row_counts: RowHotCounts | None = None
-        #: uint8 ``[R + 1, D]`` eviction classes for resolve (score-aware eviction; row R is
-        #: scratch, ``worker.score_classes``), or None: plain LRU.
+        #: uint8 ``[R, D]`` eviction classes for resolve (score-aware eviction, filled by
+        #: :meth:`fill_slot_classes`), or None: plain LRU.
         self.slot_class: torch.Tensor | None = None
         # resolve's outputs: views of the rows of one storage, sized by the largest batch so
         # far (vLLM warms up and captures its CUDA graphs largest batch first, so one storage
@@ -197,9 +197,21 @@ class HotState:
         """Evict in (class, LRU) order from now on; returns the class table to fill before
         each resolve (all class 0, plain LRU, until then)."""
         if self.slot_class is None:
-            self.slot_class = torch.zeros((self.num_state_rows + 1, self.hot_slots),
+            self.slot_class = torch.zeros((self.num_state_rows, self.hot_slots),
                                           dtype=torch.uint8, device=self.device)
         return self.slot_class
+
+    def fill_slot_classes(self, logits: torch.Tensor, threshold: torch.Tensor,
+                          width: torch.Tensor, next_n: int, batch_state_rows: torch.Tensor
+                          ) -> None:
+        """This step's classes of the decode requests' slots from the indexer's scores
+        (``ops.slot_classes`` of this state's backend: one launch on CUDA); the rows of other
+        requests keep theirs. Needs :meth:`enable_slot_classes`."""
+        if self.slot_class is None:
+            raise RuntimeError("fill_slot_classes: slot classes are not enabled on this "
+                               "hot state (enable_slot_classes)")
+        self._ops.slot_classes(logits, threshold, width, next_n, batch_state_rows,
+                               self.slot_pos, self.slot_class)
 
     def release_hot_region(self, row: int) -> None:
         """Drop ``row``'s hot region (its blocks go back to the scheduler's pool)."""
@@ -258,8 +270,7 @@ class HotState:
         self._ops.resolve(topk, token_rows, self.residency, self.host_blocks, self.hot_blocks,
                           self.slot_pos, self.lru, self.block_size, res.out_rows, res.miss_src,
                           res.miss_dst, res.miss_count, self.stats,
-                          None if self.slot_class is None
-                          else self.slot_class[:self.num_state_rows])
+                          self.slot_class)
         if self.row_counts is not None:
             self.row_counts.add(topk, token_rows, self.residency, res.miss_count, self.block_size)
         return res

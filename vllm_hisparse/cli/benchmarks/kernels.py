@@ -22,7 +22,10 @@
   random rows drawn from 256 MiB ... 8 GiB of one registered host buffer, 656 and 1152 B rows;
   and one layer's gather of a DeepSeek-V3.2 / GLM-5.1 batch's misses (80 requests x 205, 32K
   contexts in consecutive host rows, request-major) from a layer-major and a position-major
-  carving of the buffer, default vs narrower grids, warm vs cold translation caches.
+  carving of the buffer, default vs narrower grids, warm vs cold translation caches;
+* score classes (``--only score``): the slot classes of score-aware eviction per index group
+  and step (batch 64, W 32768, K 2048, D 4096), the two CUDA launches against the torch twin
+  (``cli/benchmarks/score_classes.py``).
 
 Prints a table and writes every number as JSON with --json.
 """
@@ -43,6 +46,7 @@ from vllm_hisparse.cli.benchmarks.gpu_timing import DEV, RESULTS, flush_l2, log,
 from vllm_hisparse.cli.benchmarks.host_reads import (bench_copies, bench_gather, bench_huge_pages,
                                                     bench_layout)
 from vllm_hisparse.cli.benchmarks.reach import bench_reach
+from vllm_hisparse.cli.benchmarks.score_classes import bench_score
 from vllm_hisparse.ops import probe, reference
 from vllm_hisparse.ops.tuning import KernelTuning
 
@@ -352,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write all results to this path")
     ap.add_argument("--quick", action="store_true", help="fewer points and repetitions")
     ap.add_argument("--only", default="resolve,gather,copies,huge,layout,reach",
-                    help="comma-separated subset of resolve,gather,copies,huge,layout,reach")
+                    help="comma-separated subset of resolve,gather,copies,huge,layout,reach,"
+                         "score (score is run only when named)")
     ap.add_argument("--profile-resolve", type=int, metavar="BATCH",
                     help="only run 4 resolve launches of this batch (D 4096, miss 5 %%) for a "
                          "profiler, e.g. ncu -k regex:resolve_ --launch-skip 3")
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}")
     only = set(args.only.split(","))
     steps = [("resolve", bench_resolve), ("layout", bench_layout), ("gather", bench_gather),
-             ("copies", bench_copies), ("huge", bench_huge_pages), ("reach", bench_reach)]
+             ("copies", bench_copies), ("huge", bench_huge_pages), ("reach", bench_reach),
+             ("score", bench_score)]
     for name, fn in steps:
         if name in only:
             try:

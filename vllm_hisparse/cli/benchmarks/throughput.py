@@ -69,6 +69,22 @@ REALISM = dict(geometry="dsv32", batch=12, context=2048, public_tpot_ms=39.0,
                       "short context (issue [15]'s public figure)")
 
 
+def residency_options(a) -> dict:
+    """SimulationSpec fields of --host-layout, --hot-region-eviction and
+    --adaptive-hot-region: the connector's
+    extra-config keys (as ``simulate`` passes them), and with an eviction given the scored
+    top-k drift (vLLM's indexer top-k over synthetic scores, which ``score`` needs) for lru
+    and score alike, so that the two compare on the same selections."""
+    extra = {"host_layout": a.host_layout}
+    if a.adaptive_hot_region:
+        extra["adaptive_hot_region"] = True
+    if a.hot_region_eviction is None:
+        return {"connector_extra": extra}
+    from vllm_hisparse.vllm.simulation.spec import SCORED_DRIFT
+    extra["hot_region_eviction"] = a.hot_region_eviction
+    return {"connector_extra": extra, "topk_drift": SCORED_DRIFT}
+
+
 def sim_spec(a, shape: LayerShape, num_layers: int, context: int, requests: int,
              output_len: int, device: str, device_blocks: int = 2):
     from vllm_hisparse.vllm.simulation.engine import SimulationSpec
@@ -81,7 +97,7 @@ def sim_spec(a, shape: LayerShape, num_layers: int, context: int, requests: int,
         max_num_batched_tokens=context + max(1, requests), num_requests=max(1, requests),
         prompt_len=context, output_len=output_len, device=device,
         ops_backend="cuda" if device == "cuda" else "auto", attention="group", check=False,
-        connector_extra={"host_layout": a.host_layout})
+        **residency_options(a))
 
 
 def device_plan(spec) -> dict:
@@ -312,6 +328,11 @@ def main(argv=None) -> int:
                    help="skip the full-residency step at the public figure's batch")
     p.add_argument("--host-layout", choices=("auto", "position", "layer"), default="auto",
                    help="the connector's host_layout (default: %(default)s)")
+    p.add_argument("--hot-region-eviction", choices=("lru", "score"), default=None,
+                   help="the connector's hot_region_eviction (given: both with the scored "
+                   "top-k drift; default: the connector's lru, uniform drift)")
+    p.add_argument("--adaptive-hot-region", action="store_true",
+                   help="the connector's adaptive_hot_region (default: fixed regions)")
     p.add_argument("--json", metavar="PATH", type=output_path)
     p.add_argument("--plot", metavar="PNG", type=output_path)
     a = p.parse_args(argv)

@@ -72,7 +72,6 @@ from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
                                             GroupGather, HotState)
-from vllm_hisparse.worker.score_classes import slot_classes_into
 
 #: Attribute under which a vLLM index group object carries its binding.
 BINDING_ATTR = "_vllm_hisparse_residency"
@@ -257,8 +256,8 @@ class IndexGroupResidency:
         if record is None:
             slot_class.zero_()
             return
-        slot_classes_into(slot_class, record.logits, record.threshold, record.width,
-                          record.next_n, self.step.batch_state_rows, self.hot_state.slot_pos)
+        self.hot_state.fill_slot_classes(record.logits, record.threshold, record.width,
+                                         record.next_n, self.step.batch_state_rows)
 
     def leader_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat rows int32 [T, K], token state rows int32 [T]) the leader resolved this step."""

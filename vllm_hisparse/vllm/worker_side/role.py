@@ -225,7 +225,7 @@ class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
         patches.TOPK_CONVERSION_HOOK.install(hooked_conversion)
         patches.DIRECT_CONVERSION_ROUTING.install(routed_direct_conversion)
         if self._scores is not None:
-            self._scores.enable()
+            self._scores.enable(self.config.ops_backend)
             patches.INDEXER_SCORES.install(self._scores.record_decode_topk)
         self._counter_reader = AsyncCounterReader(
             [state.stats for lane in self.lanes for state in lane.hot_states])

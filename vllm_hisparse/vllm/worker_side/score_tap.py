@@ -7,8 +7,8 @@ scored lowest this step (least recent among equals) instead of the least recent 
 and hands them, with the output buffer, to ``SparseIndexerTopk.forward``; only the top-k
 indices leave the op. The ``indexer_scores`` patch (``patches.INDEXER_SCORES``) wraps that
 method with :meth:`ScoreTap.record_decode_topk`: after vLLM's top-k it keeps the logits and
-each row's threshold and class width (:func:`worker.score_classes.threshold_and_width`; the
-output buffer may be rewritten after the call, in the padded speculative-decoding layout).
+each row's threshold and class width (``ops.score_threshold``, one launch; it must run there:
+the output buffer may be rewritten after the call, in the padded speculative-decoding layout).
 
 The leader layer of each bound index group runs its indexer, then its attention, whose top-k
 conversion calls :meth:`ScoreTap.take` (``read_path``): the record is handed over once,
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_hisparse.worker.score_classes import threshold_and_width
+from vllm_hisparse import ops
 
 
 @dataclasses.dataclass
@@ -62,10 +62,14 @@ class ScoreTap:
 
     def __init__(self) -> None:
         self.enabled = False
+        self._ops: ops.Backend = ops.select("auto")
         self._record: ScoreRecord | None = None
 
-    def enable(self) -> None:
-        """Start recording (the worker role, when it binds groups with score eviction)."""
+    def enable(self, ops_backend: str | ops.Backend = "auto") -> None:
+        """Start recording (the worker role, when it binds groups with score eviction), with
+        the thresholds computed by ``ops_backend`` (the connector's ``ops_backend``)."""
+        self._ops = ops_backend if isinstance(ops_backend, ops.Backend) \
+            else ops.select(ops_backend)
         self.enabled = True
 
     def record_decode_topk(self, original: Callable[..., Any], logits: torch.Tensor,
@@ -74,7 +78,10 @@ class ScoreTap:
         """Body of the ``indexer_scores`` patch: vLLM's top-k, then the record."""
         out = original(logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len)
         if self.enabled:
-            threshold, width = threshold_and_width(logits, topk_indices)
+            bounds = torch.empty((2, logits.shape[0]), dtype=torch.float32,
+                                 device=logits.device)
+            threshold, width = bounds[0], bounds[1]
+            self._ops.score_threshold(logits, topk_indices, threshold, width)
             self._record = ScoreRecord(logits, threshold, width, int(next_n),
                                        topk_indices.data_ptr())
         return out
