@@ -101,14 +101,16 @@ def test_residency_options_reach_the_connector_extra_config():
     import argparse
 
     def spec(**options):
-        a = argparse.Namespace(block_size=64, top_k=2048, hot_region_eviction=None,
-                               adaptive_hot_region=False)
+        a = argparse.Namespace(block_size=64, top_k=2048, host_layout="auto",
+                               hot_region_eviction=None, adaptive_hot_region=False)
         vars(a).update(options)
         return throughput.sim_spec(a, LayerShape.named("dsv32"), 2, 4096, 1, 64, "cpu")
 
-    assert spec().connector_extra is None and spec().topk_drift == "uniform"
+    assert spec().connector_extra == {"host_layout": "auto"}
+    assert spec().topk_drift == "uniform"
+    assert spec(host_layout="layer").connector_extra == {"host_layout": "layer"}
     for eviction in ("lru", "score"):
         s = spec(hot_region_eviction=eviction, adaptive_hot_region=True)
-        assert s.connector_extra == {"adaptive_hot_region": True,
+        assert s.connector_extra == {"host_layout": "auto", "adaptive_hot_region": True,
                                      "hot_region_eviction": eviction}
         assert s.topk_drift == "scored"

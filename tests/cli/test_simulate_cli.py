@@ -229,7 +229,7 @@ def test_wrong_row_in_a_shared_block_fails(monkeypatch, capsys):
 @pytest.mark.parametrize("host_layout", ["position", "layer"])
 def test_both_host_layouts_are_exact(host_layout, tmp_path, monkeypatch, capsys):
     """Mirrors, spills and miss gathers through a layer-major and a position-major pool."""
-    from vllm_hisparse.vllm import worker_side
+    from vllm_hisparse.vllm.worker_side import role as worker_side
 
     layouts = []
     real_pool = worker_side.HostPool

@@ -206,9 +206,7 @@ def select(backend: str = "auto", **tuning) -> Backend:
 
     return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
                    bind(_copy_blocks), bind(_mirror_rows), bind(_token_state_rows),
-                   bind(_merge_rows))
-                   bind(_copy_blocks), bind(_mirror_rows), bind(_score_threshold),
-                   bind(_slot_classes))
+                   bind(_merge_rows), bind(_score_threshold), bind(_slot_classes))
 
 
 _auto = select("auto")

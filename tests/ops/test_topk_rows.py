@@ -1,0 +1,130 @@
+"""token_state_rows and merge_rows: the reference twins against a plain per-entry definition,
+the CUDA kernels against the twins (exact), on random and adversarial inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_hisparse import ops
+from vllm_hisparse.ops import reference
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def plain_token_state_rows(batch_rows, table, limit):
+    real, rows = int(table[0]), table[1:].tolist()
+    out = []
+    for t, b in enumerate(batch_rows.tolist()):
+        ok = 0 <= b < len(rows) and t < real and (limit is None or t < limit)
+        out.append(rows[b] if ok else -1)
+    return out
+
+
+def plain_merge(ours, token_rows, theirs, frm, to, compact):
+    out, counts = [], []
+    for t in range(ours.shape[0]):
+        if token_rows[t] >= 0:
+            row = [(r // frm) * to + r % frm if r >= 0 else r for r in ours[t].tolist()]
+        else:
+            row = theirs[t].tolist()
+        if compact:
+            valid = [v for v in row if v >= 0]
+            counts.append(len(valid))
+            row = valid + [-1] * (len(row) - len(valid))
+        out.append(row)
+    return out, counts
+
+
+def merge_case(T, K, seed, tracked_share=0.5, valid_share=0.7):
+    g = torch.Generator().manual_seed(seed)
+    ours = torch.randint(0, 1 << 20, (T, K), generator=g, dtype=torch.int32)
+    theirs = torch.randint(0, 1 << 20, (T, K), generator=g, dtype=torch.int32)
+    ours[torch.rand(T, K, generator=g) > valid_share] = -1
+    theirs[torch.rand(T, K, generator=g) > valid_share] = -1
+    token_rows = torch.where(torch.rand(T, generator=g) < tracked_share,
+                             torch.randint(0, 64, (T,), generator=g, dtype=torch.int32),
+                             torch.full((T,), -1, dtype=torch.int32))
+    return ours, token_rows, theirs
+
+
+MERGE_SHAPES = [(1, 1), (3, 7), (17, 2048), (5, 2049), (2, 4096 + 300), (0, 16), (4, 0)]
+
+
+@pytest.mark.parametrize("T,K", MERGE_SHAPES)
+@pytest.mark.parametrize("frm,to", [(64, 64), (128, 64), (64, 320)])
+@pytest.mark.parametrize("compact", [False, True])
+def test_reference_merge_matches_the_plain_definition(T, K, frm, to, compact):
+    ours, token_rows, theirs = merge_case(T, K, seed=T * 31 + K)
+    out = torch.empty_like(ours)
+    counts = torch.empty(T, dtype=torch.int32) if compact else None
+    reference.merge_rows(ours, token_rows, theirs, frm, to, out, counts)
+    want, want_counts = plain_merge(ours, token_rows.tolist(), theirs, frm, to, compact)
+    assert out.tolist() == want
+    if compact:
+        assert counts.tolist() == want_counts
+
+
+def test_merge_refuses_an_output_that_overlaps_an_input():
+    ours, token_rows, theirs = merge_case(4, 8, seed=1)
+    with pytest.raises(ValueError, match="out shares memory"):
+        ops.merge_rows(ours, token_rows, theirs, 64, 64, theirs)
+    with pytest.raises(ValueError, match="to_stride_rows"):
+        ops.merge_rows(ours, token_rows, theirs, 64, 0, torch.empty_like(ours))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("limit", [None, 0, 5, 100])
+def test_reference_token_state_rows(dtype, limit):
+    g = torch.Generator().manual_seed(7)
+    batch_rows = torch.randint(-2, 12, (40,), generator=g).to(dtype)  # some outside [0, B)
+    table = torch.cat([torch.tensor([30], dtype=torch.int32),
+                       torch.randint(-1, 500, (10,), generator=g, dtype=torch.int32)])
+    out = torch.empty(40, dtype=torch.int32)
+    reference.token_state_rows(batch_rows, table, out, limit)
+    assert out.tolist() == plain_token_state_rows(batch_rows, table, limit)
+
+
+def test_token_state_rows_of_an_inert_table_are_all_padding():
+    table = torch.full((9,), -1, dtype=torch.int32)  # StepView outside a step
+    out = torch.empty(5, dtype=torch.int32)
+    reference.token_state_rows(torch.arange(5, dtype=torch.int32), table, out)
+    assert out.tolist() == [-1] * 5
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,K", MERGE_SHAPES + [(256, 2048), (8192, 2048)])
+@pytest.mark.parametrize("frm,to", [(64, 64), (128, 64)])
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("shares", [(0.5, 0.7), (0.0, 1.0), (1.0, 0.0), (1.0, 1.0)])
+def test_cuda_merge_equals_the_reference(T, K, frm, to, compact, shares):
+    ours, token_rows, theirs = merge_case(T, K, seed=T + K, tracked_share=shares[0],
+                                          valid_share=shares[1])
+    want = torch.empty_like(ours)
+    want_counts = torch.empty(T, dtype=torch.int32) if compact else None
+    reference.merge_rows(ours, token_rows, theirs, frm, to, want, want_counts)
+    d = [x.cuda() for x in (ours, token_rows, theirs)]
+    out = torch.full_like(d[0], 12345)
+    counts = torch.full((T,), 12345, dtype=torch.int32, device="cuda") if compact else None
+    ops.select("cuda").merge_rows(*d, frm, to, out, counts)
+    assert torch.equal(out.cpu(), want)
+    if compact:
+        assert torch.equal(counts.cpu(), want_counts)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("limit", [None, 0, 3000])
+def test_cuda_token_state_rows_equal_the_reference(dtype, limit):
+    g = torch.Generator().manual_seed(3)
+    batch_rows = torch.randint(-3, 300, (5000,), generator=g).to(dtype)
+    table = torch.cat([torch.tensor([4000], dtype=torch.int32),
+                       torch.randint(-1, 900, (256,), generator=g, dtype=torch.int32)])
+    want = torch.empty(5000, dtype=torch.int32)
+    reference.token_state_rows(batch_rows, table, want, limit)
+    out = torch.full((5000,), 77, dtype=torch.int32, device="cuda")
+    ops.select("cuda").token_state_rows(batch_rows.cuda(), table.cuda(), out, limit)
+    assert torch.equal(out.cpu(), want)
