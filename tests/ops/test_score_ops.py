@@ -321,7 +321,10 @@ def test_cuda_equals_twin_random(seed, next_n, dtype):
     case = _case(seed, requests=7, next_n=next_n, width_cols=3000, k=700, slots=1536,
                  dtype=dtype)
     out = _cuda_equals_twin(case[0], case[1], next_n, case[2], case[3])
-    assert set(out.unique().tolist()) == set(range(NUM_SCORE_CLASSES))
+    # The case is not trivial: the batch's rows hold more than one class (other rows keep
+    # the fill, in both backends).
+    rows = sorted({r for r in case[2].tolist() if 0 <= r < out.shape[0]})
+    assert len(set(out[rows].unique().tolist())) >= 2
 
 
 @pytest.mark.gpu
