@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks, _extension, cuda, host_ranges, reference, reference_scores
+from vllm_hisparse.ops import (_checks, _conversion_checks, _extension, cuda, host_ranges, reference,
+                               reference_scores)
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
 
@@ -130,7 +131,7 @@ def _mirror_rows(backend: str, tuning: KernelTuning, src_layers, dst_layers, src
 
 def _token_state_rows(backend: str, tuning: KernelTuning, batch_rows, step_table, out,
                       limit=None) -> None:
-    _checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
+    _conversion_checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
     kernels = _kernels(batch_rows.device, backend)
     (reference if kernels is None else kernels).token_state_rows(
         batch_rows, step_table, out, limit, **({} if kernels is None else {"tuning": tuning}))
@@ -138,7 +139,8 @@ def _token_state_rows(backend: str, tuning: KernelTuning, batch_rows, step_table
 
 def _merge_rows(backend: str, tuning: KernelTuning, ours, token_rows, theirs, from_stride_rows,
                 to_stride_rows, out, counts=None) -> None:
-    _checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows, to_stride_rows,
+    _conversion_checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows,
+                                             to_stride_rows,
                                   out, counts)
     kernels = _kernels(ours.device, backend)
     (reference if kernels is None else kernels).merge_rows(

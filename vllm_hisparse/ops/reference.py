@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from vllm_hisparse.ops import _checks
+from vllm_hisparse.ops import _checks, _conversion_checks
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 # The score ops' twins live in their own module (one concept per file); re-exported here so
 # that every op's twin is ``reference.<name>``.
@@ -347,7 +347,7 @@ def token_state_rows(batch_rows: torch.Tensor, step_table: torch.Tensor, out: to
             ``0 <= batch_rows[t] < B``, ``t < step_table[0]`` and ``t < limit``; else -1.
         limit: tokens at or past it are padding (None: no limit beyond the table's count).
     """
-    _checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
+    _conversion_checks.check_token_state_rows_args(batch_rows, step_table, out, limit)
     num_batch_rows = step_table.shape[0] - 1
     t = torch.arange(batch_rows.shape[0], device=batch_rows.device)
     b = batch_rows.to(torch.int64)
@@ -380,7 +380,8 @@ def merge_rows(ours: torch.Tensor, token_rows: torch.Tensor, theirs: torch.Tenso
             to the front in column order, ``-1`` after.
         counts: int32 ``[T]`` OUT or None: the valid entries of each token.
     """
-    _checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows, to_stride_rows,
+    _conversion_checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows,
+                                             to_stride_rows,
                                   out, counts)
     r = ours.to(torch.int64)
     block = torch.div(r, from_stride_rows, rounding_mode="floor")
