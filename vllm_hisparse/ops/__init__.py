@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_hisparse.ops import (_checks, _conversion_checks, _extension, cuda, host_ranges, reference,
-                               reference_scores)
+from vllm_hisparse.ops import (_checks, _conversion_checks, _extension, cuda, host_ranges,
+                               reference, reference_scores)
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.tuning import DEFAULT_TUNING, KernelTuning
 
