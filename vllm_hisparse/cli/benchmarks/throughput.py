@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -142,7 +143,10 @@ def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     # decode-only step (every request admitted, however long admission took)
     output_len = 4 * n + 64 + window * (2 + len(log_points(n, min(a.min_point, n))))
     spec = sim_spec(a, shape, a.sim_layers, context, n, output_len, device, blocks)
-    probe = GraphStepProbe(work, a.warmup_steps, a.timed_steps, min_point=a.min_point)
+    trace = (None if a.trace_dir is None else
+             os.path.join(a.trace_dir, f"{shape.name.replace(' ', '_')}-{context}-{kind}.json"))
+    probe = GraphStepProbe(work, a.warmup_steps, a.timed_steps, min_point=a.min_point,
+                           trace_path=trace)
     engine = SimulationEngine(spec, probe=probe)
     t0 = time.perf_counter()
     with_connector = kind != "full"
@@ -276,6 +280,11 @@ def print_case(case: dict) -> None:
             ker = ", ".join(f"{k} {v:.2f}" for k, v in sorted(split["kernel_ms"].items(),
                                                              key=lambda kv: -kv[1]))
             print(f"  {kind} at {split['profiled_batch']}: profiled kernel ms: {ker}")
+        if split.get("span_ms"):
+            gaps = ", ".join(f"{g['name'][:48]} {g['ms']:.2f} ({g['gaps']})"
+                             for g in split.get("idle_before", [])[:5])
+            print(f"  {kind} at {split['profiled_batch']}: profiled span {split['span_ms']:.2f} "
+                  f"ms, GPU idle {split['idle_ms']:.2f} ms; idle before: {gaps}")
 
 
 def plot(path: str, cases: list[dict]) -> None:
@@ -333,9 +342,14 @@ def main(argv=None) -> int:
                    "top-k drift; default: the connector's lru, uniform drift)")
     p.add_argument("--adaptive-hot-region", action="store_true",
                    help="the connector's adaptive_hot_region (default: fixed regions)")
+    p.add_argument("--trace-dir", metavar="DIR",
+                   help="keep each profiled step's chrome trace there "
+                   "(MODEL-CONTEXT-SYSTEM.json)")
     p.add_argument("--json", metavar="PATH", type=output_path)
     p.add_argument("--plot", metavar="PNG", type=output_path)
     a = p.parse_args(argv)
+    if a.trace_dir is not None:
+        os.makedirs(a.trace_dir, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in (GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS).items():
         if getattr(a, name, None) is None:

@@ -19,7 +19,8 @@ timed steps alternate between them. A timed step's GPU time runs between CUDA ev
 before ``start_load_kv`` to after ``wait_for_save``, with the host's issue hidden: a
 ``GATE_US`` wait is queued on the GPU first and the start event after it, so the host queues
 the whole step before the GPU reaches it (what vLLM's async scheduling gives while the host
-is the faster of the two). ``host_ms`` is the host's issue time for the same span, less the
+is the faster of the two). The step after a batch's timed ones is profiled over the same span
+(:mod:`.step_profile`). ``host_ms`` is the host's issue time for the same span, less the
 simulator's synthetic KV writes (an op inside vLLM's forward). A step takes the larger of
 the two (``ms``): GPU-bound when ``gpu_ms`` is the larger. A host that waited on the GPU
 inside the step (a sync: the gate would show in ``host_ms``) is flagged ``host_waited``.
@@ -29,7 +30,6 @@ Without CUDA the same steps run eagerly (no capture): a smoke run of the plumbin
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 import warnings
@@ -40,6 +40,7 @@ import torch
 
 from vllm_hisparse.cli.benchmarks.connector import NoCopyGather
 from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
+from vllm_hisparse.cli.benchmarks.step_profile import StepProfile
 from vllm_hisparse.ops import probe as ops_probe
 from vllm_hisparse.vllm.simulation.probe import StepProbe
 
@@ -50,19 +51,6 @@ GATE_CTAS = 132
 #: Decode-only steps to wait for the last requests to be admitted before the departures are
 #: set without them.
 STALL_STEPS = 8
-
-#: Kernel-name patterns of the profiler split, first match wins.
-KERNEL_CLASSES = (
-    ("resolve", re.compile(r"resolve", re.I)),
-    ("gather", re.compile(r"gather_rows|copy_rows|zero_copy|rows_kernel", re.I)),
-    ("comm stand-in", re.compile(r"sleep|spin", re.I)),
-    ("top-k", re.compile(r"topk|radix|sort|bitonic", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|sm90_|cublas|bmm|matmul", re.I)),
-    ("row gather (attention)", re.compile(r"index_select|indexselect|index_kernel", re.I)),
-    ("softmax", re.compile(r"softmax", re.I)),
-    ("conversion (vLLM)", re.compile(r"convert|physical|triton|_kernel", re.I)),
-)
-
 
 @dataclass
 class TimedStep:
@@ -89,6 +77,7 @@ class GraphStepProbe(StepProbe):
     min_point: int = 8  # the smallest concurrency point
     points: tuple[int, ...] = ()  # set at the first decode-only step (_plan_departures)
     split_at: int | None = None  # batch size whose step is split by component and profiled
+    trace_path: str | None = None  # where the profiled step's chrome trace is kept
     steps: list[TimedStep] = field(default_factory=list)
     split: dict = field(default_factory=dict)
     graphs_captured: int = 0
@@ -135,7 +124,7 @@ class GraphStepProbe(StepProbe):
         self._seen: dict[int, int] = {}
         self._kind: str | None = None
         self._rows: dict[int, torch.Tensor] = {}
-        self._profile_next = False
+        self._profiling: StepProfile | None = None
         self.steps, self.split, self.graphs_captured = [], {}, 0
         self.points, self.split_at, self._stalled, self._kv_write_s = (), None, 0, 0.0
 
@@ -169,8 +158,13 @@ class GraphStepProbe(StepProbe):
                 self._kind = "hybrid" if timed % 2 == 0 else "oracle"
                 self._graph_kind = "step" if self._kind == "hybrid" else "oracle"
                 self._stats_before = self._counters()
-        elif n == self.split_at and timed == self.timed_steps and "kernel_ms" not in self.split:
-            self._profile_next = True
+        elif (self._cuda and n == self.split_at and timed == self.timed_steps
+              and "kernel_ms" not in self.split):
+            # the step after the timed ones, profiled over a timed step's span, gated alike
+            self._profiling = StepProfile(GATE_US, self.trace_path)
+            self._profiling.start()
+            if ops_probe.available():
+                ops_probe.spin(GATE_US, ctas=GATE_CTAS, busy=True)
         if self._kind is not None:
             self._watch_syncs = (self._cuda and n == self.split_at and timed == 0
                                  and "syncs" not in self.split)
@@ -208,13 +202,13 @@ class GraphStepProbe(StepProbe):
         graph = self._graphs.get((n, self._graph_kind))
         if graph is None:
             self._forward(n, oracle=self._graph_kind == "oracle")
-        elif self._profile_next:
-            self._profile_next = False
-            self.split.update(self._profile(graph, n))
         else:
             graph.replay()
 
     def after_forward(self, step) -> None:
+        if self._profiling is not None:
+            profiling, self._profiling = self._profiling, None
+            self.split.update(profiled_batch=step.num_requests, **profiling.stop())
         if self._kind is None:
             return
         issue_ms = (time.perf_counter() - self._host_start) * 1e3
@@ -331,29 +325,6 @@ class GraphStepProbe(StepProbe):
             out[comp] = statistics.median(times)
             del graph
         return out
-
-    def _profile(self, graph, n: int) -> dict:
-        """One replay under ``torch.profiler``: GPU ms per kernel class."""
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay()
-            torch.cuda.synchronize()
-        classes: dict[str, float] = {}
-        kernels = []
-        for ev in prof.key_averages():
-            us = getattr(ev, "self_device_time_total", None)
-            if us is None:
-                us = getattr(ev, "self_cuda_time_total", 0.0)
-            if not us:
-                continue
-            label = next((c for c, rx in KERNEL_CLASSES if rx.search(ev.key)), "other")
-            classes[label] = classes.get(label, 0.0) + us / 1e3
-            kernels.append((us / 1e3, ev.key[:120], label))
-        kernels.sort(reverse=True)
-        return dict(profiled_batch=n, kernel_ms=classes,
-                    top_kernels=[dict(ms=ms, name=name, class_=label)
-                                 for ms, name, label in kernels[:25]])
 
     def _counters(self) -> list[int]:
         units = [(b, b.num_layers) for b in self._run.bindings]

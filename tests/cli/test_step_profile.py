@@ -1,0 +1,48 @@
+"""The profiled step's split: classes, idle time after the gate and what ended each gap."""
+
+from vllm_hisparse.cli.benchmarks.step_profile import gpu_events, kernel_class, split_timeline
+
+
+def trace(*events):
+    return {"traceEvents": [dict(ph="X", cat=cat, name=name, ts=ts, dur=dur)
+                            for cat, name, ts, dur in events]}
+
+
+def test_events_before_the_gate_are_left_out_and_gaps_are_named():
+    t = trace(("kernel", "warmup_gemm", 0, 50),
+              ("kernel", "spin_kernel", 100, 60_000),           # the gate: ends at 60_100
+              ("Memcpy", "Memcpy HtoD (Pageable -> Device)", 60_110, 5),  # cat is not GPU
+              ("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 60_110, 5),
+              ("kernel", "sm90_gemm_bf16", 60_115, 100),
+              ("kernel", "resolve_kernel", 60_245, 10),       # 30 µs gap before it
+              ("kernel", "convert_req_index_kernel", 60_250, 20),  # overlaps: no gap
+              ("kernel", "resolve_kernel", 60_290, 10))      # 20 µs gap
+    split = split_timeline(gpu_events(t), gate_us=60_000)
+    assert split["span_ms"] == (60_300 - 60_100) / 1e3
+    assert abs(split["idle_ms"] - (10 + 30 + 20) / 1e3) < 1e-12
+    first = split["idle_before"][0]
+    assert first["name"] == "resolve_kernel" and first["gaps"] == 2
+    assert abs(first["ms"] - 0.050) < 1e-12
+    assert split["idle_before"][1]["name"].startswith("Memcpy HtoD")
+    ms = split["kernel_ms"]
+    assert set(ms) == {"copy / memset", "gemm", "resolve", "conversion (vLLM)"}
+    assert abs(ms["resolve"] - 0.020) < 1e-12 and "comm stand-in" not in ms
+
+
+def test_without_a_gate_the_span_starts_at_the_first_event():
+    split = split_timeline(gpu_events(trace(("kernel", "a_kernel", 10, 5),
+                                            ("kernel", "b", 25, 5))), gate_us=60_000)
+    assert split["span_ms"] == 0.020 and split["idle_ms"] == 0.010
+    assert split["kernel_ms"] == {"other": 0.010}
+    assert split_timeline([], gate_us=1.0)["span_ms"] == 0.0
+
+
+def test_kernel_classes_first_match_wins():
+    assert kernel_class("copy_rows_kernel") == "gather"
+    assert kernel_class("merge_rows_kernel") == "merge rows"
+    assert kernel_class("token_state_rows_kernel") == "merge rows"
+    assert kernel_class("_convert_req_index_to_global_index_kernel") == "conversion (vLLM)"
+    assert kernel_class("void at::native::vectorized_elementwise_kernel") == "other"
+    assert kernel_class("resolve_topk") == "resolve"  # before top-k
+    assert kernel_class("radixSortKernel") == "top-k"
+    assert kernel_class("elementwise") == "other"

@@ -1,0 +1,118 @@
+"""One decode step's GPU timeline under ``torch.profiler``: where the step's time went.
+
+``bench throughput`` profiles one step per system at its largest batch, over the same span as
+a timed step (from before ``start_load_kv`` to after ``wait_for_save``) and behind the same
+gate (a long busy wait queued first, so the host has queued the whole step before the GPU
+starts it; :mod:`.throughput_probe`). The timeline (kernels, copies, memsets: what CUPTI
+records, kernels replayed from a CUDA graph included) gives:
+
+* ``kernel_ms``: GPU time per kernel class (:data:`KERNEL_CLASSES`, first match wins;
+  copies and memsets are the ``copy / memset`` class);
+* ``span_ms``: from the gate's end to the step's last event; ``idle_ms``: the part of the
+  span in which nothing ran (the union of all streams' events subtracted);
+* ``idle_before``: that idle time by the name of the event that ended each gap, largest first
+  (a gap is the GPU waiting for what comes next: a graph's node gaps, a copy's DMA latency, a
+  stream waiting on another's event).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+#: Kernel-name patterns of the split, first match wins (our kernels by their names in csrc/;
+#: elementwise torch kernels fall to "other").
+KERNEL_CLASSES = (
+    ("resolve", re.compile(r"resolve", re.I)),
+    ("merge rows", re.compile(r"merge_rows|token_state_rows|score_threshold|slot_classes", re.I)),
+    ("gather", re.compile(r"copy_rows|gather_rows|zero_copy", re.I)),
+    ("comm stand-in", re.compile(r"sleep|spin", re.I)),
+    ("top-k", re.compile(r"topk|radix|sort|bitonic", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|sm90_|cublas|bmm|matmul", re.I)),
+    ("conversion (vLLM)", re.compile(r"convert|physical", re.I)),
+    ("row gather (attention)", re.compile(r"index_select|indexselect|index_kernel", re.I)),
+    ("softmax", re.compile(r"softmax", re.I)),
+)
+#: Chrome-trace categories of GPU activity.
+GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "copy", "gpu_memset": "copy"}
+#: Gaps listed in ``idle_before``.
+NUM_IDLE_NAMES = 8
+
+
+def kernel_class(name: str) -> str:
+    return next((c for c, rx in KERNEL_CLASSES if rx.search(name)), "other")
+
+
+def gpu_events(trace: dict) -> list[tuple[float, float, str, str]]:
+    """``(start_us, end_us, name, class)`` of every GPU event of a chrome trace, by start."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        kind = GPU_CATEGORIES.get(str(ev.get("cat", "")).lower())
+        if kind is None or ev.get("ph") != "X":
+            continue
+        ts, dur, name = float(ev["ts"]), float(ev.get("dur", 0.0)), str(ev.get("name", ""))
+        out.append((ts, ts + dur, name, "copy / memset" if kind == "copy" else kernel_class(name)))
+    out.sort()
+    return out
+
+
+def split_timeline(events: list[tuple[float, float, str, str]], gate_us: float) -> dict:
+    """The split of the events after the gate (the first event at least ``gate_us / 2`` long;
+    from the first event when there is none). Times in ms."""
+    start = next((e for s, e, _, _ in events if e - s >= gate_us / 2), None)
+    step = [ev for ev in events if start is None or ev[0] >= start]
+    if not step:
+        return dict(kernel_ms={}, span_ms=0.0, idle_ms=0.0, idle_before=[])
+    begin = step[0][0] if start is None else start
+    classes: dict[str, float] = {}
+    idle: dict[str, list[float]] = {}
+    covered, total_idle = begin, 0.0
+    for s, e, name, label in step:
+        classes[label] = classes.get(label, 0.0) + (e - s) / 1e3
+        if s > covered:
+            gap = s - covered
+            total_idle += gap
+            entry = idle.setdefault(name[:100], [0.0, 0])
+            entry[0] += gap / 1e3
+            entry[1] += 1
+        covered = max(covered, e)
+    ranked = sorted(idle.items(), key=lambda kv: -kv[1][0])[:NUM_IDLE_NAMES]
+    return dict(kernel_ms=classes, span_ms=(covered - begin) / 1e3, idle_ms=total_idle / 1e3,
+                idle_before=[dict(name=n, ms=ms, gaps=int(c)) for n, (ms, c) in ranked])
+
+
+class StepProfile:
+    """``torch.profiler`` over one step: :meth:`start` before the gate, :meth:`stop` after the
+    step's end event completed. ``trace_path``: where the chrome trace is kept (None: a
+    temporary file, removed)."""
+
+    def __init__(self, gate_us: float, trace_path: str | None = None):
+        self.gate_us = gate_us
+        self.trace_path = trace_path
+        self._prof = None
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CUDA])
+        self._prof.__enter__()
+
+    def stop(self) -> dict:
+        import torch
+
+        torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        path = self.trace_path
+        if path is None:
+            fd, path = tempfile.mkstemp(suffix=".json")
+            os.close(fd)
+        try:
+            self._prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        finally:
+            if self.trace_path is None:
+                os.unlink(path)
+        return split_timeline(gpu_events(trace), self.gate_us)
