@@ -7,6 +7,7 @@ import torch
 
 from vllm_hisparse.core.commands import HotLease, StepCommand, TransferKind, TransferSpec
 from vllm_hisparse.worker.hot_state import HotState
+from vllm_hisparse.worker.page_tables import PageTables
 from vllm_hisparse.worker.step_executor import StepExecutor
 from vllm_hisparse.worker.synthetic import kv_rows
 from vllm_hisparse.worker.transfer import TransferEngine
@@ -87,3 +88,41 @@ def test_page_index_past_the_table_is_an_error():
     with pytest.raises(ValueError, match="page index outside"):
         ex.before_forward(StepCommand(step_id=1, page_rows=[0], page_indices=[8],
                                       page_device_blocks=[1], page_host_blocks=[1]))
+
+
+def test_shared_page_tables_are_written_once_per_step(monkeypatch):
+    """The index groups of a lane share one PageTables: a step's page changes and cleared
+    rows are written into it once, not once per group (each write was an H2D copy and an
+    index_put per group: 48 copies per step for GLM-5.1's 8 simulated layers)."""
+    tables = PageTables(4, 8)
+    states = [HotState(4, 8, 2 * BS, BS, page_tables=tables) for _ in range(3)]
+    separate = HotState(4, 8, 2 * BS, BS)
+    engine = TransferEngine([torch.zeros((32 * BS, ROW_BYTES), dtype=torch.uint8)] * 1,
+                            [torch.zeros((16 * BS, ROW_BYTES), dtype=torch.uint8)] * 1, BS)
+    ex = StepExecutor([*states, separate], engine, 4, 8, BS)
+    writes = []
+    for t in (tables, separate.page_tables):
+        for verb in ("update", "set_pages", "set_host_blocks", "clear_rows"):
+            real = getattr(t, verb)
+            monkeypatch.setattr(t, verb, lambda *a, _r=real, _v=verb, _t=t: (
+                writes.append((id(_t), _v)), _r(*a))[1])
+    ex.before_forward(StepCommand(step_id=1, page_rows=[1, 3], page_indices=[0, 2],
+                                  page_device_blocks=[4, -1], page_host_blocks=[6, 2]))
+    assert sorted(writes) == sorted([(id(tables), "update"),
+                                     (id(separate.page_tables), "update")])
+    for state in [*states, separate]:
+        assert state.residency[1, 0].item() == 4 and state.residency[3, 2].item() == -1
+        assert state.host_blocks[3, 2].item() == 2
+    writes.clear()
+    ex.before_forward(StepCommand(step_id=2, cleared_rows=[1, 3]))
+    assert len(writes) == 2 and {v for _, v in writes} == {"clear_rows"}
+    for state in [*states, separate]:
+        assert (state.residency == -1).all() and (state.host_blocks == -1).all()
+
+
+def test_page_tables_refuse_ragged_columns_and_wrong_shapes():
+    tables = PageTables(2, 3)
+    with pytest.raises(ValueError, match="lengths"):
+        tables.update([0, 1], [0], [1, 2], [3, 4])
+    with pytest.raises(ValueError, match="shape"):
+        HotState(4, 8, 2 * BS, BS, page_tables=tables)

@@ -6,8 +6,9 @@ machine without vLLM (the GPU benchmark machine) and could serve another engine.
 
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import GroupGather, HotState, ResolveResult
+from vllm_hisparse.worker.page_tables import PageTables
 from vllm_hisparse.worker.step_executor import StepExecutor
 from vllm_hisparse.worker.transfer import TransferEngine, TransferKind, TransferReport
 
-__all__ = ["GroupGather", "HostPool", "HotState", "ResolveResult", "StepExecutor", "TransferEngine",
+__all__ = ["GroupGather", "HostPool", "HotState", "PageTables", "ResolveResult", "StepExecutor", "TransferEngine",
            "TransferKind", "TransferReport"]

@@ -32,6 +32,7 @@ import torch
 from vllm_hisparse import ops
 from vllm_hisparse.core.capacity import PREFETCH_FIRST_LAUNCH_LAYERS
 from vllm_hisparse.worker.hot_counts import RowHotCounts
+from vllm_hisparse.worker.page_tables import PageTables
 
 #: ``"side"``: leader's layer on the current stream, followers' on a side stream (one ready
 #: event per follower layer). ``"single"``: every layer in one launch on the current stream.
@@ -110,10 +111,13 @@ class HotState:
         device: where the tables live (the GPU in production, CPU in tests).
         ops_backend: ``"auto"``, ``"cuda"`` or ``"reference"``, or an :class:`ops.Backend`
             (:func:`ops.select` with kernel tuning).
+        page_tables: the lane's :class:`PageTables` this state reads (shared by the index
+            groups of one lane); None = tables of its own.
     """
 
     def __init__(self, num_state_rows: int, max_pages: int, hot_slots: int, block_size: int,
-                 device: torch.device | str = "cpu", *, ops_backend: str | ops.Backend = "auto"):
+                 device: torch.device | str = "cpu", *, ops_backend: str | ops.Backend = "auto",
+                 page_tables: PageTables | None = None):
         if hot_slots <= 0 or hot_slots % block_size:
             raise ValueError(f"HotState: hot_slots must be a positive multiple of block_size "
                              f"({block_size}), got {hot_slots}")
@@ -127,8 +131,13 @@ class HotState:
         self.device = torch.device(device)
         self._ops = ops_backend if isinstance(ops_backend, ops.Backend) else ops.select(ops_backend)
         i32 = dict(dtype=torch.int32, device=self.device)
-        self.residency = torch.full((num_state_rows, max_pages), -1, **i32)
-        self.host_blocks = torch.full((num_state_rows, max_pages), -1, **i32)
+        if page_tables is None:
+            page_tables = PageTables(num_state_rows, max_pages, self.device)
+        elif tuple(page_tables.residency.shape) != (num_state_rows, max_pages):
+            raise ValueError(f"HotState: page tables of shape "
+                             f"{tuple(page_tables.residency.shape)}, expected "
+                             f"{(num_state_rows, max_pages)}")
+        self.page_tables = page_tables
         self.hot_blocks = torch.full((num_state_rows, self.hot_blocks_per_request), -1, **i32)
         self.slot_pos = torch.full((num_state_rows, hot_slots), -1, **i32)
         self.lru = torch.arange(hot_slots, dtype=torch.int16,
@@ -151,22 +160,28 @@ class HotState:
 
     # ---------------------------------------------------------------- table updates
 
+    @property
+    def residency(self) -> torch.Tensor:
+        """int32 ``[R, P]``: device block of each page, -1 = not resident (the page tables')."""
+        return self.page_tables.residency
+
+    @property
+    def host_blocks(self) -> torch.Tensor:
+        """int32 ``[R, P]``: host block of each page, -1 = none (the page tables')."""
+        return self.page_tables.host_blocks
+
     def _ids(self, values: Sequence[int]) -> torch.Tensor:
         return torch.as_tensor(list(values), dtype=torch.int64).to(self.device, non_blocking=True)
 
     def set_pages(self, rows: Sequence[int], pages: Sequence[int],
                   device_blocks: Sequence[int]) -> None:
         """``residency[rows[i], pages[i]] = device_blocks[i]`` (-1 releases the page)."""
-        if len(rows):
-            self.residency.index_put_((self._ids(rows), self._ids(pages)),
-                                      self._ids(device_blocks).to(torch.int32))
+        self.page_tables.set_pages(rows, pages, device_blocks)
 
     def set_host_blocks(self, rows: Sequence[int], pages: Sequence[int],
                         host_blocks: Sequence[int]) -> None:
         """``host_blocks[rows[i], pages[i]] = host_blocks[i]``."""
-        if len(rows):
-            self.host_blocks.index_put_((self._ids(rows), self._ids(pages)),
-                                        self._ids(host_blocks).to(torch.int32))
+        self.page_tables.set_host_blocks(rows, pages, host_blocks)
 
     def _region(self, row: int, device_blocks: Sequence[int]) -> int:
         """``hot_blocks[row]`` = ``device_blocks`` then -1 (unleased); returns their number."""
@@ -219,9 +234,9 @@ class HotState:
         self.slot_pos[row] = -1
 
     def clear_row(self, row: int) -> None:
-        """Forget everything about ``row`` (request finished, aborted or preempted)."""
-        self.residency[row] = -1
-        self.host_blocks[row] = -1
+        """Forget everything about ``row`` (request finished, aborted or preempted): its pages
+        (in the page tables, shared with the lane's other states) and its hot region."""
+        self.page_tables.clear_rows([row])
         self.release_hot_region(row)
 
     # ---------------------------------------------------------------- per step

@@ -60,11 +60,16 @@ class StepExecutor:
         # command may hand to someone else (and the transfers below may overwrite).
         for state in self.hot_states:
             state.fence_side_work()
-        for row in cmd.cleared_rows:
-            self.residency[row] = -1
-            self.host_blocks[row] = -1
-            for state in self.hot_states:
-                state.clear_row(row)
+        # One write per lane's page tables, however many index groups read them.
+        tables = list({id(s.page_tables): s.page_tables for s in self.hot_states}.values())
+        if cmd.cleared_rows:
+            self.residency[cmd.cleared_rows] = -1
+            self.host_blocks[cmd.cleared_rows] = -1
+            for t in tables:
+                t.clear_rows(cmd.cleared_rows)
+            for row in cmd.cleared_rows:
+                for state in self.hot_states:
+                    state.release_hot_region(row)
         if cmd.page_rows:
             rows = np.asarray(cmd.page_rows, dtype=np.int64)
             pages = np.asarray(cmd.page_indices, dtype=np.int64)
@@ -73,9 +78,9 @@ class StepExecutor:
                                  f"{self.residency.shape[1]})")
             self.residency[rows, pages] = cmd.page_device_blocks
             self.host_blocks[rows, pages] = cmd.page_host_blocks
-            for state in self.hot_states:
-                state.set_pages(cmd.page_rows, cmd.page_indices, cmd.page_device_blocks)
-                state.set_host_blocks(cmd.page_rows, cmd.page_indices, cmd.page_host_blocks)
+            for t in tables:
+                t.update(cmd.page_rows, cmd.page_indices, cmd.page_device_blocks,
+                         cmd.page_host_blocks)
         for lease in cmd.hot_leases:
             for state in self.hot_states:
                 if lease.resize:

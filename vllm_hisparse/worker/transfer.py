@@ -11,8 +11,12 @@ this order, through :meth:`TransferEngine.poll`:
 A transfer whose launch raised is reported as **failed** (with the reason) and never as
 completed; the scheduler side keeps the source copy and marks nothing valid.
 
-On CUDA the copies run on a dedicated stream that first waits for the compute stream (the
-bytes it reads were written by the forward), and each transfer records an event. On CPU (tests,
+On CUDA spills and restores run on a dedicated stream that first waits for the compute stream
+(the bytes it reads were written by the forward), and each transfer records an event. Mirrors
+(a step's newly written rows: a few µs of copy) run on the compute stream itself, after the
+forward: a copy stream queued behind the forward's end stalls every launch of that forward
+(the step's GPU gaps doubled on the H200 with one such stream per lane; docs/benchmarks.md,
+"Where the all-FULL cost went"). On CPU (tests,
 the simulator) copies run synchronously and an id is enqueued and completed at the same poll.
 
 An engine built with ``writes_host=False`` (a tensor-parallel rank that maps a host pool another
@@ -98,7 +102,9 @@ class TransferEngine:
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._in_flight: deque[_InFlight] = deque()
         self._report = TransferReport()
+        # the copy stream's last event (fence) and the last mirror's, on the compute stream
         self._last_event: torch.cuda.Event | None = None
+        self._last_mirror_event: torch.cuda.Event | None = None
         self._ids_in_use: set[int] = set()
 
     # ---------------------------------------------------------------- submit
@@ -148,8 +154,11 @@ class TransferEngine:
         event = None
         if self._cuda and not skip:
             event = torch.cuda.Event()
-            event.record(self._stream)
-            self._last_event = event
+            event.record(self._stream_of(kind))
+            if kind is TransferKind.MIRROR:
+                self._last_mirror_event = event
+            else:
+                self._last_event = event
         self._ids_in_use.add(transfer_id)
         self._in_flight.append(_InFlight(transfer_id, event))
 
@@ -167,9 +176,10 @@ class TransferEngine:
             else:
                 self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
             return
-        compute = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(compute)  # read what the forward wrote
-        with torch.cuda.stream(self._stream):
+        stream = self._stream_of(kind)
+        if stream != torch.cuda.current_stream(self.device):
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # what the forward wrote
+        with torch.cuda.stream(stream):
             src = src.pin_memory().to(index_device, non_blocking=True)
             dst = dst.pin_memory().to(index_device, non_blocking=True)
             if kind is TransferKind.MIRROR:
@@ -177,8 +187,14 @@ class TransferEngine:
             else:
                 self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
             # The index tensors must outlive the copy: tie them to the copy stream.
-            src.record_stream(self._stream)
-            dst.record_stream(self._stream)
+            src.record_stream(stream)
+            dst.record_stream(stream)
+
+    def _stream_of(self, kind: TransferKind) -> "torch.cuda.Stream":
+        """Mirrors on the compute stream, spills and restores on the copy stream."""
+        if kind is TransferKind.MIRROR:
+            return torch.cuda.current_stream(self.device)
+        return self._stream
 
     # ---------------------------------------------------------------- progress
 
@@ -204,6 +220,8 @@ class TransferEngine:
         """Block until every enqueued copy has completed, then poll."""
         if self._cuda and self._stream is not None:
             self._stream.synchronize()
+        if self._last_mirror_event is not None:
+            self._last_mirror_event.synchronize()
         return self.poll()
 
     @property

@@ -41,6 +41,7 @@ from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import HotState
+from vllm_hisparse.worker.page_tables import PageTables
 from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
 
 #: A selection no request has: a padding token that reached the resolver would fail it.
@@ -121,11 +122,9 @@ class HookedDecodeStep:
             if spec.score_eviction else None
         group_sizes = [spec.index_group_layers] * (spec.layers // spec.index_group_layers)
         self.states, self.bindings, self.groups, first = [], [], [], 0
+        tables = PageTables(R, P, dev)  # one page table per lane, as the worker role
         for size in group_sizes:
-            state = HotState(R, P, D, bs, dev)
-            if self.states:  # one residency / host-block table per lane, as the worker role
-                state.residency, state.host_blocks = self.states[0].residency, \
-                    self.states[0].host_blocks
+            state = HotState(R, P, D, bs, dev, page_tables=tables)
             layers = list(range(first, first + size))
             binding = IndexGroupResidency(state, [self.host.layers[l] for l in layers],
                                           [self.kv[l] for l in layers],

@@ -71,6 +71,7 @@ from vllm_hisparse.worker.counter_reader import AsyncCounterReader
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 from vllm_hisparse.worker.hot_counts import RowHotCounts
 from vllm_hisparse.worker.indexer_pages import IndexerPageStore
+from vllm_hisparse.worker.page_tables import PageTables
 
 logger = logging.getLogger("vllm_hisparse.vllm")
 
@@ -266,14 +267,13 @@ class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
         engine = TransferEngine(views, host_layers, self.block_size,
                                 ops_backend=self.config.ops_backend,
                                 fail_transfer=self._fail_transfer, writes_host=self.writes_host)
-        hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.hot_table_rows,
-                               self.block_size, device, ops_backend=self.config.ops_backend)
-                      for _ in units]
         # A page is resident in every layer of a group or in none: the unit states of one
-        # lane share one residency / host-block table (saves (units - 1) copies of [R, P]).
-        for state in hot_states[1:]:
-            state.residency = hot_states[0].residency
-            state.host_blocks = hot_states[0].host_blocks
+        # lane share one page table (written once per step, not once per unit).
+        tables = PageTables(self.num_state_rows, self.max_pages, device)
+        hot_states = [HotState(self.num_state_rows, self.max_pages, self.config.hot_table_rows,
+                               self.block_size, device, ops_backend=self.config.ops_backend,
+                               page_tables=tables)
+                      for _ in units]
         executor = StepExecutor(hot_states, engine, self.num_state_rows, self.max_pages,
                                 self.block_size)
         lane = Lane(group_id, sparse_index, names, units, layout, views, list(host_layers),

@@ -1,0 +1,71 @@
+"""The page tables of one lane: where each page of each request's KV lives.
+
+A page is resident in every sparse layer of a KV cache group or in none, so the index groups
+of one lane (one :class:`~vllm_hisparse.worker.hot_state.HotState` each) share one
+:class:`PageTables`: the step executor writes a step's page changes into it once, however
+many index groups read it (one per layer for DeepSeek-V3.2 and GLM-5.1).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+
+class PageTables:
+    """``residency`` and ``host_blocks``: int32 ``[R, P]`` (state row, page) → the page's
+    device block / host block, -1 = none. ``resolve`` reads both.
+
+    Args:
+        num_state_rows: R (vLLM ``max_num_seqs``).
+        max_pages: P, pages of the longest request.
+        device: where the tables live (the GPU in production, CPU in tests).
+    """
+
+    def __init__(self, num_state_rows: int, max_pages: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.residency = torch.full((num_state_rows, max_pages), -1, **i32)
+        self.host_blocks = torch.full((num_state_rows, max_pages), -1, **i32)
+
+    def _stage(self, *columns: Sequence[int]) -> torch.Tensor:
+        """int64 ``[len(columns), n]`` on the tables' device in one copy (pinned on CUDA)."""
+        if len({len(c) for c in columns}) != 1:
+            raise ValueError(f"PageTables: columns of lengths {[len(c) for c in columns]}")
+        staged = torch.from_numpy(np.asarray(columns, dtype=np.int64).reshape(len(columns), -1))
+        if self.device.type != "cuda":
+            return staged
+        return staged.pin_memory().to(self.device, non_blocking=True)
+
+    def update(self, rows: Sequence[int], pages: Sequence[int], device_blocks: Sequence[int],
+               host_blocks: Sequence[int]) -> None:
+        """``residency[rows[i], pages[i]] = device_blocks[i]`` (-1 releases the page) and
+        ``host_blocks[rows[i], pages[i]] = host_blocks[i]``: one copy, two writes."""
+        if not len(rows):
+            return
+        r, p, d, h = self._stage(rows, pages, device_blocks, host_blocks)
+        self.residency.index_put_((r, p), d.to(torch.int32))
+        self.host_blocks.index_put_((r, p), h.to(torch.int32))
+
+    def set_pages(self, rows: Sequence[int], pages: Sequence[int],
+                  device_blocks: Sequence[int]) -> None:
+        """``residency[rows[i], pages[i]] = device_blocks[i]`` (-1 releases the page)."""
+        if len(rows):
+            r, p, d = self._stage(rows, pages, device_blocks)
+            self.residency.index_put_((r, p), d.to(torch.int32))
+
+    def set_host_blocks(self, rows: Sequence[int], pages: Sequence[int],
+                        host_blocks: Sequence[int]) -> None:
+        """``host_blocks[rows[i], pages[i]] = host_blocks[i]``."""
+        if len(rows):
+            r, p, h = self._stage(rows, pages, host_blocks)
+            self.host_blocks.index_put_((r, p), h.to(torch.int32))
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Every page of ``rows`` back to none (requests finished, aborted or preempted)."""
+        if len(rows):
+            (r,) = self._stage(rows)
+            self.residency.index_fill_(0, r, -1)
+            self.host_blocks.index_fill_(0, r, -1)
