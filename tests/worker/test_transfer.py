@@ -80,3 +80,23 @@ def test_layer_count_mismatch():
     with pytest.raises(ValueError, match="2 device layers but 1 host layers"):
         TransferEngine([torch.zeros((4, 16), dtype=torch.uint8)] * 2,
                        [torch.zeros((4, 16), dtype=torch.uint8)], BS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fence_covers_a_spill_submitted_before_a_mirror():
+    """Mirrors run on the compute stream, spills on the copy stream: the fence must still
+    order the compute stream after the spill when a mirror was submitted last (a device
+    block reused right after its spill must reach the host unchanged)."""
+    bs, row_bytes, blocks = 64, 4096, 512
+    dev = [torch.randint(0, 255, (blocks * bs, row_bytes), dtype=torch.uint8, device="cuda")]
+    host = [torch.zeros((blocks * bs, row_bytes), dtype=torch.uint8).pin_memory()]
+    before = dev[0].clone()
+    engine = TransferEngine(dev, host, bs)
+    engine.spill(1, list(range(blocks)), list(range(blocks)))
+    engine.mirror(2, [0, 1], [0, 1])
+    engine.fence()
+    dev[0].zero_()  # reuse the spilled blocks on the compute stream
+    engine.wait_all()
+    torch.cuda.synchronize()
+    assert torch.equal(host[0], before.cpu())
