@@ -10,5 +10,5 @@ from vllm_hisparse.worker.page_tables import PageTables
 from vllm_hisparse.worker.step_executor import StepExecutor
 from vllm_hisparse.worker.transfer import TransferEngine, TransferKind, TransferReport
 
-__all__ = ["GroupGather", "HostPool", "HotState", "PageTables", "ResolveResult", "StepExecutor", "TransferEngine",
-           "TransferKind", "TransferReport"]
+__all__ = ["GroupGather", "HostPool", "HotState", "PageTables", "ResolveResult", "StepExecutor",
+           "TransferEngine", "TransferKind", "TransferReport"]
