@@ -27,6 +27,10 @@ def test_events_before_the_gate_are_left_out_and_gaps_are_named():
     ms = split["kernel_ms"]
     assert set(ms) == {"copy / memset", "gemm", "resolve", "conversion (vLLM)"}
     assert abs(ms["resolve"] - 0.020) < 1e-12 and "comm stand-in" not in ms
+    kernels = {k["name"]: k for k in split["kernels"]}
+    assert kernels["resolve_kernel"]["launches"] == 2 and "warmup_gemm" not in kernels
+    assert abs(kernels["resolve_kernel"]["ms"] - 0.020) < 1e-12
+    assert split["kernels"][0]["name"] == "sm90_gemm_bf16"  # largest first
 
 
 def test_without_a_gate_the_span_starts_at_the_first_event():
@@ -35,6 +39,7 @@ def test_without_a_gate_the_span_starts_at_the_first_event():
     assert split["span_ms"] == 0.020 and split["idle_ms"] == 0.010
     assert split["kernel_ms"] == {"other": 0.010}
     assert split_timeline([], gate_us=1.0)["span_ms"] == 0.0
+    assert split_timeline([], gate_us=1.0)["kernels"] == []
 
 
 def test_kernel_classes_first_match_wins():

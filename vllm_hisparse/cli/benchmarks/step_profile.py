@@ -12,7 +12,9 @@ records, kernels replayed from a CUDA graph included) gives:
   span in which nothing ran (the union of all streams' events subtracted);
 * ``idle_before``: that idle time by the name of the event that ended each gap, largest first
   (a gap is the GPU waiting for what comes next: a graph's node gaps, a copy's DMA latency, a
-  stream waiting on another's event).
+  stream waiting on another's event);
+* ``kernels``: GPU time and launch count per event name, largest first (the
+  :data:`NUM_KERNEL_NAMES` largest): what to compare between two systems' profiles.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ KERNEL_CLASSES = (
 GPU_CATEGORIES = {"kernel": "kernel", "gpu_memcpy": "copy", "gpu_memset": "copy"}
 #: Gaps listed in ``idle_before``.
 NUM_IDLE_NAMES = 8
+#: Event names listed in ``kernels``.
+NUM_KERNEL_NAMES = 40
+#: Characters of an event name kept in ``idle_before`` and ``kernels``.
+NAME_CHARS = 100
 
 
 def kernel_class(name: str) -> str:
@@ -64,23 +70,29 @@ def split_timeline(events: list[tuple[float, float, str, str]], gate_us: float) 
     start = next((e for s, e, _, _ in events if e - s >= gate_us / 2), None)
     step = [ev for ev in events if start is None or ev[0] >= start]
     if not step:
-        return dict(kernel_ms={}, span_ms=0.0, idle_ms=0.0, idle_before=[])
+        return dict(kernel_ms={}, span_ms=0.0, idle_ms=0.0, idle_before=[], kernels=[])
     begin = step[0][0] if start is None else start
     classes: dict[str, float] = {}
     idle: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
     covered, total_idle = begin, 0.0
     for s, e, name, label in step:
         classes[label] = classes.get(label, 0.0) + (e - s) / 1e3
+        busy = by_name.setdefault(name[:NAME_CHARS], [0.0, 0])
+        busy[0] += (e - s) / 1e3
+        busy[1] += 1
         if s > covered:
             gap = s - covered
             total_idle += gap
-            entry = idle.setdefault(name[:100], [0.0, 0])
+            entry = idle.setdefault(name[:NAME_CHARS], [0.0, 0])
             entry[0] += gap / 1e3
             entry[1] += 1
         covered = max(covered, e)
     ranked = sorted(idle.items(), key=lambda kv: -kv[1][0])[:NUM_IDLE_NAMES]
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:NUM_KERNEL_NAMES]
     return dict(kernel_ms=classes, span_ms=(covered - begin) / 1e3, idle_ms=total_idle / 1e3,
-                idle_before=[dict(name=n, ms=ms, gaps=int(c)) for n, (ms, c) in ranked])
+                idle_before=[dict(name=n, ms=ms, gaps=int(c)) for n, (ms, c) in ranked],
+                kernels=[dict(name=n, ms=ms, launches=int(c)) for n, (ms, c) in busiest])
 
 
 class StepProfile:
