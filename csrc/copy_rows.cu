@@ -1,4 +1,4 @@
-// Row copies of DESIGN.md §4.2 (gather of a miss plan, row mirrors, page copies) for every
+// Row copies of docs/design.md, "Copies" (gather of a miss plan, row mirrors, page copies) for every
 // layer of a list in one launch. See docs/kernels.md.
 //
 // Work is a flat list of (layer, pair) items; a warp takes G consecutive items at a time,

@@ -1,4 +1,4 @@
-// Host-side interface of the data-plane kernels (DESIGN.md §4). No torch headers: every
+// Host-side interface of the data-plane kernels (docs/design.md, "Op contracts"). No torch headers: every
 // tensor crosses as a raw pointer, every launch goes on the stream it is given, nothing
 // allocates and nothing synchronizes, so each launch can be captured in a CUDA graph.
 #pragma once
@@ -11,7 +11,7 @@
 namespace hisparse {
 
 // ---------------------------------------------------------------------------------------
-// resolve (DESIGN.md §4.1)
+// resolve (docs/design.md, "resolve")
 // ---------------------------------------------------------------------------------------
 
 // Error codes written into the 4-word device error record (code, state_row, a, b).
@@ -145,7 +145,7 @@ cudaError_t launch_score_threshold(const ScoreThresholdParams& p, cudaStream_t s
 cudaError_t launch_slot_classes(const SlotClassesParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
-// row copies (DESIGN.md §4.2): gather (miss plan), mirror (row pairs), page copies (blocks)
+// row copies (docs/design.md, "Copies"): gather (miss plan), mirror (row pairs), page copies (blocks)
 // ---------------------------------------------------------------------------------------
 
 constexpr int kMaxCopyLayers = 64;  // per launch; the wrapper splits longer lists

@@ -319,7 +319,7 @@ void register_ops(py::module_& m) {
       .def_readwrite("num_pages", &ResolveParams::num_pages)
       .def_readwrite("num_slots", &ResolveParams::num_slots)
       .def_readwrite("block_size", &ResolveParams::block_size);
-  m.def("resolve", &resolve_py, "Launch resolve (DESIGN.md §4.1) on `stream`.",
+  m.def("resolve", &resolve_py, "Launch resolve (docs/design.md, \"resolve\") on `stream`.",
         py::arg("params"), py::kw_only(), py::arg("threads"), py::arg("max_tokens_per_request"),
         py::arg("stream"));
   m.def("resolve_probe", &resolve_probe_py,

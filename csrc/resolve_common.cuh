@@ -1,4 +1,4 @@
-// Device helpers that both resolve paths use (DESIGN.md §4.1, docs/kernels.md): hashing,
+// Device helpers that both resolve paths use (docs/design.md, "resolve", docs/kernels.md): hashing,
 // warp scans, cp.async staging, L2 prefetch and the launch's first-error-wins record.
 #pragma once
 

@@ -1,4 +1,4 @@
-// resolve's fast path (DESIGN.md §4.1): the common request in four barriers and a few hundred
+// resolve's fast path (docs/design.md, "resolve"): the common request in four barriers and a few hundred
 // instructions per thread; see docs/kernels.md. resolve_fast_kernel is the default launch
 // (resolve_launch.cu) and hands every request it does not take to resolve_general.
 //

@@ -1,4 +1,4 @@
-// resolve (DESIGN.md §4.1): one CTA per request maps its logical top-k positions to device
+// resolve (docs/design.md, "resolve"): one CTA per request maps its logical top-k positions to device
 // rows, updates the hot-slot LRU and writes the miss plan. See docs/kernels.md.
 //
 // resolve_general_kernel of the leading CTA of a request (the CTA of its first token; the

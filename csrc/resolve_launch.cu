@@ -1,4 +1,4 @@
-// resolve's launch plan and production launch (DESIGN.md §4.1, docs/kernels.md): the
+// resolve's launch plan and production launch (docs/design.md, "resolve", docs/kernels.md): the
 // shared-memory plan of both paths (resolve_launch_info) and launch_resolve, the NoProbe
 // instantiation of resolve_dispatch.cuh.
 #include <climits>

@@ -1,4 +1,4 @@
-"""Data-plane ops of DESIGN.md §4: ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
+"""Data-plane ops of docs/design.md, "Op contracts": ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
 and the two ops that finish an attention layer's top-k conversion around ``resolve``:
 ``token_state_rows`` (each token's state row) and ``merge_rows`` (resolve's rows merged into
 the engine's, translated, optionally compacted; docs/kernels.md "Finishing a conversion");

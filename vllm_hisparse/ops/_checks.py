@@ -73,7 +73,7 @@ def check_block_size(block_size: object) -> int:
 def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru,
                        block_size, out_rows, miss_src, miss_dst, miss_count, stats,
                        slot_class=None) -> None:
-    """Metadata checks of ``resolve`` (DESIGN.md §4.1 argument table)."""
+    """Metadata checks of ``resolve`` (docs/design.md, "resolve")."""
     bs = check_block_size(block_size)
     dev = check_tensor("topk", topk, torch.int32, 2).device
     num_tokens, k = topk.shape
@@ -120,7 +120,7 @@ def check_resolve_args(topk, token_rows, residency, host_blocks, hot_blocks, slo
 def check_row_view(name: str, t: object, device: torch.device | None = None) -> torch.Tensor:
     """A uint8 ``[rows, row_bytes]`` layer view: contiguous, or **row-strided** (the bytes of a
     row contiguous, ``stride(0)`` a multiple of 16 and ``>= row_bytes``), which is how one
-    layer of a position-major host pool looks (DESIGN.md §4.2, docs/kernels.md)."""
+    layer of a position-major host pool looks (docs/design.md, "Copies", docs/kernels.md)."""
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _check_not_meta(name, t)

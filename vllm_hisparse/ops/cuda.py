@@ -1,4 +1,4 @@
-"""CUDA implementations of the data-plane ops (DESIGN.md §4), launched through ``vllm_hisparse._C``.
+"""CUDA implementations of the data-plane ops (docs/design.md, "Op contracts"), launched through ``vllm_hisparse._C``.
 
 The functions here assume inputs already validated by :mod:`vllm_hisparse.ops` (dtype, device,
 shape, contiguity) and only add the checks the kernels themselves need (row sizes, alignment).
@@ -9,7 +9,7 @@ Each op takes the launch tuning of its backend (``tuning=``, a
 nothing here is process-wide. Benchmarks and tests reach the kernels' probes (phase stamps,
 stop points, the general kernel alone) through :mod:`vllm_hisparse.ops.probe`.
 
-Errors of ``resolve`` (DESIGN.md §4.1 rule 7) are recorded by the kernel in a 4-word device
+Errors of ``resolve`` (docs/design.md, "resolve", errors) are recorded by the kernel in a 4-word device
 buffer owned by this module (one per device; the first error wins), and the winning thread
 also writes the record into a pinned host mirror over UVA. Every later call reads that mirror
 (a plain memory read: no copy, no event, no sync) and raises
@@ -169,7 +169,7 @@ class _on_device:
 def resolve(topk, token_rows, residency, host_blocks, hot_blocks, slot_pos, lru, block_size,
             out_rows, miss_src, miss_dst, miss_count, stats=None, slot_class=None, *,
             tuning: KernelTuning = DEFAULT_TUNING) -> None:
-    """DESIGN.md §4.1 on the GPU; see :func:`vllm_hisparse.ops.reference.resolve`.
+    """docs/design.md, "resolve" on the GPU; see :func:`vllm_hisparse.ops.reference.resolve`.
 
     ``tuning``: the backend's :class:`~vllm_hisparse.ops.tuning.KernelTuning` (CTA size and
     the token bound that sizes the shared-memory hash). Errors surface on a later call (or
@@ -336,7 +336,7 @@ def _copy(mode: int, src_layers, dst_layers, a, b, count, n_outer: int, n_inner:
 
 def gather_rows(src_layers, dst_layers, miss_src, miss_dst, miss_count, *,
                 tuning: KernelTuning = DEFAULT_TUNING) -> None:
-    """Execute a miss plan for every layer in one launch (DESIGN.md §4.2).
+    """Execute a miss plan for every layer in one launch (docs/design.md, "Copies").
 
     Sources are typically pinned host memory read by GPU threads over UVA. Ids outside a
     layer's rows are skipped (the reference raises); counts are clamped to ``[0, K]``.

@@ -16,7 +16,7 @@ import enum
 
 
 class ResolveErrorCode(enum.IntEnum):
-    """Error codes of ``resolve`` (DESIGN.md §4.1 rule 7, plus the preconditions it relies on).
+    """Error codes of ``resolve`` (docs/design.md, "resolve": its error table, plus the preconditions it relies on).
 
     ``detail_a``/``detail_b`` of a device record carry the values named in brackets.
     """

@@ -1,4 +1,4 @@
-"""Pure-torch twins of the data-plane ops (DESIGN.md §4).
+"""Pure-torch twins of the data-plane ops (docs/design.md, "Op contracts").
 
 Every function here has the same name, arguments and results as the CUDA op in
 ``vllm_hisparse.ops`` and is the definition the kernels are tested against, bit for bit.

@@ -1,4 +1,4 @@
-"""The pinned host pool: every request's KV has a copy here (DESIGN.md §3 "host pool").
+"""The pinned host pool: every request's KV has a copy here (docs/design.md, "Layouts").
 
 One allocation holds all layers; layer ``l`` is the uint8 view
 ``[num_blocks * block_size, row_bytes]`` and host row = ``host_block * block_size + offset``.
@@ -9,7 +9,7 @@ Layouts (``layout=``):
   all layers of one position are adjacent, so a gather of one index group's layers at the same
   positions touches one or two 4 KiB translation pages per position instead of one per layer.
   Layer ``l`` is the **row-strided** view ``buffer.view(host_rows, L, row_bytes)[:, l]``
-  (``stride(0) = L * row_bytes``), which the ops accept (DESIGN.md §4.2, docs/kernels.md).
+  (``stride(0) = L * row_bytes``), which the ops accept (docs/design.md, "Copies", docs/kernels.md).
   Needs ``L * row_bytes`` to be a multiple of 16 (true for 656 and 1152 B rows).
 * ``"layer"``: layer-major, layer ``l`` is the contiguous slice
   ``[l * layer_bytes, (l + 1) * layer_bytes)``; the layout before position-major was measured.
@@ -27,7 +27,7 @@ Backing memory, best first (the choice is logged with logical and physical GiB):
 4. ``pageable``: plain memory, when no CUDA device exists (CPU tests, the simulator).
 
 2 MiB pages matter for scattered zero-copy reads: with 4 KiB pages, GPU reads of random rows
-over a multi-GB buffer lose bandwidth to host-side address translation (DESIGN.md §8).
+over a multi-GB buffer lose bandwidth to host-side address translation (docs/benchmarks.md, "Translation reach").
 
 **Shared pools** (``shared=SharedSegment(...)``): the tensor-parallel ranks of one replica on
 one node hold identical sparse-MLA rows, so they map one pool. The backing memory is a named

@@ -90,7 +90,7 @@ class HiSparseResidencyConfig:
     host_pool_gib: float
     """Pinned host budget per data-parallel replica, GiB."""
     device_buffer_size: int
-    """Hot rows per request (``B`` in DESIGN.md), a multiple of ``block_size``."""
+    """Hot rows per request (``D`` in docs/design.md, "Layouts"), a multiple of ``block_size``."""
     eager_host_mirror: bool
     ops_backend: str
     record_trace: str | None
