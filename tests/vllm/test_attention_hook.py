@@ -118,7 +118,7 @@ def test_next_resolve_fences_followers_that_did_not_convert():
                                       block_stride_rows=S, return_valid_counts=False)
         assert torch.equal(dev[layer][rows[0, :2].long()],
                            kv_rows(1, torch.tensor([2, 3]), layer, ROW)), f"layer {layer}"
-    assert state._side_work is None  # the follower's wait joined the side work
+    assert state.side_work is None  # the follower's wait joined the side work
 
 
 def test_all_full_step_adds_no_work():

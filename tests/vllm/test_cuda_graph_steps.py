@@ -155,7 +155,7 @@ def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers, sc
         assert hits > 0 and misses > 0
         if scores:  # the classes were used: some slot is above class 0
             assert all(int(s.slot_class.max()) > 0 for s in rig.states)
-        assert all(s._side_work is None for s in rig.states)  # joined inside the graph
+        assert all(s.side_work is None for s in rig.states)  # joined inside the graph
         replay = capture(rig)
         allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
         for step in range(3):

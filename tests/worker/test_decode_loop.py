@@ -221,7 +221,7 @@ def test_side_launches_are_issued_at_the_first_follower_wait():
         loop.gather.launch(result)
         assert loop.gather.side_pending
         loop.state.fence_side_work()
-        assert not loop.gather.side_pending and loop.state._side_work is None
+        assert not loop.gather.side_pending and loop.state.side_work is None
     finally:
         loop.close()
 
@@ -371,6 +371,6 @@ def test_step_with_side_prefetch_captures_in_a_cuda_graph(gather_mode):
             check(static_topk.cpu(), f"replay {i}")
         _, hits, misses = (a - b for a, b in zip(state.counters(), before))
         assert hits > 0 and misses > 0
-        assert state._side_work is None  # every follower waited inside the graph: joined
+        assert state.side_work is None  # every follower waited inside the graph: joined
     finally:
         host.close()

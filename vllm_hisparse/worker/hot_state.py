@@ -16,9 +16,9 @@ Updates arrive as vectors (one ``index_put_`` per table and step, not one per en
 that changes n pages costs O(n) on the host and a handful of small copies on the GPU.
 
 :class:`GroupGather` executes a resolve's miss plan for the group's layers: in one launch before
-the leader's attention (``mode="single"``, the default), or the leader's launch now and the
-followers' on a side stream, each follower's attention waiting only on its own event
-(``mode="side"``, IndexShare prefetch; docs/worker.md, "Follower prefetch").
+the leader's attention (``mode="single"``), or the leader's launch now and the followers' on a
+side stream, each follower's attention waiting only on its own event (``mode="side"``, the
+default: IndexShare prefetch; docs/worker.md, "Follower prefetch").
 """
 
 from __future__ import annotations
@@ -266,6 +266,21 @@ class HotState:
         per-layer ops run on the same one)."""
         return self._ops
 
+    @property
+    def side_work(self) -> "GroupGather | None":
+        """The gather whose side-stream launches may still write this group's hot rows
+        (None once every follower waited or a fence joined them)."""
+        return self._side_work
+
+    def note_side_work(self, gather: "GroupGather") -> None:
+        """``gather`` has side-stream launches in flight (the next fence joins them)."""
+        self._side_work = gather
+
+    def side_work_joined(self, gather: "GroupGather") -> None:
+        """The current stream has waited on every side launch of ``gather``."""
+        if self._side_work is gather:
+            self._side_work = None
+
     def fence_side_work(self) -> None:
         """Order the current stream after this group's gathers still running on a side stream.
 
@@ -400,15 +415,15 @@ class GroupGather:
         # the plan buffers are the hot state's own, checked at every leader launch.
         self._side_kernel = None
         if self._cuda and len(self.chunks) > 1 and (side_ctas_per_sm or side_max_ctas) \
-                and hot_state._ops.name != "reference":
+                and hot_state.ops.name != "reference":
             from vllm_hisparse.ops import cuda as cuda_ops
 
             if cuda_ops.available():
                 self._side_kernel = cuda_ops.gather_rows_tuned
                 empty = torch.empty((0, 1), dtype=torch.int32, device=hot_state.device)
-                hot_state._ops.gather_rows(self.host_layers, self.device_layers, empty, empty,
-                                           torch.empty((0,), dtype=torch.int32,
-                                                       device=hot_state.device))
+                hot_state.ops.gather_rows(self.host_layers, self.device_layers, empty, empty,
+                                          torch.empty((0,), dtype=torch.int32,
+                                                      device=hot_state.device))
         self._side_stream = side_stream
         self.side_priority = side_priority
         self._fork = None
@@ -449,11 +464,11 @@ class GroupGather:
             self._side_kernel(self.host_layers[start:end], self.device_layers[start:end],
                               result.miss_src, result.miss_dst, result.miss_count,
                               rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm,
-                              max_ctas=self.side_max_ctas, tuning=self.hot_state._ops.tuning)
+                              max_ctas=self.side_max_ctas, tuning=self.hot_state.ops.tuning)
         else:
-            self.hot_state._ops.gather_rows(self.host_layers[start:end],
-                                            self.device_layers[start:end], result.miss_src,
-                                            result.miss_dst, result.miss_count)
+            self.hot_state.ops.gather_rows(self.host_layers[start:end],
+                                           self.device_layers[start:end], result.miss_src,
+                                           result.miss_dst, result.miss_count)
         self.launches += 1
 
     def launch(self, result: ResolveResult) -> None:
@@ -475,7 +490,7 @@ class GroupGather:
             self._fork.record(torch.cuda.current_stream(self.hot_state.device))
         self._pending = result
         self._unjoined = set(range(1, len(self.chunks)))
-        self.hot_state._side_work = self
+        self.hot_state.note_side_work(self)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             # In a CUDA-graph capture the host cost is paid once; issuing now keeps fork and
             # launches in the same capture (a later issue would wait on a captured event).
@@ -525,5 +540,5 @@ class GroupGather:
                 self._queue.popleft()[1]()
         # One stream runs the launches in order: this chunk's event covers the earlier ones.
         self._unjoined = {c for c in self._unjoined if c > chunk}
-        if not self._unjoined and self.hot_state._side_work is self:
-            self.hot_state._side_work = None
+        if not self._unjoined:
+            self.hot_state.side_work_joined(self)
