@@ -1,0 +1,65 @@
+"""The headline table of docs/benchmarks.md from one or more ``bench throughput`` JSONs.
+
+    python3 benchmarks/throughput_table.py A.json B.json
+
+One row per (geometry, context) case, each cell ``start A / start B / ...`` in the order
+given: requests per GPU, tokens/s per GPU of the real model at each system's largest batch
+(median [range over the timed steps]), hybrid / full and hybrid / oracle, the miss rate and
+the hybrid step's GPU / host ms (first JSON). Then the largest relative gap between the
+starts' headline ratios, which the docs quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vllm_hisparse.cli.benchmarks.throughput import curve
+
+
+def _cases(path: str) -> dict[tuple[str, int], dict]:
+    with open(path) as f:
+        cases = json.load(f)["cases"]
+    return {(c["geometry"], c["context"]): c for c in cases
+            if c.get("runs") and not c.get("realism")}
+
+
+def _k(context: int) -> str:
+    return f"{context // 1024}K"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="+", help="bench throughput --json outputs, one per start")
+    args = parser.parse_args()
+    starts = [_cases(p) for p in args.json]
+    print("| model | context | requests full / hybrid | full tok/s | hybrid tok/s | oracle tok/s "
+          "| **hybrid / full** | **hybrid / oracle** | miss rate | hybrid GPU / host ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    worst = (0.0, "")
+    for key, first in starts[0].items():
+        tops = [curve(s[key])[0] for s in starts if key in s]
+        def cells(name):
+            return " / ".join(f"{t[name]['tokens_per_s']:.0f} [{t[name]['range'][0]:.0f}-"
+                              f"{t[name]['range'][1]:.0f}]" if name in t else "–" for t in tops)
+        def ratios(name):
+            return [t[name] for t in tops if name in t]
+        for name in ("hybrid_over_full", "hybrid_over_oracle"):
+            r = ratios(name)
+            if len(r) > 1 and (max(r) - min(r)) / min(r) > worst[0]:
+                worst = ((max(r) - min(r)) / min(r), f"{first['shape']['name']} {_k(key[1])} {name}")
+        hyb = tops[0].get("hybrid", {})
+        miss = hyb.get("miss_rate")
+        over_full = " / ".join(f"{r:.2f}" for r in ratios("hybrid_over_full"))
+        over_oracle = " / ".join(f"{r:.2f}" for r in ratios("hybrid_over_oracle"))
+        print(f"| {first['shape']['name']} | {_k(key[1])} | {first['full_requests']} / "
+              f"{first['hybrid_requests']} | {cells('full')} | {cells('hybrid')} "
+              f"| {cells('oracle')} | **{over_full}** | {over_oracle} "
+              f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
+              f"| {hyb.get('gpu_ms', float('nan')):.2f} / {hyb.get('host_ms', float('nan')):.2f} |")
+    if len(starts) > 1:
+        print(f"\nlargest gap between the starts' ratios: {100 * worst[0]:.1f} % ({worst[1]})")
+
+
+if __name__ == "__main__":
+    main()
