@@ -12,6 +12,7 @@ from vllm.config import KVTransferConfig
 from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core import capacity
 from vllm_hisparse.core.capacity import HostMemoryLimit
+from vllm_hisparse.worker.hot_state import DEFAULT_LEADER_CTAS_PER_SM
 from vllm_hisparse.vllm.setup import config as config_module
 from vllm_hisparse.vllm import patches
 from vllm_hisparse.vllm.plugin import register
@@ -67,6 +68,7 @@ def test_defaults(machine):
     assert config.record_trace is None
     assert config.index_share_prefetch is True
     assert config.prefetch_max_ctas == 16
+    assert config.gather_ctas_per_sm == DEFAULT_LEADER_CTAS_PER_SM
     assert config.hot_region_eviction == "lru"
 
 
@@ -236,6 +238,15 @@ def test_host_layout_key():
         with pytest.raises(HiSparseConfigError, match=rf"host_layout={bad!r} is invalid; "
                                                       r"accepted: auto \| position \| layer"):
             parse({"host_pool_gib": 1, "host_layout": bad})
+
+
+def test_gather_ctas_per_sm():
+    assert parse({"host_pool_gib": 1, "gather_ctas_per_sm": 1}).gather_ctas_per_sm == 1
+    assert parse({"host_pool_gib": 1, "gather_ctas_per_sm": 0}).gather_ctas_per_sm == 0
+    for bad in (-1, 33, 1.0, True, "1", None):
+        with pytest.raises(HiSparseConfigError, match=r"gather_ctas_per_sm=.* accepted: an "
+                                                      r"integer between 0 .* and 32"):
+            parse({"host_pool_gib": 1, "gather_ctas_per_sm": bad})
 
 
 @pytest.mark.parametrize("value", [-1, 4097, 16.0, True, "16", None])

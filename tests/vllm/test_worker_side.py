@@ -29,6 +29,7 @@ from vllm_hisparse.core import (
     Residency,
     ResidencyPolicy,
 )
+from vllm_hisparse.worker.hot_state import DEFAULT_LEADER_CTAS_PER_SM
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.worker_side.read_path import (
     BINDING_ATTR,
@@ -310,11 +311,13 @@ def test_binds_vllm_allocated_packed_tensors(model_dir):
     assert role.host_pool.closed
 
 
-@pytest.mark.parametrize("extra, mode, max_ctas", [
-    (None, "side", 16),
-    ({"index_share_prefetch": False, "prefetch_max_ctas": 4}, "single", 4),
+@pytest.mark.parametrize("extra, mode, max_ctas, leader_ctas", [
+    (None, "side", 16, DEFAULT_LEADER_CTAS_PER_SM),
+    ({"index_share_prefetch": False, "prefetch_max_ctas": 4, "gather_ctas_per_sm": 3},
+     "single", 4, 3),
 ])
-def test_prefetch_keys_reach_every_index_group_binding(model_dir, extra, mode, max_ctas):
+def test_prefetch_keys_reach_every_index_group_binding(model_dir, extra, mode, max_ctas,
+                                                       leader_ctas):
     vllm_config, kv_cache_config = planned(model_dir, 100, extra=extra)
     role = WorkerRole(vllm_config, resolve_config(vllm_config), kv_cache_config,
                               huge_pages="never")
@@ -322,6 +325,7 @@ def test_prefetch_keys_reach_every_index_group_binding(model_dir, extra, mode, m
     bindings = [b for lane in role.lanes for b in lane.bindings]
     assert bindings and all(b.gather.mode == mode and b.gather.side_max_ctas == max_ctas
                             for b in bindings)
+    assert {b.gather.leader_ops.tuning.copy_ctas_per_sm for b in bindings} == {leader_ctas}
     # Groups of 3 layers: side mode copies the leader and its first follower at the leader,
     # the third layer on the side stream; single mode copies all 3 at once.
     assert {b.gather.chunks for b in bindings} == {(2, 1) if mode == "side" else (3,)}

@@ -8,11 +8,13 @@ missing wait would read stale rows) and events; plus a CUDA-graph capture of a w
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
+from vllm_hisparse import ops
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import GroupGather, HotState
 from vllm_hisparse.worker.synthetic import TopkGenerator, describe_row, kv_rows
@@ -26,7 +28,8 @@ class DecodeLoop:
     def __init__(self, device: str, *, num_layers=3, row_bytes=32, block_size=16, k=48,
                  hot_slots=160, num_requests=4, device_blocks=160, seed=0,
                  tokens_per_step=1, ops_backend="auto", gather_mode="side", chunks=None,
-                 side_delay_cycles=0, side_ctas_per_sm=1, shared=None, writes_host=True):
+                 side_delay_cycles=0, side_ctas_per_sm=1, leader_ctas_per_sm=0, shared=None,
+                 writes_host=True):
         self.rng = random.Random(seed)
         self.device = torch.device(device)
         self.bs = block_size
@@ -46,7 +49,8 @@ class DecodeLoop:
         self.state = HotState(num_requests, self.max_pages, hot_slots, block_size, self.device,
                               ops_backend=ops_backend)
         self.gather = GroupGather(self.state, self.host.layers, self.device_kv, mode=gather_mode,
-                                  chunks=chunks, side_ctas_per_sm=side_ctas_per_sm)
+                                  chunks=chunks, side_ctas_per_sm=side_ctas_per_sm,
+                                  leader_ctas_per_sm=leader_ctas_per_sm)
         self.side_delay_cycles = side_delay_cycles
         self.free_blocks = list(range(device_blocks))
         self.rng.shuffle(self.free_blocks)
@@ -281,19 +285,33 @@ def test_group_gather_rejects_bad_arguments():
         GroupGather(state, layers, layers, side_max_ctas=-1)
     with pytest.raises(ValueError, match="side_ctas_per_sm must be an int >= 0, got True"):
         GroupGather(state, layers, layers, side_ctas_per_sm=True)
+    with pytest.raises(ValueError, match="leader_ctas_per_sm must be an int >= 0, got -2"):
+        GroupGather(state, layers, layers, leader_ctas_per_sm=-2)
+
+
+def test_leader_launch_runs_on_a_backend_that_differs_only_in_its_grid():
+    state = HotState(2, 4, 16, 16, ops_backend=ops.select("reference", copy_rows_per_warp=2))
+    layers = [torch.zeros((64, 16), dtype=torch.uint8)]
+    assert GroupGather(state, layers, layers).leader_ops is state.ops
+    leader = GroupGather(state, layers, layers, leader_ctas_per_sm=1).leader_ops
+    assert leader.name == "reference" and leader is not state.ops
+    assert leader.tuning == dataclasses.replace(state.ops.tuning, copy_ctas_per_sm=1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_bytes, gather_mode, chunks, side_ctas", [
-    (656, "side", None, 1), (1152, "side", None, 1), (656, "single", None, 1),
-    (656, "side", (1,), 0), (1152, "side", (2, 99), 2)])
-def test_decode_loop_reads_exact_rows_on_gpu(row_bytes, gather_mode, chunks, side_ctas):
+@pytest.mark.parametrize("row_bytes, gather_mode, chunks, side_ctas, leader_ctas", [
+    (656, "side", None, 1, 0), (1152, "side", None, 1, 0), (656, "single", None, 1, 0),
+    (656, "side", (1,), 0, 0), (1152, "side", (2, 99), 2, 0), (656, "single", None, 1, 1),
+    (1152, "side", (1,), 1, 2)])
+def test_decode_loop_reads_exact_rows_on_gpu(row_bytes, gather_mode, chunks, side_ctas,
+                                             leader_ctas):
     # The side stream sleeps ~1 ms before each step's gathers: a follower that read without
     # waiting on its event would see the previous occupant of a hot slot.
     loop = DecodeLoop("cuda", row_bytes=row_bytes, k=256, hot_slots=512, block_size=64,
                       device_blocks=256, num_requests=6, tokens_per_step=2, seed=row_bytes,
                       num_layers=4, gather_mode=gather_mode, chunks=chunks,
-                      side_delay_cycles=2_000_000, side_ctas_per_sm=side_ctas)
+                      side_delay_cycles=2_000_000, side_ctas_per_sm=side_ctas,
+                      leader_ctas_per_sm=leader_ctas)
     try:
         for i in range(30):
             loop.step(follower_layers=i % 5 != 4)

@@ -61,6 +61,11 @@ DEFAULT_SIDE_PRIORITY = -1
 #: those loads hold the memory pipeline the compute kernels beside them need, and the
 #: compute slows by as much as the gather hid. A few CTAs still keep the PCIe link nearly busy.
 DEFAULT_SIDE_MAX_CTAS = 16
+#: Grid of the launch that holds the leader (the gather on the step's critical path), in CTAs
+#: per SM (0 = the kernel's default, 4). Fewer CTAs keep a narrower span of host memory in
+#: flight, which the host's address translation serves faster (docs/benchmarks.md,
+#: "Translation reach" and "The critical-path gather's grid").
+DEFAULT_LEADER_CTAS_PER_SM = 0
 
 
 def fit_chunks(spec: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -376,6 +381,8 @@ class GroupGather:
             :data:`DEFAULT_SIDE_PRIORITY`; ignored when ``side_stream`` is given).
         side_max_ctas: cap on the whole grid of each side launch with the CUDA kernels
             (default :data:`DEFAULT_SIDE_MAX_CTAS`; 0 = none).
+        leader_ctas_per_sm: grid of the leader's launch with the CUDA kernels, CTAs per SM
+            (default :data:`DEFAULT_LEADER_CTAS_PER_SM`; 0 = the kernel's default grid).
     """
 
     def __init__(self, hot_state: HotState, host_layers: Sequence[torch.Tensor],
@@ -384,9 +391,11 @@ class GroupGather:
                  side_stream: "torch.cuda.Stream | None" = None,
                  side_ctas_per_sm: int = DEFAULT_SIDE_CTAS_PER_SM,
                  side_priority: int = DEFAULT_SIDE_PRIORITY,
-                 side_max_ctas: int = DEFAULT_SIDE_MAX_CTAS):
+                 side_max_ctas: int = DEFAULT_SIDE_MAX_CTAS,
+                 leader_ctas_per_sm: int = DEFAULT_LEADER_CTAS_PER_SM):
         for name, value in (("side_ctas_per_sm", side_ctas_per_sm),
-                            ("side_max_ctas", side_max_ctas)):
+                            ("side_max_ctas", side_max_ctas),
+                            ("leader_ctas_per_sm", leader_ctas_per_sm)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"GroupGather: {name} must be an int >= 0, got {value!r}")
         if mode not in GATHER_MODES:
@@ -410,6 +419,12 @@ class GroupGather:
         self._cuda = hot_state.device.type == "cuda"
         self.side_ctas_per_sm = side_ctas_per_sm
         self.side_max_ctas = side_max_ctas
+        # The leader's launch goes through the checked op of a backend that differs from the
+        # hot state's only in its grid (the reference twins ignore tuning).
+        ops_ = hot_state.ops
+        self.leader_ops = ops_ if leader_ctas_per_sm == ops_.tuning.copy_ctas_per_sm else \
+            ops.select(ops_.name, **{**dataclasses.asdict(ops_.tuning),
+                                     "copy_ctas_per_sm": leader_ctas_per_sm})
         # Side launches with a capped grid go to the tuned kernel entry directly; the layer
         # lists are checked once here by the checked op (an empty plan copies nothing) and
         # the plan buffers are the hot state's own, checked at every leader launch.
@@ -466,9 +481,9 @@ class GroupGather:
                               rows_per_warp=None, ctas_per_sm=self.side_ctas_per_sm,
                               max_ctas=self.side_max_ctas, tuning=self.hot_state.ops.tuning)
         else:
-            self.hot_state.ops.gather_rows(self.host_layers[start:end],
-                                           self.device_layers[start:end], result.miss_src,
-                                           result.miss_dst, result.miss_count)
+            ops_ = self.leader_ops if chunk == 0 else self.hot_state.ops
+            ops_.gather_rows(self.host_layers[start:end], self.device_layers[start:end],
+                             result.miss_src, result.miss_dst, result.miss_count)
         self.launches += 1
 
     def launch(self, result: ResolveResult) -> None:

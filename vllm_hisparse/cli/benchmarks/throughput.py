@@ -43,8 +43,8 @@ import time
 
 import torch
 
-from vllm_hisparse.cli.args import (CliParser, nonneg_float, output_path, positive_float,
-                                    positive_int)
+from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_path,
+                                    positive_float, positive_int)
 from vllm_hisparse.cli.benchmarks.connector import plan_requests
 from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
                                                       layer_flops_and_bytes, log_points)
@@ -77,6 +77,8 @@ def residency_options(a) -> dict:
     top-k drift (vLLM's indexer top-k over synthetic scores, which ``score`` needs) for lru
     and score alike, so that the two compare on the same selections."""
     extra = {"host_layout": a.host_layout}
+    if a.gather_ctas_per_sm is not None:
+        extra["gather_ctas_per_sm"] = a.gather_ctas_per_sm
     if a.adaptive_hot_region:
         extra["adaptive_hot_region"] = True
     if a.hot_region_eviction is None:
@@ -342,6 +344,8 @@ def main(argv=None) -> int:
                    "top-k drift; default: the connector's lru, uniform drift)")
     p.add_argument("--adaptive-hot-region", action="store_true",
                    help="the connector's adaptive_hot_region (default: fixed regions)")
+    p.add_argument("--gather-ctas-per-sm", type=nonneg_int, default=None,
+                   help="the connector's gather_ctas_per_sm (default: the connector's)")
     p.add_argument("--trace-dir", metavar="DIR",
                    help="keep each profiled step's chrome trace there "
                    "(MODEL-CONTEXT-SYSTEM.json)")

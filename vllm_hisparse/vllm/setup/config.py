@@ -35,7 +35,7 @@ from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm.compat import VllmConfig
 from vllm_hisparse.vllm.setup.connector_entries import ConnectorEntry, connector_entries
 # The default grid cap of the followers' copies (its docstring says why 16).
-from vllm_hisparse.worker.hot_state import DEFAULT_SIDE_MAX_CTAS
+from vllm_hisparse.worker.hot_state import DEFAULT_LEADER_CTAS_PER_SM, DEFAULT_SIDE_MAX_CTAS
 
 #: The ``kv_connector`` name of this package's connector. Deliberately NOT
 #: ``HiSparseConnector``: that literal name switches on vLLM's in-tree HiSparse.
@@ -59,7 +59,8 @@ HOT_REGION_EVICTIONS = ("lru", "score")
 
 ACCEPTED_KEYS = ("host_pool_gib", "device_buffer_size", "eager_host_mirror", "ops_backend", "record_trace",
                  "index_share_prefetch", "prefetch_max_ctas", "ack_deadline_s", "adaptive_hot_region",
-                 "hot_region_target_miss_rate", "hot_region_eviction", "host_layout")
+                 "hot_region_target_miss_rate", "hot_region_eviction", "host_layout",
+                 "gather_ctas_per_sm")
 
 #: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
 #: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
@@ -67,6 +68,8 @@ DEFAULT_HOT_REGION_TARGET_MISS_RATE = 0.1
 
 #: Upper bound of ``prefetch_max_ctas``: larger grids than this are never useful.
 MAX_PREFETCH_CTAS = 4096
+#: Upper bound of ``gather_ctas_per_sm`` (the kernel's default grid is 4 per SM).
+MAX_GATHER_CTAS_PER_SM = 32
 
 #: How deep MultiConnector entries may nest (vLLM builds each level's children itself;
 #: deeper is a generated or looping config, not a deployment).
@@ -97,7 +100,10 @@ class HiSparseResidencyConfig:
     index_share_prefetch: bool
     """Followers' copies on a side stream (``GroupGather`` mode ``side``), else ``single``."""
     prefetch_max_ctas: int
+    gather_ctas_per_sm: int
     """Grid cap of the followers' copies, in CTAs (0 = none)."""
+    gather_ctas_per_sm: int
+    """Grid of the leader's gather (the critical path), CTAs per SM (0 = the kernel's)."""
     top_k: int
     """Positions the model's indexer selects per query token (``index_topk``)."""
     block_size: int
@@ -390,6 +396,16 @@ def _parse_prefetch_max_ctas(extra: Mapping[str, Any]) -> int:
     return value
 
 
+def _parse_gather_ctas_per_sm(extra: Mapping[str, Any]) -> int:
+    value = extra.get("gather_ctas_per_sm", DEFAULT_LEADER_CTAS_PER_SM)
+    if not _is_int(value) or not 0 <= value <= MAX_GATHER_CTAS_PER_SM:
+        raise HiSparseConfigError(
+            f"{CONNECTOR_NAME}: gather_ctas_per_sm={value!r} is invalid; accepted: an integer "
+            f"between 0 (the kernel's default grid) and {MAX_GATHER_CTAS_PER_SM}."
+        )
+    return value
+
+
 def _check_standalone(extra: Any) -> None:
     """The checks that need no engine facts (keys, types, ranges, machine memory)."""
     if not isinstance(extra, Mapping):
@@ -413,6 +429,7 @@ def _check_standalone(extra: Any) -> None:
     _parse_record_trace(extra)
     _parse_bool(extra, "index_share_prefetch", True)
     _parse_prefetch_max_ctas(extra)
+    _parse_gather_ctas_per_sm(extra)
     _parse_ack_deadline_s(extra)
     _parse_hot_region(extra)
 
@@ -475,6 +492,7 @@ def parse_extra_config(
         record_trace=_parse_record_trace(extra),
         index_share_prefetch=_parse_bool(extra, "index_share_prefetch", True),
         prefetch_max_ctas=_parse_prefetch_max_ctas(extra),
+        gather_ctas_per_sm=_parse_gather_ctas_per_sm(extra),
         top_k=top_k,
         block_size=block_size,
         max_decode_query_len=max_decode_query_len,

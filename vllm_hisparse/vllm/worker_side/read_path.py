@@ -70,7 +70,8 @@ import torch
 from vllm_hisparse import ops
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
-from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_SIDE_MAX_CTAS,
+from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_LEADER_CTAS_PER_SM,
+                                            DEFAULT_SIDE_MAX_CTAS,
                                             GroupGather, HotState)
 
 #: Attribute under which a vLLM index group object carries its binding.
@@ -196,6 +197,8 @@ class IndexGroupResidency:
         gather_chunks: side-mode launch schedule (``None`` = the default).
         prefetch_max_ctas: grid cap of the side-mode launches, in CTAs (0 = none; the
             default is ``hot_state.DEFAULT_SIDE_MAX_CTAS``).
+        gather_ctas_per_sm: grid of the leader's gather launch, CTAs per SM (0 = the kernel's
+            default; the default is ``hot_state.DEFAULT_LEADER_CTAS_PER_SM``).
         scores: the tap of the indexer's decode scores with score-aware eviction (the hot
             state's ``slot_class`` is filled from it before each resolve), or None (LRU).
     """
@@ -209,6 +212,7 @@ class IndexGroupResidency:
     gather_mode: str = DEFAULT_GATHER_MODE
     gather_chunks: tuple[int, ...] | None = None
     prefetch_max_ctas: int = DEFAULT_SIDE_MAX_CTAS
+    gather_ctas_per_sm: int = DEFAULT_LEADER_CTAS_PER_SM
     scores: ScoreTap | None = None
     _leader_rows: torch.Tensor | None = None
     _leader_token_rows: torch.Tensor | None = None
@@ -221,7 +225,8 @@ class IndexGroupResidency:
             self.hot_state.enable_slot_classes()
         self._gather = GroupGather(self.hot_state, self.host_layers, self.device_layers,
                                    mode=self.gather_mode, chunks=self.gather_chunks,
-                                   side_max_ctas=self.prefetch_max_ctas)
+                                   side_max_ctas=self.prefetch_max_ctas,
+                                   leader_ctas_per_sm=self.gather_ctas_per_sm)
 
     @property
     def num_layers(self) -> int:

@@ -288,6 +288,7 @@ class WorkerRole(WorkerHostPrefix, PDReads, WorkerPrefillGuard):
                         if self._trace is not None else None),
                 gather_mode="side" if self.config.index_share_prefetch else "single",
                 prefetch_max_ctas=self.config.prefetch_max_ctas,
+                gather_ctas_per_sm=self.config.gather_ctas_per_sm,
                 scores=self._scores))
         return lane
 
