@@ -292,7 +292,7 @@ def test_group_gather_rejects_bad_arguments():
 def test_leader_launch_runs_on_a_backend_that_differs_only_in_its_grid():
     state = HotState(2, 4, 16, 16, ops_backend=ops.select("reference", copy_rows_per_warp=2))
     layers = [torch.zeros((64, 16), dtype=torch.uint8)]
-    assert GroupGather(state, layers, layers).leader_ops is state.ops
+    assert GroupGather(state, layers, layers, leader_ctas_per_sm=0).leader_ops is state.ops
     leader = GroupGather(state, layers, layers, leader_ctas_per_sm=1).leader_ops
     assert leader.name == "reference" and leader is not state.ops
     assert leader.tuning == dataclasses.replace(state.ops.tuning, copy_ctas_per_sm=1)

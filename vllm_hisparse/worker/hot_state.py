@@ -62,10 +62,10 @@ DEFAULT_SIDE_PRIORITY = -1
 #: compute slows by as much as the gather hid. A few CTAs still keep the PCIe link nearly busy.
 DEFAULT_SIDE_MAX_CTAS = 16
 #: Grid of the launch that holds the leader (the gather on the step's critical path), in CTAs
-#: per SM (0 = the kernel's default, 4). Fewer CTAs keep a narrower span of host memory in
-#: flight, which the host's address translation serves faster (docs/benchmarks.md,
-#: "Translation reach" and "The critical-path gather's grid").
-DEFAULT_LEADER_CTAS_PER_SM = 0
+#: per SM (0 = the kernel's default, 4). One CTA per SM keeps a narrower span of host memory
+#: in flight, which the host's address translation serves faster, and still keeps the link
+#: busy (docs/benchmarks.md, "The critical-path gather's grid").
+DEFAULT_LEADER_CTAS_PER_SM = 1
 
 
 def fit_chunks(spec: Sequence[int], num_layers: int) -> tuple[int, ...]:
