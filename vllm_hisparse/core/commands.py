@@ -39,7 +39,7 @@ class TransferKind(IntEnum):
 
 
 class Residency(IntEnum):
-    """Request-level residency (DESIGN §3)."""
+    """Request-level residency (docs/core.md, "The state machine")."""
 
     FULL = 0
     """Every page resident on the device; no hot region."""

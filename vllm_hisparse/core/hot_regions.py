@@ -24,21 +24,18 @@ from __future__ import annotations
 from typing import Mapping
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.device_pool import DevicePool
-from vllm_hisparse.core.hot_sizing import HotSizer, HotSizingConfig
+from vllm_hisparse.core.hot_sizing import HotSizer
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.request_table import RequestStatus, RequestTable
+from vllm_hisparse.core.policy_state import PolicyState
+from vllm_hisparse.core.request_table import RequestStatus
 
 
 class HotRegionSizer:
     """The sizers of every request with a hot lease, keyed by state row and serial."""
 
-    def __init__(self, config: HotSizingConfig, requests: RequestTable, leases: PageLeases,
-                 device_pool: DevicePool) -> None:
-        self.config = config
-        self.requests = requests
+    def __init__(self, state: PolicyState, leases: PageLeases) -> None:
+        self.state = state
         self.leases = leases
-        self.device_pool = device_pool
         self._sizers: dict[int, tuple[int, HotSizer]] = {}  # row -> (serial, sizer)
         self._pending: dict[int, list[int]] = {}  # row -> [misses, references] not yet fed
 
@@ -53,10 +50,10 @@ class HotRegionSizer:
         more misses than references."""
         for row, (misses, references) in counts.items():
             row, misses, references = int(row), int(misses), int(references)
-            if not 0 <= row < self.requests.num_rows or not 0 <= misses <= references:
+            if not 0 <= row < self.state.requests.num_rows or not 0 <= misses <= references:
                 raise ValueError(f"hot-region counts: row {row}: ({misses} misses, "
                                  f"{references} references) is invalid; accepted: a state row "
-                                 f"in [0, {self.requests.num_rows}) and 0 <= misses <= "
+                                 f"in [0, {self.state.requests.num_rows}) and 0 <= misses <= "
                                  "references")
             acc = self._pending.setdefault(row, [0, 0])
             acc[0] += misses
@@ -66,20 +63,20 @@ class HotRegionSizer:
         """Feed the pending counts to the sizers; grow or shrink the leases they resize."""
         pending, self._pending = self._pending, {}
         for row, (misses, references) in pending.items():
-            req = self.requests.at(row)
+            req = self.state.requests.at(row)
             if (req is None or req.status != RequestStatus.ACTIVE or req.promoting
                     or req.residency == Residency.FULL or not req.hot_block_ids):
                 self._sizers.pop(row, None)
                 continue
             entry = self._sizers.get(row)
             if entry is None or entry[0] != req.serial:
-                entry = (req.serial, HotSizer(self.config, len(req.hot_block_ids)))
+                entry = (req.serial, HotSizer(self.state.config.hot_sizing, len(req.hot_block_ids)))
                 self._sizers[row] = entry
             sizer = entry[1]
             current = len(req.hot_block_ids)
             sizer.blocks = current  # a lease made again since (resume) restarts from its size
             wanted = sizer.observe(misses, references, under_pressure)
-            if wanted > current and (under_pressure or self.device_pool.get_num_free_blocks()
+            if wanted > current and (under_pressure or self.state.device_pool.get_num_free_blocks()
                                      - (wanted - current) < low_watermark_blocks):
                 sizer.blocks = current  # no blocks to spare: keep the size
             elif wanted != current:

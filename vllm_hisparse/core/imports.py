@@ -18,23 +18,28 @@ from typing import Sequence
 from vllm_hisparse.core.commands import Residency
 from vllm_hisparse.core.errors import DevicePoolExhausted, HostPoolExhausted, ProtocolError
 from vllm_hisparse.core.outcome import Outcome
+from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import range_mask
-from vllm_hisparse.core.policy_part import PolicyPart
+from vllm_hisparse.core.policy_state import PolicyState
 from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 
-class ImportLedger(PolicyPart):
+class ImportLedger:
     """``begin_import`` / ``finish_import`` of :class:`~vllm_hisparse.core.policy.ResidencyPolicy`."""
+
+    def __init__(self, state: PolicyState, leases: PageLeases) -> None:
+        self.state = state
+        self.leases = leases
 
     def begin(self, req: Request, num_tokens: int, tail_device_blocks: Sequence[int] | None) -> list[int]:
         """See :meth:`ResidencyPolicy.begin_import`; returns the host block of every page."""
-        t = self.tables
+        t = self.state.tables
         request_id = req.request_id
         if req.status != RequestStatus.ACTIVE or t.num_tokens[req.row] != 0:
             raise ProtocolError(f"request {request_id!r}: import must start on an empty request")
-        num_pages = cdiv(num_tokens, self.block_size)
-        if num_pages > self.config.max_pages_per_request:
+        num_pages = cdiv(num_tokens, self.state.block_size)
+        if num_pages > self.state.config.max_pages_per_request:
             raise ProtocolError(f"import of {num_tokens} tokens exceeds max_pages_per_request")
         tail = None
         if tail_device_blocks is not None:
@@ -43,15 +48,15 @@ class ImportLedger(PolicyPart):
             if len(tail) != expected:
                 raise ProtocolError(f"request {request_id!r}: {len(tail)} tail device blocks for an "
                                     f"import of {num_pages} pages (expected {expected})")
-            free = self.device_pool.get_num_free_blocks()
+            free = self.state.device_pool.get_num_free_blocks()
             if req.hot_blocks > free:
-                self.stats.num_device_backpressure += 1
+                self.state.stats.num_device_backpressure += 1
                 raise DevicePoolExhausted(f"request {request_id!r}: no room for a hot region of "
                                           f"{req.hot_blocks} blocks", req.hot_blocks, free)
         try:
-            host = self.host_pool.allocate(num_pages)
+            host = self.state.host_pool.allocate(num_pages)
         except HostPoolExhausted:
-            self.stats.num_host_backpressure += 1
+            self.state.stats.num_host_backpressure += 1
             raise
         row = req.row
         t.host_block[row, :num_pages] = host
@@ -63,8 +68,8 @@ class ImportLedger(PolicyPart):
             t.pinned[row, first:num_pages] = True
             t.num_pinned[row] = len(tail)
             self.leases.lease_hot(req)
-            self.requests.set_residency(req, Residency.NONE)
-        self.requests.set_status(req, RequestStatus.IMPORTING)
+            self.state.requests.set_residency(req, Residency.NONE)
+        self.state.requests.set_status(req, RequestStatus.IMPORTING)
         return list(host)
 
     def finish(self, req: Request, success: bool) -> Outcome | None:
@@ -73,10 +78,10 @@ class ImportLedger(PolicyPart):
         if req.status != RequestStatus.IMPORTING:
             raise ProtocolError(f"request {req.request_id!r} is not importing")
         row = req.row
-        t = self.tables
+        t = self.state.tables
         num_pages = int(t.num_pages[row])
         if not success:
-            self.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
+            self.state.host_pool.free(int(b) for b in t.host_block[row, :num_pages])
             t.host_block[row, :num_pages] = -1
             t.device_block[row, :num_pages] = -1  # the engine's tail blocks stay the engine's
             t.pinned[row, :num_pages] = False
@@ -84,19 +89,19 @@ class ImportLedger(PolicyPart):
             t.num_pages[row] = 0
             t.num_tokens[row] = 0
             self.leases.drop_hot_lease(req)
-            self.requests.set_residency(req, Residency.FULL, emit=False)
-            self.requests.set_status(req, RequestStatus.ACTIVE)
+            self.state.requests.set_residency(req, Residency.FULL, emit=False)
+            self.state.requests.set_status(req, RequestStatus.ACTIVE)
             return Outcome.RECOMPUTE
         engine_tail = int(t.num_pinned[row]) > 0
         for page in range(num_pages):
             written = t.rows_written(row, page)
             t.host_mask[row, page] = range_mask(0, written, t.num_mask_words)
-            if written == self.block_size:
+            if written == self.state.block_size:
                 self.leases.mark_clean(req, page)
-            self.steps.emit_page(row, page, int(t.device_block[row, page]), int(t.host_block[row, page]))
+            self.state.steps.emit_page(row, page, int(t.device_block[row, page]), int(t.host_block[row, page]))
         if engine_tail:
-            self.requests.set_status(req, RequestStatus.ACTIVE)
+            self.state.requests.set_status(req, RequestStatus.ACTIVE)
             return Outcome.OK
-        self.requests.set_status(req, RequestStatus.PARKED)
-        self.requests.set_residency(req, Residency.NONE)
+        self.state.requests.set_status(req, RequestStatus.PARKED)
+        self.state.requests.set_residency(req, Residency.NONE)
         return None

@@ -23,23 +23,20 @@ from typing import Iterable
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.device_pool import DevicePool, InMemoryDevicePool
-from vllm_hisparse.core.host_blocks import HostBlockPool
-from vllm_hisparse.core.page_table import PageTables, range_mask
-from vllm_hisparse.core.request_table import RequestStatus, RequestTable
+from vllm_hisparse.core.device_pool import InMemoryDevicePool
+from vllm_hisparse.core.page_table import range_mask
+from vllm_hisparse.core.policy_state import PolicyState
+from vllm_hisparse.core.request_table import RequestStatus
 from vllm_hisparse.core.transactions import TransactionTable
 from vllm_hisparse.core.transitions import ResidencyTransitions
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 
 def check_invariants(
-    tables: PageTables,
-    requests: RequestTable,
+    state: PolicyState,
     released_owner: dict[int, list[tuple[int, int, int]]],
     txns: TransactionTable,
     transitions: ResidencyTransitions,
-    device_pool: DevicePool,
-    host_pool: HostBlockPool,
     extra_device_leases: Iterable[int] = (),
     extra_host_leases: Iterable[int] = (),
 ) -> None:
@@ -48,9 +45,10 @@ def check_invariants(
     ``released_owner``: :attr:`PageLeases.released_owner`; ``extra_*_leases``: blocks held
     by someone other than the policy (a test hog).
     """
-    t = tables
+    t, requests = state.tables, state.requests
+    device_pool, host_pool = state.device_pool, state.host_pool
     in_memory = isinstance(device_pool, InMemoryDevicePool)
-    sizing = transitions.config.hot_sizing
+    sizing = state.config.hot_sizing
     dev_leases: dict[int, int] = {}
     host_leases: dict[int, int] = {}
 

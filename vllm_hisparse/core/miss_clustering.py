@@ -1,9 +1,9 @@
 """How a hot region's misses cluster in host memory, per host-pool layout.
 
-A GPU gather of scattered rows from pinned host memory is limited, on the H200 VM, by the
-number of distinct 4 KiB host pages it touches (about 33 M pages/s over a multi-GiB pool,
-docs/kernels.md "Host pool layout"), not by bytes. A layout gains when the rows one gather
-reads share pages. This module replays a selection trace through a hot region (the
+A GPU gather of scattered rows from pinned host memory over a multi-GiB pool is limited by
+the number of distinct 4 KiB host pages it touches, not by bytes (docs/kernels.md, "Host pool
+layout"; its figures in docs/benchmarks.md, "CUDA kernels"). A layout gains when the rows
+one gather reads share pages. This module replays a selection trace through a hot region (the
 ``hisparse`` policy of :mod:`.replacement`, what ``resolve`` does) and counts, per step and
 request, the misses and the distinct host pages a gather of them touches in each layout:
 

@@ -1,6 +1,7 @@
 """Per-request page tables, stored as one set of ``[rows, pages]`` arrays.
 
-Every request owns one *state row* (DESIGN §3). Its page table is row ``r`` of each array:
+Every request owns one *state row* (docs/design.md, "Layouts"). Its page table is row ``r``
+of each array:
 
 ==================  ======  ====================================================================
 array               dtype   meaning of ``[r, p]``

@@ -16,9 +16,11 @@ flight) · PARKED (host-backed, no hot region: preempted, or waiting for device 
 an import or host prefix hit) · IMPORTING (host blocks handed to an external writer).
 
 :class:`ResidencyPolicy` is the protocol the engine drives. It checks each event and
-orchestrates the parts that carry it out (docs/core.md, "Module map"): the request table,
-page leases, the transfer planner, residency transitions (selection rules in
-:mod:`~vllm_hisparse.core.pressure`), host prefixes and the step builder. Requirement R1 (a
+orchestrates the parts that carry it out (docs/core.md, "Module map"): page leases, the
+transfer planner, residency transitions (selection rules in
+:mod:`~vllm_hisparse.core.pressure`), request growth, host prefixes, imports and hot-region
+sizing. What they share (page tables, request table, step builder, pools, counters) is one
+:class:`~vllm_hisparse.core.policy_state.PolicyState`, built here. Requirement R1 (a
 prefilling request is never demoted, never releases a page and is promoted at once) is
 described in docs/core.md.
 
@@ -29,13 +31,14 @@ requests that change state.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency, StepCommand, WorkerAcks
 from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import ProtocolError
+from vllm_hisparse.core.growth import DeviceBlocksFor, RequestGrowth
 from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
 from vllm_hisparse.core.hot_regions import HotRegionSizer
@@ -43,13 +46,13 @@ from vllm_hisparse.core.imports import ImportLedger
 from vllm_hisparse.core.invariants import check_invariants
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTable, PageTables
+from vllm_hisparse.core.page_table import PageTable
 from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.policy_state import PolicyState
 from vllm_hisparse.core.pressure import blocks_spared
-from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
+from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.rollback import roll_back_rows
 from vllm_hisparse.core.stats import PolicyStats
-from vllm_hisparse.core.step_builder import StepBuilder
 from vllm_hisparse.core.transfer_planner import TransferPlanner
 from vllm_hisparse.core.transitions import ResidencyTransitions
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
@@ -71,25 +74,23 @@ class ResidencyPolicy:
     """
 
     def __init__(self, config: PolicyConfig, device_pool: DevicePool, host_pool: HostBlockPool):
+        state = self._state = PolicyState.create(config, device_pool, host_pool)
         self.config = config
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.block_size = config.block_size
-        self.tables = PageTables(config.max_num_rows, config.max_pages_per_request, config.block_size)
-        self.stats = PolicyStats()
-        self._steps = StepBuilder()
-        self._requests = RequestTable(config.max_num_rows, self._steps)
-        self._leases = PageLeases(self.tables, self._requests, self._steps, device_pool, host_pool, self.stats)
-        self._planner = TransferPlanner(config, self.tables, self._requests, self._steps, self._leases,
-                                        device_pool, host_pool, self.stats)
-        self._transitions = ResidencyTransitions(config, self.tables, self._requests, self._steps,
-                                                 self._leases, self._planner, device_pool, self.stats)
-        self._prefixes = HostPrefixes(config.max_pages_per_request, self.tables, self._requests, self._steps,
-                                      self._planner, host_pool, self.stats)
-        self._imports = ImportLedger(config, self.tables, self._requests, self._steps, self._leases,
-                                device_pool, host_pool, self.stats)
-        self._hot_sizer = (None if config.hot_sizing is None else HotRegionSizer(
-            config.hot_sizing, self._requests, self._leases, device_pool))
+        self.block_size = state.block_size
+        self.tables = state.tables
+        """Every row's page table: tests and checkers; the engine asks the row queries."""
+        self.stats = state.stats
+        self._steps = state.steps
+        self._requests = state.requests
+        self._leases = PageLeases(state)
+        self._planner = TransferPlanner(state, self._leases)
+        self._transitions = ResidencyTransitions(state, self._leases, self._planner)
+        self._growth = RequestGrowth(state, self._leases, self._transitions)
+        self._prefixes = HostPrefixes(state, self._planner)
+        self._imports = ImportLedger(state, self._leases)
+        self._hot_sizer = None if config.hot_sizing is None else HotRegionSizer(state, self._leases)
 
     # =====================================================================================
     # Queries
@@ -242,6 +243,35 @@ class ResidencyPolicy:
         """The incarnation number of a live request (unique over the policy's life)."""
         return self._requests.get(request_id).serial
 
+    # -- by state row: O(1) or one numpy gather, for the engine's per-step paths. Each
+    # answer is a copy: holding it never sees, nor changes, the policy's later state.
+    def serial_at(self, row: int) -> int:
+        """The incarnation in state row ``row`` (:meth:`serial_of`; 0 = free row): a
+        ``(row, serial)`` pair kept across steps still names its request while they agree."""
+        return int(self.tables.serial[row])
+
+    def serials_at(self, rows: np.ndarray) -> np.ndarray:
+        """:meth:`serial_at` of each of ``rows`` (integer array ``[n]`` of state rows):
+        int64 ``[n]``."""
+        return self.tables.serial[rows]
+
+    def num_tokens_at(self, rows: np.ndarray) -> np.ndarray:
+        """Positions written or scheduled (this step's ``schedule`` included) in each of
+        ``rows`` (integer array ``[n]`` of state rows): int64 ``[n]``; 0 for a free row."""
+        return self.tables.num_tokens[rows]
+
+    def num_pages_at(self, row: int) -> int:
+        """Pages of the request in state row ``row`` (0 for a free row)."""
+        return int(self.tables.num_pages[row])
+
+    def host_blocks_at(self, row: int, first_page: int, end_page: int) -> np.ndarray:
+        """Host blocks of pages ``[first_page, end_page)`` of state row ``row``: int32
+        ``[end_page - first_page]``, ``-1`` for a page with none. ``ValueError`` unless
+        ``0 <= first_page <= end_page <= config.max_pages_per_request``."""
+        if not 0 <= first_page <= end_page <= self.tables.max_pages:
+            raise ValueError(f"pages [{first_page}, {end_page}) outside [0, {self.tables.max_pages}]")
+        return self.tables.host_block[row, first_page:end_page].copy()
+
     def can_admit(self, num_prompt_tokens: int, num_host_hit_pages: int = 0, hot_rows: int | None = None) -> Outcome:
         """Whether a new request fits device, host and hot capacity together.
 
@@ -314,13 +344,13 @@ class ResidencyPolicy:
             outcome = self._transitions.prepare_prefill(req)
             if outcome != Outcome.OK:
                 return outcome
-        return self._grow(req, int(num_new_tokens), device_block_ids)
+        return self._growth.grow(req, int(num_new_tokens), device_block_ids)
 
     def schedule_rows(
         self,
         rows: np.ndarray,
         num_new_tokens: np.ndarray,
-        device_blocks_for: Callable[[int, int, int], Sequence[int]] | None = None,
+        device_blocks_for: DeviceBlocksFor | None = None,
     ) -> np.ndarray:
         """Batched ``schedule`` by state row (each row at most once). Returns Outcome codes.
 
@@ -331,58 +361,7 @@ class ResidencyPolicy:
         ``device_block_ids`` of ``schedule``); without it the policy allocates them.
         """
         rows = np.asarray(rows, dtype=np.int64)
-        counts = np.asarray(num_new_tokens, dtype=np.int64)
-        t = self.tables
-        outcome = np.zeros(rows.shape[0], dtype=np.int8)
-        # Gated rows (not ACTIVE, or prefilling and not FULL: R1.b) take the per-request
-        # path below; everything else is vectorised.
-        not_active = self._requests.gate[rows]
-        # np.count_nonzero and ndarray.nonzero are much cheaper than .any() / flatnonzero
-        # on the few hundred entries of a step.
-        any_not_active = np.count_nonzero(not_active) > 0
-        if any_not_active:
-            for i in not_active.nonzero()[0].tolist():
-                row = int(rows[i])
-                st = int(self._requests.status[row])
-                if st == RequestStatus.ACTIVE:  # a prefilling request that is not FULL
-                    outcome[i] = self._transitions.prepare_prefill(self._requests.at(row))
-                    if outcome[i] == Outcome.OK:
-                        outcome[i] = self._grow_row(row, int(counts[i]), device_blocks_for)
-                    continue
-                if st != RequestStatus.ACTIVATING:
-                    raise ProtocolError(f"row {row} scheduled while not active (status {st})")
-                outcome[i] = Outcome.WAIT_TRANSFER
-        starts = t.num_tokens[rows]
-        ends = starts + counts
-        grows = t.num_pages_for(ends) > t.num_pages[rows]
-        if any_not_active:
-            grows &= ~not_active
-            fast = ~grows & ~not_active
-        else:
-            fast = ~grows
-        grow_idx = grows.nonzero()[0]
-        if grow_idx.shape[0] == 0 and not any_not_active:
-            # Every row stays inside its last page (most decode steps): no masking. The
-            # copy keeps the caller's array out of the step's records.
-            fr, fast_starts, fast_ends = rows.copy(), starts, ends
-        else:
-            fr, fast_starts, fast_ends = rows[fast], starts[fast], ends[fast]
-        if fr.shape[0]:
-            t.num_tokens[fr] = fast_ends
-            self._steps.record_ranges(fr, fast_starts, fast_ends, t.serial[fr])
-        for i in grow_idx.tolist():
-            outcome[i] = self._grow_row(int(rows[i]), int(counts[i]), device_blocks_for)
-        return outcome
-
-    def _grow_row(self, row: int, count: int, device_blocks_for) -> Outcome:
-        req = self._requests.at(row)
-        blocks = None
-        if device_blocks_for is not None:
-            old = int(self.tables.num_pages[row])
-            new = cdiv(int(self.tables.num_tokens[row]) + count, self.block_size) - old
-            if new > 0:
-                blocks = device_blocks_for(row, old, new)
-        return self._grow(req, count, blocks)
+        return self._growth.grow_rows(rows, np.asarray(num_new_tokens, dtype=np.int64), device_blocks_for)
 
     def roll_back(self, rows: np.ndarray, num_tokens: np.ndarray) -> int:
         """The engine discarded positions it had scheduled (rejected draft tokens): the
@@ -543,36 +522,6 @@ class ResidencyPolicy:
     # =====================================================================================
     # Internals
     # =====================================================================================
-    def _grow(self, req: Request, num_new_tokens: int, device_block_ids) -> Outcome:
-        if num_new_tokens < 0:
-            raise ProtocolError("num_new_tokens must be >= 0")
-        t = self.tables
-        row = req.row
-        start = int(t.num_tokens[row])
-        end = start + num_new_tokens
-        old_pages = int(t.num_pages[row])
-        new_pages = cdiv(end, self.block_size) - old_pages
-        if new_pages > 0:
-            if end > self.config.max_pages_per_request * self.block_size:
-                raise ProtocolError(f"request {req.request_id!r} grows past max_pages_per_request")
-            if device_block_ids is not None and len(device_block_ids) != new_pages:
-                raise ProtocolError(f"{len(device_block_ids)} device blocks given for {new_pages} new pages")
-            outcome = self._leases.add_pages(req, new_pages, device_block_ids)
-            if outcome == Outcome.WAIT_DEVICE:
-                self._transitions.unmet_device_blocks += new_pages
-            if outcome != Outcome.OK:
-                return outcome
-            if req.residency == Residency.FULL:
-                self._transitions.note_growth(req, old_pages, new_pages)
-            elif not req.promoting:
-                # Pages that just left the tail may now be released.
-                for page in range(max(0, old_pages - ACTIVE_TAIL_PAGES), old_pages + new_pages - ACTIVE_TAIL_PAGES):
-                    self._leases.try_release(req, page)
-        t.num_tokens[row] = end
-        if num_new_tokens > 0:
-            self._steps.record_range(row, start, end, req.serial)
-        return Outcome.OK
-
     def _end_request(self, req: Request, publish: bool) -> None:
         self._planner.take_over_ended(req, publish)
         self._leases.return_all(req)
@@ -588,10 +537,8 @@ class ResidencyPolicy:
         """Raise AssertionError if a residency invariant is broken (tests and debugging;
         O(everything)); see :mod:`~vllm_hisparse.core.invariants`. ``extra_*_leases`` are
         blocks held by someone other than the policy (a test hog)."""
-        check_invariants(
-            self.tables, self._requests, self._leases.released_owner, self._planner.txns, self._transitions,
-            self.device_pool, self.host_pool, extra_device_leases, extra_host_leases,
-        )
+        check_invariants(self._state, self._leases.released_owner, self._planner.txns, self._transitions,
+                         extra_device_leases, extra_host_leases)
 
     def is_idle(self) -> bool:
         """True when no request and no transfer is open (pools should be at rest)."""

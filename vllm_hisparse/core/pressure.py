@@ -34,9 +34,9 @@ from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 #: A demotion's net gain must be at least ``hot_blocks / MIN_GAIN_PER_HOT`` blocks. A request
 #: whose context is about one hot region frees a block or two by moving to the host and then
-#: misses on every step while its region warms: at 4K contexts with a 4096-row region the
-#: throughput step ran 7 % slower to hold 1 % more requests (docs/benchmarks.md, "Throughput").
-#: From 6K tokens (96 pages of 64) the gain passes this bound.
+#: misses on every step while its region warms: the throughput lost costs more than the few
+#: requests the blocks admit (docs/core.md, "Transition rules"). With a 4096-row region of
+#: 64-token pages (64 blocks) the bound is 16 blocks: 82 clean pages of its own, 5.2K tokens.
 MIN_GAIN_PER_HOT = 4
 
 

@@ -6,7 +6,7 @@ replace positions that are not in S. Policies differ only in which positions the
 
 | name | victims (among slots not needed this step) | recency update |
 |---|---|---|
-| ``hisparse`` | least recent first | new order = [survivors] + [this step's misses] + [this step's hits] (DESIGN §4.1, what the kernel does) |
+| ``hisparse`` | least recent first | new order = [survivors] + [this step's misses] + [this step's hits] (docs/design.md, "resolve": what the kernel does) |
 | ``lru`` | least recent first | every position used this step becomes most recent, misses and hits alike, in position order |
 | ``fifo`` | oldest inserted first | none: hits keep their place |
 | ``random`` | uniformly random | — |

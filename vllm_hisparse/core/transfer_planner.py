@@ -16,32 +16,27 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency, TransferKind, TransferSpec, WorkerAcks
-from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.errors import ProtocolError
-from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTables, range_mask, range_masks
-from vllm_hisparse.core.policy_config import PolicyConfig
-from vllm_hisparse.core.policy_part import PolicyPart
-from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
-from vllm_hisparse.core.stats import PolicyStats
-from vllm_hisparse.core.step_builder import StepBuilder
+from vllm_hisparse.core.page_table import range_mask, range_masks
+from vllm_hisparse.core.policy_state import PolicyState
+from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.transactions import Transaction, TransactionTable, TransferPhase
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
 
-class TransferPlanner(PolicyPart):
+class TransferPlanner:
     """Open transfers, the spill queue and the activations whose tail restore must be retried."""
 
-    def __init__(self, config: PolicyConfig, tables: PageTables, requests: RequestTable, steps: StepBuilder,
-                 leases: PageLeases, device_pool: DevicePool, host_pool: HostBlockPool, stats: PolicyStats) -> None:
-        super().__init__(config, tables, requests, steps, leases, device_pool, host_pool, stats)
+    def __init__(self, state: PolicyState, leases: PageLeases) -> None:
+        self.state = state
+        self.leases = leases
         self.txns = TransactionTable()
         # Pages that need a whole-page spill: (row, serial, page) in insertion order.
         self._spill_queue: dict[tuple[int, int, int], None] = {}
         self._tail_retry_rows: set[int] = set()
         # Scratch for the duplicate-row check of a step's mirror (see _rows_unique).
-        n = tables.num_rows
+        n = state.tables.num_rows
         self._row_scratch = np.zeros(n, dtype=np.int64)
         self._row_arange = np.arange(n, dtype=np.int64)
 
@@ -63,12 +58,12 @@ class TransferPlanner(PolicyPart):
 
     def _plan_mirror_or_seal(self) -> None:
         """Turn this step's written ranges into a MIRROR (eager) or queue sealed pages."""
-        written = self.steps.written_ranges()
+        written = self.state.steps.written_ranges()
         if written is None:
             return
         rows, starts, ends, serials = written
-        t = self.tables
-        bs = self.block_size
+        t = self.state.tables
+        bs = self.state.block_size
         keep = (t.serial[rows] == serials) & (ends > starts)
         if np.count_nonzero(keep) != keep.shape[0]:
             rows, starts, ends, serials = rows[keep], starts[keep], ends[keep], serials[keep]
@@ -92,7 +87,7 @@ class TransferPlanner(PolicyPart):
             pp = np.repeat(first, span) + offsets
             lo = np.maximum(np.repeat(starts, span), pp * bs) - pp * bs
             hi = np.minimum(np.repeat(ends, span), (pp + 1) * bs) - pp * bs
-        if not self.config.eager_host_mirror:
+        if not self.state.config.eager_host_mirror:
             for i in np.nonzero(hi == bs)[0]:
                 self.queue_spill(int(pr[i]), int(ps[i]), int(pp[i]))
             return
@@ -101,14 +96,14 @@ class TransferPlanner(PolicyPart):
         unique = n <= t.num_rows and self._rows_unique(rows)
         flat = t.flat_index(pr, pp)
         txn = self.txns.open(
-            TransferKind.MIRROR, self.steps.step_id,
+            TransferKind.MIRROR, self.state.steps.step_id,
             rows=pr, serials=ps, pages=pp, starts=lo, ends=hi, flat=flat, unique_pages=unique,
         )
         if unique:
             t.flat_mirror_inflight[flat] += 1
         else:
             np.add.at(t.mirror_inflight, (pr, pp), 1)
-        self.steps.add_transfer(
+        self.state.steps.add_transfer(
             TransferSpec(
                 transfer_id=txn.transfer_id,
                 kind=int(TransferKind.MIRROR),
@@ -130,8 +125,8 @@ class TransferPlanner(PolicyPart):
         """Plan one SPILL transaction for queued pages that are ready, within the budget."""
         if not self._spill_queue:
             return
-        t = self.tables
-        budget = self.config.max_spill_pages_per_step
+        t = self.state.tables
+        budget = self.state.config.max_spill_pages_per_step
         rows, serials, pages, device, host, copied = [], [], [], [], [], []
         for key in list(self._spill_queue):
             if len(pages) >= budget:
@@ -145,9 +140,9 @@ class TransferPlanner(PolicyPart):
                 continue
             if t.pending[row, page] >= 0 or t.mirror_inflight[row, page] > 0:
                 continue  # wait for the transfer in flight
-            req = self.requests.at(row)
+            req = self.state.requests.at(row)
             written = t.rows_written(row, page)
-            if written < self.block_size and req.status != RequestStatus.PARKED:
+            if written < self.state.block_size and req.status != RequestStatus.PARKED:
                 continue  # not sealed yet: the forward is still filling it
             del self._spill_queue[key]
             if t.host_covers_written(row, page):
@@ -163,7 +158,7 @@ class TransferPlanner(PolicyPart):
             return
         txn = self.txns.open(
             TransferKind.SPILL,
-            self.steps.step_id,
+            self.state.steps.step_id,
             rows=np.array(rows, dtype=np.int64),
             serials=np.array(serials, dtype=np.int64),
             pages=np.array(pages, dtype=np.int64),
@@ -172,13 +167,13 @@ class TransferPlanner(PolicyPart):
             num_rows_copied=np.array(copied, dtype=np.int64),
         )
         # Source and destination pinned for the life of the transfer.
-        self.device_pool.touch(device)
-        self.host_pool.touch(host)
+        self.state.device_pool.touch(device)
+        self.state.host_pool.touch(host)
         txn.held_device_until_enqueued = list(device)
         txn.held_host_until_done = list(host)
         t.pending[txn.rows, txn.pages] = txn.transfer_id
-        self.stats.num_spill_pages += len(pages)
-        self.steps.add_transfer(
+        self.state.stats.num_spill_pages += len(pages)
+        self.state.steps.add_transfer(
             TransferSpec(
                 transfer_id=txn.transfer_id,
                 kind=int(TransferKind.SPILL),
@@ -190,8 +185,8 @@ class TransferPlanner(PolicyPart):
 
     def plan_restore(self, req: Request, pages: list[int]) -> None:
         """Allocate device blocks for host-only pages and plan their H2D restore."""
-        device = self.device_pool.get_new_blocks(len(pages))
-        host = [int(self.tables.host_block[req.row, p]) for p in pages]
+        device = self.state.device_pool.get_new_blocks(len(pages))
+        host = [int(self.state.tables.host_block[req.row, p]) for p in pages]
         txn = self.open_restore(req, pages, device, host, into_pinned=False)
         # The new device blocks belong to the transfer until it completes.
         txn.held_device_until_done = list(device)
@@ -201,10 +196,10 @@ class TransferPlanner(PolicyPart):
                      *, into_pinned: bool) -> Transaction:
         """One RESTORE (host → device, before the forward) of ``pages`` of ``req``: holds its
         host sources until done, marks the pages pending, queues the worker's spec."""
-        self.host_pool.touch(host)
+        self.state.host_pool.touch(host)
         txn = self.txns.open(
             TransferKind.RESTORE,
-            self.steps.step_id,
+            self.state.steps.step_id,
             rows=np.full(len(pages), req.row, dtype=np.int64),
             serials=np.full(len(pages), req.serial, dtype=np.int64),
             pages=np.array(pages, dtype=np.int64),
@@ -213,9 +208,9 @@ class TransferPlanner(PolicyPart):
             into_pinned=into_pinned,
         )
         txn.held_host_until_done = list(host)
-        self.tables.pending[req.row, pages] = txn.transfer_id
-        self.stats.num_restore_pages += len(pages)
-        self.steps.add_transfer(
+        self.state.tables.pending[req.row, pages] = txn.transfer_id
+        self.state.stats.num_restore_pages += len(pages)
+        self.state.steps.add_transfer(
             TransferSpec(
                 transfer_id=txn.transfer_id,
                 kind=int(TransferKind.RESTORE),
@@ -228,22 +223,22 @@ class TransferPlanner(PolicyPart):
 
     def _retry_tail_restores(self) -> None:
         for row in list(self._tail_retry_rows):
-            req = self.requests.at(row)
+            req = self.state.requests.at(row)
             if req is None or not req.needs_tail_restore_retry or req.status != RequestStatus.ACTIVATING:
                 self._tail_retry_rows.discard(row)
                 continue
-            t = self.tables
+            t = self.state.tables
             n = int(t.num_pages[row])
             missing = [p for p in range(max(0, n - ACTIVE_TAIL_PAGES), n)
                        if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
-            if len(missing) > self.device_pool.get_num_free_blocks():
+            if len(missing) > self.state.device_pool.get_num_free_blocks():
                 continue
             req.needs_tail_restore_retry = False
             self._tail_retry_rows.discard(row)
             if missing:
                 self.plan_restore(req, missing)
             elif req.num_restores_inflight == 0:
-                self.requests.set_status(req, RequestStatus.ACTIVE)
+                self.state.requests.set_status(req, RequestStatus.ACTIVE)
 
     # =====================================================================================
     # Requests that end with transfers in flight
@@ -252,7 +247,7 @@ class TransferPlanner(PolicyPart):
         """``req`` ends now: mirrors in flight over its row take leases on what they still
         touch, and (``publish``) pages whose host copy is on its way are published when it
         completes. Call before the request's own leases are returned."""
-        t = self.tables
+        t = self.state.tables
         row, serial = req.row, req.serial
         n = int(t.num_pages[row])
         mirrors_of_page: dict[int, list[tuple[Transaction, int]]] = {}
@@ -265,10 +260,10 @@ class TransferPlanner(PolicyPart):
                 mirrors_of_page.setdefault(page, []).append((txn, int(i)))
                 if txn.phase == TransferPhase.PLANNED and t.pinned[row, page]:
                     block = int(t.device_block[row, page])
-                    self.device_pool.touch([block])
+                    self.state.device_pool.touch([block])
                     txn.held_device_until_enqueued.append(block)
                 host_block = int(t.host_block[row, page])
-                self.host_pool.touch([host_block])
+                self.state.host_pool.touch([host_block])
                 txn.held_host_until_done.append(host_block)
         if not publish or not req.block_hashes:
             return
@@ -296,8 +291,8 @@ class TransferPlanner(PolicyPart):
         """See :meth:`ResidencyPolicy.num_device_blocks_pending_release`."""
         if not len(self.txns):
             return 0
-        t = self.tables
-        requests = self.requests
+        t = self.state.tables
+        requests = self.state.requests
         count = 0
         non_full = requests.non_full_rows
         if non_full:
@@ -309,7 +304,7 @@ class TransferPlanner(PolicyPart):
             )
             running = ((status == RequestStatus.ACTIVE) | (status == RequestStatus.ACTIVATING)) & ~promoting
             num_pages = t.num_pages[rows]
-            sealed = np.minimum(num_pages - ACTIVE_TAIL_PAGES, t.num_tokens[rows] // self.block_size)
+            sealed = np.minimum(num_pages - ACTIVE_TAIL_PAGES, t.num_tokens[rows] // self.state.block_size)
             limit = np.where(parked, num_pages, np.where(running, sealed, 0))
             width = int(limit.max()) if limit.shape[0] else 0
             if width > 0:
@@ -375,33 +370,33 @@ class TransferPlanner(PolicyPart):
             txn = self.txns.close(int(tid))
             if txn.phase == TransferPhase.PLANNED:
                 self._release_enqueued_leases(txn)
-            self.stats.num_failed_transfers += 1
+            self.state.stats.num_failed_transfers += 1
             self._on_failed(txn)
             self._release_done_leases(txn)
 
     def _release_enqueued_leases(self, txn: Transaction) -> None:
         if txn.held_device_until_enqueued:
-            self.device_pool.free_blocks(txn.held_device_until_enqueued)
+            self.state.device_pool.free_blocks(txn.held_device_until_enqueued)
             txn.held_device_until_enqueued = []
 
     def _release_done_leases(self, txn: Transaction) -> None:
         if txn.held_device_until_done:
-            self.device_pool.free_blocks(txn.held_device_until_done)
+            self.state.device_pool.free_blocks(txn.held_device_until_done)
             txn.held_device_until_done = []
         if txn.held_host_until_done:
-            self.host_pool.free(txn.held_host_until_done)
+            self.state.host_pool.free(txn.held_host_until_done)
             txn.held_host_until_done = []
 
     def live(self, txn: Transaction) -> np.ndarray:
         """Mask of the transaction's entries whose request incarnation still owns the row."""
-        return self.tables.serial[txn.rows] == txn.serials
+        return self.state.tables.serial[txn.rows] == txn.serials
 
     def _publish(self, host_block: int, block_hash) -> None:
-        if self.host_pool.publish(host_block, block_hash):
-            self.stats.num_published_pages += 1
+        if self.state.host_pool.publish(host_block, block_hash):
+            self.state.stats.num_published_pages += 1
 
     def _on_completed(self, txn: Transaction) -> None:
-        t = self.tables
+        t = self.state.tables
         leases = self.leases
         live = self.live(txn)
         if txn.kind == TransferKind.MIRROR:
@@ -418,7 +413,7 @@ class TransferPlanner(PolicyPart):
             if t.pending[row, page] != txn.transfer_id:
                 continue
             t.pending[row, page] = -1
-            req = self.requests.at(row)
+            req = self.state.requests.at(row)
             if txn.kind == TransferKind.SPILL:
                 t.host_mask[row, page] |= range_mask(0, int(txn.num_rows_copied[i]), t.num_mask_words)
                 if not t.host_valid[row, page] and np.all(t.host_mask[row, page] == t.full_mask):
@@ -438,7 +433,7 @@ class TransferPlanner(PolicyPart):
                 t.num_pinned[row] += 1
                 if t.host_valid[row, page]:
                     t.num_clean_pinned[row] += 1
-                self.steps.emit_page(row, page, block, int(t.host_block[row, page]))
+                self.state.steps.emit_page(row, page, block, int(t.host_block[row, page]))
                 req.num_restores_inflight -= 1
                 if req.status == RequestStatus.PARKED:
                     leases.settle_parked_page(req, page)
@@ -451,15 +446,15 @@ class TransferPlanner(PolicyPart):
             # pages, and the request may have sealed the page after the spill was planned).
             for i, host_block in enumerate(txn.host_blocks.tolist()):
                 block_hash = txn.publish_on_completion.get(host_block)
-                if block_hash is None or txn.num_rows_copied[i] != self.block_size:
+                if block_hash is None or txn.num_rows_copied[i] != self.state.block_size:
                     continue
                 self._publish(host_block, block_hash)
 
     def _on_mirror_completed(self, txn: Transaction, live: np.ndarray) -> None:
         """MIRROR completion when no (row, page) repeats: plain gathers and scatters over
         the flat views, and Python only for pages that became clean or may be released."""
-        t = self.tables
-        requests = self.requests
+        t = self.state.tables
+        requests = self.state.requests
         if np.count_nonzero(live) == live.shape[0]:
             r, p, flat, lo, hi = txn.rows, txn.pages, txn.flat, txn.starts, txn.ends
         else:
@@ -499,8 +494,8 @@ class TransferPlanner(PolicyPart):
     def _on_mirror_completed_repeated(self, txn: Transaction, live: np.ndarray) -> None:
         """MIRROR completion when a (row, page) may repeat (a row scheduled twice in the
         planning step): unbuffered ``ufunc.at`` updates, then per-entry handling."""
-        t = self.tables
-        requests = self.requests
+        t = self.state.tables
+        requests = self.state.requests
         r, p = txn.rows[live], txn.pages[live]
         if r.shape[0] == 0:
             return
@@ -528,7 +523,7 @@ class TransferPlanner(PolicyPart):
                 self.leases.try_release(req, int(p[i]))
 
     def _on_failed(self, txn: Transaction) -> None:
-        t = self.tables
+        t = self.state.tables
         live = self.live(txn)
         if txn.kind == TransferKind.MIRROR:
             r, p, s = txn.rows[live], txn.pages[live], txn.serials[live]
@@ -545,7 +540,7 @@ class TransferPlanner(PolicyPart):
             if t.pending[row, page] != txn.transfer_id:
                 continue
             t.pending[row, page] = -1
-            req = self.requests.at(row)
+            req = self.state.requests.at(row)
             if txn.kind == TransferKind.SPILL:
                 # A failed copy may have scribbled over the host page: trust none of its rows.
                 # The page keeps its resident copy; try again later.
@@ -555,7 +550,7 @@ class TransferPlanner(PolicyPart):
             elif txn.into_pinned:
                 # A host-prefix load the forward already read: the engine learns of it from
                 # the same ack (it fails the request); the host copy itself is still good.
-                self.stats.num_failed_prefix_load_pages += 1
+                self.state.stats.num_failed_prefix_load_pages += 1
             else:
                 req.num_restores_inflight -= 1
                 if req.promoting:
@@ -572,6 +567,6 @@ class TransferPlanner(PolicyPart):
         if req.num_restores_inflight:
             return
         if req.status == RequestStatus.ACTIVATING and not req.needs_tail_restore_retry:
-            self.requests.set_status(req, RequestStatus.ACTIVE)
+            self.state.requests.set_status(req, RequestStatus.ACTIVE)
         if req.promoting:
             self.leases.finish_promotion_if_complete(req)

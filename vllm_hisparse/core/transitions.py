@@ -21,20 +21,16 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.device_pool import DevicePool
 from vllm_hisparse.core.outcome import Outcome
 from vllm_hisparse.core.page_leases import PageLeases
-from vllm_hisparse.core.page_table import PageTables
-from vllm_hisparse.core.policy_config import PolicyConfig
+from vllm_hisparse.core.policy_state import PolicyState
 from vllm_hisparse.core.pressure import (
     blocks_freed_by_release,
     demotion_candidates,
     exclusive_pinned_pages,
     promotion_candidates,
 )
-from vllm_hisparse.core.request_table import Request, RequestStatus, RequestTable
-from vllm_hisparse.core.stats import PolicyStats
-from vllm_hisparse.core.step_builder import StepBuilder
+from vllm_hisparse.core.request_table import Request, RequestStatus
 from vllm_hisparse.core.transfer_planner import TransferPlanner
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 
@@ -42,17 +38,11 @@ from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES
 class ResidencyTransitions:
     """Demotions and promotions, the admission-window rule and this step's unmet demand."""
 
-    def __init__(self, config: PolicyConfig, tables: PageTables, requests: RequestTable, steps: StepBuilder,
-                 leases: PageLeases, planner: TransferPlanner, device_pool: DevicePool, stats: PolicyStats) -> None:
-        self.config = config
-        self.tables = tables
-        self.requests = requests
-        self.steps = steps
+    def __init__(self, state: PolicyState, leases: PageLeases, planner: TransferPlanner) -> None:
+        self.state = state
         self.leases = leases
         self.planner = planner
-        self.device_pool = device_pool
-        self.stats = stats
-        self.low_watermark_blocks, self.high_watermark_blocks = config.watermarks(device_pool.num_blocks)
+        self.low_watermark_blocks, self.high_watermark_blocks = state.config.watermarks(state.device_pool.num_blocks)
         self.unmet_device_blocks = 0
         """Device blocks requested this step and not granted (reset by each build)."""
         # Rows whose FULL request first crossed the admission window this step, and rows
@@ -66,7 +56,7 @@ class ResidencyTransitions:
         """A FULL request grew from ``old_pages`` by ``new_pages`` pages."""
         # Only the first crossing of the window counts (pages only grow), so a request
         # promoted back to FULL later is not flipped again by the window rule.
-        window = self.config.admission_window_pages
+        window = self.state.config.admission_window_pages
         if window is not None and old_pages <= window < old_pages + new_pages:
             # R1.a: a prefilling request is demoted when its prompt completes.
             (self._window_waiting if req.prefilling else self._window_candidates).add(req.row)
@@ -97,10 +87,10 @@ class ResidencyTransitions:
         self.leases.drop_hot_lease(req)
         req.promoting = False
         req.needs_tail_restore_retry = False
-        self.requests.set_status(req, RequestStatus.PARKED)
-        self.requests.set_residency(req, Residency.NONE)
+        self.state.requests.set_status(req, RequestStatus.PARKED)
+        self.state.requests.set_residency(req, Residency.NONE)
         row = req.row
-        t = self.tables
+        t = self.state.tables
         for page in np.nonzero(t.pinned[row, : t.num_pages[row]])[0]:
             page = int(page)
             if not self.leases.settle_parked_page(req, page):
@@ -112,31 +102,31 @@ class ResidencyTransitions:
         ACTIVATING until done) and a hot region leased; FULL if every page is still pinned.
         WAIT_DEVICE (unmet demand noted) when the pool cannot take it now."""
         row = req.row
-        t = self.tables
+        t = self.state.tables
         num_pages = int(t.num_pages[row])
         if t.num_pinned[row] == num_pages:
-            self.requests.set_status(req, RequestStatus.ACTIVE)
-            self.requests.set_residency(req, Residency.FULL)
+            self.state.requests.set_status(req, RequestStatus.ACTIVE)
+            self.state.requests.set_residency(req, Residency.FULL)
             return Outcome.OK
         tail = range(max(0, num_pages - ACTIVE_TAIL_PAGES), num_pages)
         repin = [p for p in tail if not t.pinned[row, p] and t.device_block[row, p] >= 0]
         # Tail pages with a restore already in flight (resumed while activating) just wait.
         restore = [p for p in tail if t.device_block[row, p] < 0 and t.pending[row, p] < 0]
         needed = req.hot_blocks + len(repin) + len(restore)
-        if needed > self.device_pool.get_num_free_blocks():
-            self.stats.num_device_backpressure += 1
+        if needed > self.state.device_pool.get_num_free_blocks():
+            self.state.stats.num_device_backpressure += 1
             self.unmet_device_blocks += needed
             return Outcome.WAIT_DEVICE
         for page in repin:
             self.leases.repin_page(req, page)
         self.leases.lease_hot(req)
-        self.requests.set_residency(req, Residency.NONE)
+        self.state.requests.set_residency(req, Residency.NONE)
         if restore:
             self.planner.plan_restore(req, restore)
         if req.num_restores_inflight:
-            self.requests.set_status(req, RequestStatus.ACTIVATING)
+            self.state.requests.set_status(req, RequestStatus.ACTIVATING)
             return Outcome.WAIT_TRANSFER
-        self.requests.set_status(req, RequestStatus.ACTIVE)
+        self.state.requests.set_status(req, RequestStatus.ACTIVE)
         return Outcome.OK
 
     # -- the step ---------------------------------------------------------------------
@@ -144,7 +134,7 @@ class ResidencyTransitions:
         demoted = False
         if self._window_candidates:
             for row in list(self._window_candidates):
-                req = self.requests.at(row)
+                req = self.state.requests.at(row)
                 if req is None:
                     continue
                 if req.prefilling:  # R1.a: wait for the prompt to complete
@@ -153,18 +143,19 @@ class ResidencyTransitions:
                       and self._window_gain(req) > 0):
                     demoted |= self.demote(req)
             self._window_candidates.clear()
-        free = self.device_pool.get_num_free_blocks()
+        free = self.state.device_pool.get_num_free_blocks()
         if free < self.low_watermark_blocks or self.unmet_device_blocks:
             self._demote_for_pressure(free)
         elif (
             not demoted
             and free >= self.high_watermark_blocks
-            and self.requests.non_full_rows
-            and self.steps.step_id >= self._next_promotion_check_step
+            and self.state.requests.non_full_rows
+            and self.state.steps.step_id >= self._next_promotion_check_step
         ):
             # Re-evaluated at most every min_steps_between_transitions steps, so a step with
             # no pressure costs O(1) even when many requests stay MIXED.
-            self._next_promotion_check_step = self.steps.step_id + max(1, self.config.min_steps_between_transitions)
+            gap = max(1, self.state.config.min_steps_between_transitions)
+            self._next_promotion_check_step = self.state.steps.step_id + gap
             self._promote_some(free)
         self.unmet_device_blocks = 0
 
@@ -173,21 +164,22 @@ class ResidencyTransitions:
         no other request pins (a shared prefix frees nothing), less the tail. A hot region
         as large as that would cost the pool and add host reads."""
         rows = np.array([req.row], dtype=np.int64)
-        own = int(exclusive_pinned_pages(self.tables, rows, clean=False)[0])
+        own = int(exclusive_pinned_pages(self.state.tables, rows, clean=False)[0])
         return own - ACTIVE_TAIL_PAGES - req.hot_blocks
 
     def _demote_for_pressure(self, free: int) -> None:
         need = self.high_watermark_blocks + self.unmet_device_blocks - free
         if need <= 0:
             return
+        state = self.state
         rows, net = demotion_candidates(
-            self.requests, self.tables, self.steps.step_id, self.config.min_steps_between_transitions
+            state.requests, state.tables, state.steps.step_id, state.config.min_steps_between_transitions
         )
         gained = 0
         for row, gain in zip(rows.tolist(), net.tolist()):
             if gained >= need:
                 break
-            if self.demote(self.requests.at(row)):
+            if self.demote(state.requests.at(row)):
                 gained += gain
 
     def demote(self, req: Request) -> bool:
@@ -200,33 +192,34 @@ class ResidencyTransitions:
         held by a reference they do not see (vLLM's own: an unmanaged request or a prefix
         hit outside the policy); if the pool is still short after the release, the pages
         are re-pinned and the demotion waits (back-pressure)."""
-        free = self.device_pool.get_num_free_blocks()
+        free = self.state.device_pool.get_num_free_blocks()
         if req.hot_blocks > free:
-            if req.hot_blocks > free + blocks_freed_by_release(self.tables, req.row):
-                self.stats.num_device_backpressure += 1
+            if req.hot_blocks > free + blocks_freed_by_release(self.state.tables, req.row):
+                self.state.stats.num_device_backpressure += 1
                 return False
             released = self.leases.release_all_releasable(req)
-            if req.hot_blocks > self.device_pool.get_num_free_blocks():
+            if req.hot_blocks > self.state.device_pool.get_num_free_blocks():
                 self.leases.undo_release(req, released)
-                self.stats.num_device_backpressure += 1
+                self.state.stats.num_device_backpressure += 1
                 return False
         self.leases.lease_hot(req)
-        self.requests.set_residency(req, Residency.MIXED)
-        self.stats.num_demotions += 1
+        self.state.requests.set_residency(req, Residency.MIXED)
+        self.state.stats.num_demotions += 1
         self.leases.release_all_releasable(req)
         return True
 
     def _promote_some(self, free: int) -> None:
-        t = self.tables
+        state = self.state
+        t = state.tables
         rows, cost = promotion_candidates(
-            self.requests, t, self.steps.step_id, self.config.min_steps_between_transitions
+            state.requests, t, state.steps.step_id, state.config.min_steps_between_transitions
         )
         started = 0
-        restore_budget = self.config.max_restore_pages_per_step
+        restore_budget = state.config.max_restore_pages_per_step
         for row, c in zip(rows.tolist(), cost.tolist()):
-            if started >= self.config.max_promotions_per_step:
+            if started >= state.config.max_promotions_per_step:
                 break
-            req = self.requests.at(row)
+            req = state.requests.at(row)
             if req.promoting:
                 continue
             if free - c < self.high_watermark_blocks:
@@ -241,12 +234,12 @@ class ResidencyTransitions:
 
     def _promote(self, req: Request) -> None:
         """Start MIXED/NONE → FULL: re-pin released pages, restore host-only ones."""
-        t = self.tables
+        t = self.state.tables
         row = req.row
         n = int(t.num_pages[row])
         req.promoting = True
-        self.requests.mark_transition(req)
-        self.stats.num_promotions += 1
+        self.state.requests.mark_transition(req)
+        self.state.stats.num_promotions += 1
         for page in np.nonzero(~t.pinned[row, :n] & (t.device_block[row, :n] >= 0))[0]:
             self.leases.repin_page(req, int(page))
         host_only = [int(p) for p in np.nonzero((t.device_block[row, :n] < 0) & (t.pending[row, :n] < 0))[0]]
@@ -264,15 +257,15 @@ class ResidencyTransitions:
             return Outcome.OK
         if req.promoting:
             return Outcome.WAIT_TRANSFER
-        t = self.tables
+        t = self.state.tables
         row = req.row
         n = int(t.num_pages[row])
         device = t.device_block[row, :n]
         num_released = int(np.count_nonzero(~t.pinned[row, :n] & (device >= 0)))
         num_restore = int(np.count_nonzero((device < 0) & (t.pending[row, :n] < 0)))
         # Re-pinning takes released (free-counted) blocks out of the pool first.
-        if num_restore > self.device_pool.get_num_free_blocks() - num_released:
-            self.stats.num_device_backpressure += 1
+        if num_restore > self.state.device_pool.get_num_free_blocks() - num_released:
+            self.state.stats.num_device_backpressure += 1
             self.unmet_device_blocks += num_restore
             return Outcome.WAIT_DEVICE
         self._promote(req)
