@@ -1,20 +1,12 @@
-"""The benchmark scripts still run (tiny sizes, CPU): a smoke check, not a timing."""
+"""The benchmarks still run (tiny sizes, CPU): a smoke check, not a timing."""
 
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
 import pytest
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 def run_bench(target: str, *args: str) -> subprocess.CompletedProcess:
@@ -99,7 +91,7 @@ def test_ncu_phases_sums_each_barrier_delimited_phase(tmp_path):
     ]
     path = tmp_path / "src.csv"
     path.write_text('"report header"\n' + "\n".join(",".join(f'"{c}"' for c in r) for r in rows))
-    r = run("ncu_phases.py", str(path), "--warps", "4")
+    r = run_bench("ncu-phases", str(path), "--warps", "4")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "executed warp instructions per warp: 5"
@@ -113,7 +105,7 @@ def test_bench_pd_import_runs(tmp_path):
     """Two processes over NIXL (UCX on CPU memory); skipped without the nixl package."""
     pytest.importorskip("nixl._api")
     out = tmp_path / "pd.json"
-    r = run("bench_pd_import.py", "--pages", "4", "--layers", "2", "--staging-pages", "2",
+    r = run_bench("pd-import", "--pages", "4", "--layers", "2", "--staging-pages", "2",
             "--repeats", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr
     results = {x["path"]: x for x in json.loads(out.read_text())["results"]}

@@ -198,3 +198,35 @@ def test_vllm_layer_check_can_fail(tmp_path):
     assert any(b.startswith("import circle: setup.a -> setup.b -> setup.a") for b in bad)
     assert "stray: not placed in VLLM_RANKS" in bad
     assert len(bad) == 4
+
+
+# ---------------------------------------------------------------------------------------
+# Package and test code apart: nothing outside tests/ imports it
+# ---------------------------------------------------------------------------------------
+
+#: What ships or runs outside the test suite: the package and the repository's benchmarks/
+#: (results only today), scripts/ and examples/.
+NOT_TESTS = [PACKAGE, PACKAGE.parent / "benchmarks", PACKAGE.parent / "scripts",
+             PACKAGE.parent / "examples"]
+
+
+def _test_imports(root: pathlib.Path) -> list[str]:
+    """Every import of the ``tests`` package (or a module in it) under ``root``."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for lineno, name in _imports(path):
+            if name.split(".")[0] == "tests":
+                bad.append(f"{path.relative_to(root.parent)}:{lineno} imports {name}")
+    return bad
+
+
+@pytest.mark.parametrize("root", NOT_TESTS, ids=lambda p: p.name)
+def test_nothing_outside_tests_imports_tests(root):
+    assert _test_imports(root) == []
+
+
+def test_tests_import_check_can_fail(tmp_path):
+    (tmp_path / "bench.py").write_text(
+        "import tests.vllm.fake_worker\nfrom tests.vllm.scheduler_harness import X\n"
+        "def f():\n    from tests import conftest\n")
+    assert len(_test_imports(tmp_path)) == 3

@@ -87,7 +87,8 @@ def test_device_plan_counts_one_backing_allocation():
     import argparse
 
     a = argparse.Namespace(block_size=64, top_k=2048, host_layout="layer",
-                           hot_region_eviction=None, adaptive_hot_region=False)
+                           hot_region_eviction=None, adaptive_hot_region=False,
+                           gather_ctas_per_sm=None)
     spec = throughput.sim_spec(a, LayerShape.named("dsv32"), 61, 32768, 1, 64, "cpu")
     assert spec.connector_extra == {"host_layout": "layer"}  # --host-layout's plumbing
     plan = throughput.device_plan(spec)
@@ -96,19 +97,23 @@ def test_device_plan_counts_one_backing_allocation():
 
 
 def test_residency_options_reach_the_connector_extra_config():
-    """--hot-region-eviction / --adaptive-hot-region become the connector's extra-config keys
-    (as simulate passes them); an eviction given runs the scored drift for lru and score."""
+    """--hot-region-eviction / --adaptive-hot-region / --gather-ctas-per-sm become the
+    connector's extra-config keys (as simulate passes them); an eviction given runs the scored
+    drift for lru and score."""
     import argparse
 
     def spec(**options):
         a = argparse.Namespace(block_size=64, top_k=2048, host_layout="auto",
-                               hot_region_eviction=None, adaptive_hot_region=False)
+                               hot_region_eviction=None, adaptive_hot_region=False,
+                               gather_ctas_per_sm=None)
         vars(a).update(options)
         return throughput.sim_spec(a, LayerShape.named("dsv32"), 2, 4096, 1, 64, "cpu")
 
     assert spec().connector_extra == {"host_layout": "auto"}
     assert spec().topk_drift == "uniform"
     assert spec(host_layout="layer").connector_extra == {"host_layout": "layer"}
+    assert spec(gather_ctas_per_sm=1).connector_extra == {"host_layout": "auto",
+                                                          "gather_ctas_per_sm": 1}
     for eviction in ("lru", "score"):
         s = spec(hot_region_eviction=eviction, adaptive_hot_region=True)
         assert s.connector_extra == {"host_layout": "auto", "adaptive_hot_region": True,

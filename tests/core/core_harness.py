@@ -10,6 +10,7 @@ worker's own tables, exactly as the resolve op would read it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from vllm_hisparse.core import (
     TransferKind,
     WorkerAcks,
 )
+from vllm_hisparse.core.invariants import HeldLeases, check_pool_leases
 
 GARBAGE = -7
 
@@ -171,6 +173,18 @@ class FakeWorker:
                 assert got == tag(family, pos), (
                     f"{request_id} pos {pos} ({where}): got {got}, expected {tag(family, pos)}"
                 )
+
+
+def check_with_outside_leases(policy: ResidencyPolicy, device_blocks: Iterable[int] = (),
+                              host_blocks: Iterable[int] = ()) -> None:
+    """``policy.check_invariants()`` while someone besides the policy (a test's hog, an
+    engine's tail blocks) holds one lease on each of ``device_blocks`` and ``host_blocks``."""
+    held = policy.check_records()
+    device, host = dict(held.device), dict(held.host)
+    for leases, blocks in ((device, device_blocks), (host, host_blocks)):
+        for block in blocks:
+            leases[int(block)] = leases.get(int(block), 0) + 1
+    check_pool_leases(policy.device_pool, policy.host_pool, HeldLeases(device, host))
 
 
 def make_policy(

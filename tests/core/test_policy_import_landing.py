@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core_harness import Driver, make_policy, tag
+from core_harness import Driver, check_with_outside_leases, make_policy, tag
 from vllm_hisparse.core import (
     ACTIVE_TAIL_PAGES,
     DevicePoolExhausted,
@@ -78,7 +78,7 @@ def test_failed_import_returns_host_and_hot_and_leaves_the_tail_to_the_engine():
     assert d.policy.status("imp") == RequestStatus.ACTIVE
     assert d.policy.residency("imp") == Residency.FULL and d.policy.hot_block_ids("imp") == []
     assert d.policy.host_pool.num_allocatable_blocks == free_host
-    d.policy.check_invariants(extra_device_leases=tail)
+    check_with_outside_leases(d.policy, tail)
     # The engine still owns the tail blocks it allocated (exactly one lease each) ...
     assert [int(d.policy.device_pool.ref_counts[b]) for b in tail] == [1, 1]
     d.policy.device_pool.free_blocks(tail)
@@ -111,7 +111,7 @@ def test_no_room_for_the_hot_region_changes_nothing():
     assert d.policy.status("imp") == RequestStatus.ACTIVE
     assert d.policy.host_pool.num_allocatable_blocks == free_host
     assert int(d.policy.tables.num_pages[d.policy.row_of("imp")]) == 0
-    d.policy.check_invariants(extra_device_leases=tail + hog)
+    check_with_outside_leases(d.policy, tail + hog)
 
 
 @pytest.mark.parametrize("num_tokens,num_tail", [(16, 1), (16, 3), (3, 2)])

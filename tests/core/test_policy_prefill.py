@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core_harness import Driver, make_policy, tag
+from core_harness import Driver, check_with_outside_leases, make_policy, tag
 from vllm_hisparse.core import Outcome, RequestStatus, Residency
 
 BS = 4
@@ -43,7 +43,7 @@ def hog(d: Driver, keep_free: int = 0) -> list[int]:
     pool = d.policy.device_pool
     blocks = pool.get_new_blocks(max(0, pool.get_num_free_blocks() - keep_free))
     d.hogged = getattr(d, "hogged", []) + blocks
-    d.check = lambda: (d.policy.check_invariants(extra_device_leases=d.hogged),
+    d.check = lambda: (check_with_outside_leases(d.policy, d.hogged),
                        d.worker.check_data(d.policy, d.families))
     return blocks
 

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from core_harness import GARBAGE, FakeWorker, hashes_for, make_policy, tag
+from core_harness import GARBAGE, FakeWorker, check_with_outside_leases, hashes_for, make_policy, tag
 from vllm_hisparse.core import (
     DevicePoolExhausted,
     HostPoolExhausted,
@@ -324,7 +324,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     def books_balance(self):
         if getattr(self, "policy", None) is None:
             return
-        self.policy.check_invariants(self.device_hog, self.host_hog)
+        check_with_outside_leases(self.policy, self.device_hog, self.host_hog)
 
     @invariant()
     def data_readable(self):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.vllm_configs import write_model_dir
+from vllm_hisparse.vllm.simulation.model import write_model_dir
 
 
 @pytest.fixture(scope="session", autouse=True)

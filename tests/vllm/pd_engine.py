@@ -24,11 +24,15 @@ from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES, dsa_layer_specs
 from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.scheduler_harness import SchedulerHarness, planned_worker_kv_cache_config
-from tests.vllm.vllm_configs import make_vllm_config
+from vllm_hisparse.vllm.simulation.model import (
+    INDEXER_ROW_BYTES,
+    MLA_ROW_BYTES,
+    dsa_layer_specs,
+    make_vllm_config,
+)
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.pd.import_order import ImportOrder
 from vllm_hisparse.worker.synthetic import kv_rows

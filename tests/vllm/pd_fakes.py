@@ -22,7 +22,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from tests.vllm.fake_worker import FakeWorker
-from tests.vllm.vllm_configs import CONNECTOR
+from vllm_hisparse.vllm.simulation.model import CONNECTOR
 from vllm_hisparse.vllm.pd.import_order import ImportAction
 
 PREFILL_ENGINE = "prefill-engine-0"

@@ -1,10 +1,9 @@
-"""Drive vLLM 0.33's REAL ``Scheduler`` / ``AsyncScheduler`` on CPU.
+"""Drive vLLM 0.33's REAL ``Scheduler`` / ``AsyncScheduler`` on CPU, for the tests.
 
-Everything is vLLM's own (config, KV planning, ``KVCacheManager``, ``BlockPool``,
-``Scheduler``); only the model forward is faked: each step returns a
-``ModelRunnerOutput`` that samples one fixed token for every request whose prompt is
-fully computed after the step. The KV cache config comes from vLLM's planner (so with
-our connector configured it is our split), sized to a chosen number of blocks.
+The package's :class:`~vllm_hisparse.vllm.simulation.scheduler_driver.SchedulerDriver` (real
+scheduler, fake forward) with what only the tests need: a DSA model planned by vLLM's own
+planner (:meth:`SchedulerHarness.build`), the configurable :class:`FakeWorker`, our connector
+found inside ``MultiConnector``, speculative decoding with a fake drafter, and the leak check.
 
 Usage::
 
@@ -16,33 +15,20 @@ Usage::
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm.config import KVTransferConfig, VllmConfig
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (
-    generate_scheduler_kv_cache_config,
-    get_request_block_hasher,
-    init_none_hash,
-)
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
-from tests.vllm.dsa_specs import dsa_layer_specs
 from tests.vllm.fake_worker import FakeWorker
-from tests.vllm.vllm_configs import make_vllm_config
-from vllm_hisparse.vllm.compat import scheduler_classes
-
-#: Token every fake forward samples; far from any EOS id (requests end on max_tokens).
-SAMPLED_TOKEN = 7
+from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, make_vllm_config
+from vllm_hisparse.vllm.simulation.scheduler_driver import SchedulerDriver
+from vllm_hisparse.vllm.simulation.spec import SAMPLED_TOKEN
 
 
 def planned_worker_kv_cache_config(
@@ -66,45 +52,12 @@ def planned_kv_cache_config(
         [planned_worker_kv_cache_config(vllm_config, specs, num_blocks)])
 
 
-@dataclass
-class RunStats:
-    steps: int = 0
-    peak_running: int = 0
-    preemptions: int = 0
-    finished: list[str] = field(default_factory=list)
-    running_per_step: list[int] = field(default_factory=list)
-
-
-class SchedulerHarness:
+class SchedulerHarness(SchedulerDriver):
     """A real scheduler with a fake forward; counts running, preemptions, finishes."""
 
     def __init__(
         self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, worker: FakeWorker | None = None
     ) -> None:
-        scheduler_cls, async_scheduler_cls = scheduler_classes()
-        async_scheduling = vllm_config.scheduler_config.async_scheduling
-        cls = async_scheduler_cls if async_scheduling else scheduler_cls
-        self.vllm_config = vllm_config
-        self.kv_cache_config = kv_cache_config
-        self.block_size = vllm_config.cache_config.block_size
-        init_none_hash(sha256)
-        self._block_hasher = get_request_block_hasher(self.block_size, sha256)
-        self.scheduler = cls(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=self.block_size,
-            log_stats=True,
-        )
-        # The engine core keeps one batch in flight with async scheduling: step N+1 is
-        # scheduled before step N's output is applied.
-        self.in_flight_depth = 2 if async_scheduling else 1
-        self._in_flight: deque[SchedulerOutput] = deque()
-        self._ids = itertools.count()
-        self.requests: dict[str, Request] = {}
-        self.stats = RunStats()
-        # Fake worker acks for our connector (None: no connector, or nobody acks).
-        self.worker = worker
         # Speculative decoding: drafts proposed per decoding request after each step, and
         # how many of a request's scheduled drafts the fake forward accepts
         # (``accept(request, num_drafts) -> accepted``; default: all).
@@ -112,10 +65,12 @@ class SchedulerHarness:
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.accept: Callable[[Request, int], int] | None = None
         self.num_drafts = self.num_accepted = 0
-        if worker is None and self.residency is not None:
-            self.worker = FakeWorker()
+        super().__init__(vllm_config, kv_cache_config, worker=worker)
         if self.worker is not None and self.worker.multi_index is None and self._multi_index() is not None:
             self.worker.multi_index = self._multi_index()
+
+    def default_worker(self) -> FakeWorker:
+        return FakeWorker()
 
     @classmethod
     def build(
@@ -144,65 +99,19 @@ class SchedulerHarness:
             vllm_config.kv_transfer_config = None
         return cls(vllm_config, kv_cache_config, worker=worker)
 
-    # ------------------------------------------------------------------ workload
-
-    def add_request(
-        self, prompt_len: int, max_tokens: int, *, prompt_token_ids: list[int] | None = None
-    ) -> Request:
-        request_id = f"req-{next(self._ids)}"
-        tokens = prompt_token_ids or [
-            (hash((request_id, i)) % 900) + 10 for i in range(prompt_len)
-        ]
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=tokens,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            pooling_params=None,
-            block_hasher=self._block_hasher,
-        )
-        self.requests[request_id] = request
-        self.scheduler.add_request(request)
-        return request
-
-    def add_requests(self, count: int, *, prompt_len: int, max_tokens: int) -> list[Request]:
-        return [self.add_request(prompt_len, max_tokens) for _ in range(count)]
-
     # ------------------------------------------------------------------ stepping
 
-    def fake_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One sampled token per request whose prompt is complete after this step."""
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        sampled = []
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        for req_id in req_ids:
-            request = self.requests[req_id]
-            # num_computed_tokens already includes this step's tokens (the scheduler
-            # advances it in schedule()); a partial prefill chunk samples nothing.
-            done_prefill = request.num_computed_tokens >= request.num_prompt_tokens
-            tokens = [SAMPLED_TOKEN] if done_prefill else []
-            num_drafts = len(drafts.get(req_id, ()))
-            if num_drafts and done_prefill:
-                accepted = self.accept(request, num_drafts) if self.accept else num_drafts
-                assert 0 <= accepted <= num_drafts
-                self.num_drafts += num_drafts
-                self.num_accepted += accepted
-                tokens = [SAMPLED_TOKEN] * (accepted + 1)  # accepted drafts + the bonus token
-            sampled.append(tokens)
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=self.worker.on_forward(scheduler_output) if self.worker else None,
-        )
+    def sampled_tokens(self, request: Request, num_drafts: int) -> list[int]:
+        """One token, or the accepted drafts and the bonus token."""
+        if not num_drafts:
+            return [SAMPLED_TOKEN]
+        accepted = self.accept(request, num_drafts) if self.accept else num_drafts
+        assert 0 <= accepted <= num_drafts
+        self.num_drafts += num_drafts
+        self.num_accepted += accepted
+        return [SAMPLED_TOKEN] * (accepted + 1)
 
-    def _apply(self, scheduler_output: SchedulerOutput) -> None:
-        outputs = self.scheduler.update_from_output(
-            scheduler_output, self.fake_forward(scheduler_output)
-        )
-        for engine_outputs in outputs.values():
-            for output in engine_outputs.outputs:
-                if output.finish_reason is not None:
-                    self.stats.finished.append(output.request_id)
+    def after_update(self, scheduler_output: SchedulerOutput) -> None:
         if self.num_spec_tokens:
             # The fake drafter: k drafts for every request that just sampled, as the engine
             # core hands the drafter's output to update_draft_token_ids (synchronous).
@@ -210,37 +119,6 @@ class SchedulerHarness:
                    if r in self.scheduler.requests and not self.scheduler.requests[r].is_finished()]
             self.scheduler.update_draft_token_ids(
                 DraftTokenIds(ids, [[SAMPLED_TOKEN] * self.num_spec_tokens for _ in ids]))
-
-    def step(self) -> SchedulerOutput:
-        """``schedule()``, then apply the oldest in-flight step's fake output."""
-        scheduler_output = self.scheduler.schedule()
-        self._in_flight.append(scheduler_output)
-        running = len(self.scheduler.running)
-        self.stats.steps += 1
-        self.stats.running_per_step.append(running)
-        self.stats.peak_running = max(self.stats.peak_running, running)
-        self.stats.preemptions += len(scheduler_output.preempted_req_ids or ())
-        if len(self._in_flight) >= self.in_flight_depth:
-            self._apply(self._in_flight.popleft())
-        return scheduler_output
-
-    def drain(self) -> None:
-        while self._in_flight:
-            self._apply(self._in_flight.popleft())
-
-    def run_to_completion(self, max_steps: int = 10_000) -> RunStats:
-        while self.scheduler.has_requests():
-            if self.stats.steps >= max_steps:
-                raise AssertionError(
-                    f"workload not finished after {max_steps} steps: "
-                    f"{len(self.scheduler.running)} running, "
-                    f"{len(self.scheduler.waiting)} waiting"
-                )
-            self.step()
-            if not self.scheduler.has_requests():
-                break
-        self.drain()
-        return self.stats
 
     # ------------------------------------------------------------------ connector
 
@@ -266,16 +144,7 @@ class SchedulerHarness:
         index = self._multi_index()
         return connector._connectors[index] if index is not None else connector
 
-    @property
-    def residency(self):
-        """Our connector's scheduler role; None without the connector."""
-        connector = self.connector
-        return getattr(connector, "scheduler_role", None)
-
     # ------------------------------------------------------------------ checks
-
-    def num_free_blocks(self) -> int:
-        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
     def assert_no_leaks(self) -> None:
         """No requests left; every device block except the null block is free."""

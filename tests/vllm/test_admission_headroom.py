@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 
 # The finding's workload on the harness plan (4 sparse groups + 1 indexer group).
 WORKLOAD = dict(count=8, prompt_len=512, max_tokens=128)

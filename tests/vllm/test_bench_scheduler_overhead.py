@@ -4,27 +4,15 @@ smoke checks of what they build, never timings."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from vllm_hisparse.cli.benchmarks import admission_sweep, scheduler_overhead, shared_prefix
 
 
 @pytest.fixture(scope="module")
 def bench():
-    yield _load("bench_scheduler_overhead")
-    sys.modules.pop("bench_scheduler_overhead", None)
+    return scheduler_overhead
 
 
 @pytest.mark.parametrize("mode", ["stock", "intree", "plan", "noop", "hisparse"])
@@ -35,7 +23,7 @@ def test_each_system_runs(bench, dsa_model_dir, mode):
 
 
 def test_what_each_system_builds(bench, dsa_model_dir):
-    from benchmarks.vllm_baselines import InTreeFakeWorker, NoopConnector
+    from vllm_hisparse.cli.benchmarks.vllm_baselines import InTreeFakeWorker, NoopConnector
     from vllm_hisparse.vllm import compat
     from vllm_hisparse.vllm.connector import HiSparseResidencyConnector
     from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator
@@ -68,15 +56,11 @@ def test_unknown_system(bench, dsa_model_dir):
 def test_shared_prefix_benchmark_counts_lookups(dsa_model_dir):
     """The shared-prefix workload on a tiny pool: every system finishes, and the lookup
     counter sees vLLM's prefix-cache lookups."""
-    shared = _load("bench_shared_prefix")
-    try:
-        args = argparse.Namespace(model_dir=dsa_model_dir, layers=4, requests=6, prefix=256,
-                                  suffix_min=64, suffix_max=192, output=8, kv_gib=0.03,
-                                  host_gib=1.0, max_num_seqs=8, max_num_batched_tokens=512,
-                                  seed=0, max_steps=2000)
-        results = {s: shared.measure(args, s) for s in ("stock", "intree", "hisparse")}
-    finally:
-        sys.modules.pop("bench_shared_prefix", None)
+    args = argparse.Namespace(model_dir=dsa_model_dir, layers=4, requests=6, prefix=256,
+                              suffix_min=64, suffix_max=192, output=8, kv_gib=0.03,
+                              host_gib=1.0, max_num_seqs=8, max_num_batched_tokens=512,
+                              seed=0, max_steps=2000)
+    results = {s: shared_prefix.measure(args, s) for s in ("stock", "intree", "hisparse")}
     for system, r in results.items():
         assert r["steps"] > 0 and r["peak_running"] > 0, system
         assert r["lookups_per_step"] > 0
@@ -84,20 +68,17 @@ def test_shared_prefix_benchmark_counts_lookups(dsa_model_dir):
 
 
 def test_admission_sweep_configurations():
-    sweep = _load("bench_admission_sweep")
-    try:
-        specs = sweep.configurations()
-        assert len(specs) == 64
-        assert {s.prompt_len for s in specs} == {128, 512, 1024, 4096}
-        assert {s.output_len for s in specs} == {64, 512}
-        assert min(s.device_blocks for s in specs) == 60 and max(s.device_blocks for s in specs) == 1000
-        assert sum(s.host_pool_gib is None for s in specs) == 32
-        for s in specs:
-            s.validate()
-        result = {"without": {"peak_running": 5, "steps": 10, "preemptions": 0},
-                  "with": {"peak_running": 4, "steps": 11, "preemptions": 1}}
-        assert sweep.losses(result) == ["peak 4 < 5", "steps 11 > 10", "preemptions 1 > 0"]
-        assert sweep.losses({"error": "x"}) == ["error"]
-        assert "--host-pool-gib" in sweep._command(specs[1])
-    finally:
-        sys.modules.pop("bench_admission_sweep", None)
+    sweep = admission_sweep
+    specs = sweep.configurations()
+    assert len(specs) == 64
+    assert {s.prompt_len for s in specs} == {128, 512, 1024, 4096}
+    assert {s.output_len for s in specs} == {64, 512}
+    assert min(s.device_blocks for s in specs) == 60 and max(s.device_blocks for s in specs) == 1000
+    assert sum(s.host_pool_gib is None for s in specs) == 32
+    for s in specs:
+        s.validate()
+    result = {"without": {"peak_running": 5, "steps": 10, "preemptions": 0},
+              "with": {"peak_running": 4, "steps": 11, "preemptions": 1}}
+    assert sweep.losses(result) == ["peak 4 < 5", "steps 11 > 10", "preemptions 1 > 0"]
+    assert sweep.losses({"error": "x"}) == ["error"]
+    assert "--host-pool-gib" in sweep._command(specs[1])

@@ -13,9 +13,12 @@ import logging
 import pytest
 from vllm.v1.core.kv_cache_utils import update_kv_cache_capacity
 
-from tests.vllm.dsa_specs import deepseek_v32_specs
 from tests.vllm.scheduler_harness import planned_kv_cache_config
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import (
+    deepseek_v32_specs,
+    kv_transfer_config,
+    make_vllm_config,
+)
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm.setup import config as config_module
 from vllm_hisparse.vllm import patches

@@ -83,7 +83,7 @@ def test_kv_cache_interface_fields():
 
 
 def test_config_fields_read(dsa_model_dir):
-    from tests.vllm.vllm_configs import make_vllm_config
+    from vllm_hisparse.vllm.simulation.model import make_vllm_config
 
     from vllm.config import (CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
@@ -302,7 +302,7 @@ def test_parallel_layout_accessors(dsa_model_dir):
     from vllm.distributed import parallel_state
     from vllm.v1.worker import gpu_worker, worker_base
 
-    from tests.vllm.vllm_configs import make_vllm_config
+    from vllm_hisparse.vllm.simulation.model import make_vllm_config
 
     assert {"data_parallel_rank", "distributed_executor_backend", "nnodes", "rank",
             "tensor_parallel_size"} <= set(ParallelConfig.__dataclass_fields__)
@@ -336,7 +336,7 @@ def test_config_time_accessors(dsa_model_dir):
     """What the checks at VllmConfig time read (vllm/setup/engine_checks.py)."""
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
-    from tests.vllm.vllm_configs import make_vllm_config
+    from vllm_hisparse.vllm.simulation.model import make_vllm_config
 
     config = make_vllm_config(dsa_model_dir)  # block_size=64 given
     assert compat.user_specified_block_size(config)
@@ -385,7 +385,7 @@ def test_p_d_decode_consumer_internals(dsa_model_dir):
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler
 
-    from tests.vllm.vllm_configs import make_vllm_config
+    from vllm_hisparse.vllm.simulation.model import make_vllm_config
 
     get_meta, payload_type, meta_type, compute_hash = compat.nixl_handshake_types()
     assert get_meta == b"get_meta_msg"

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from vllm.config import KVTransferConfig
 
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core import capacity
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.worker.hot_state import DEFAULT_LEADER_CTAS_PER_SM

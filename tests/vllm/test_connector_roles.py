@@ -9,8 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tests.vllm.scheduler_harness import planned_kv_cache_config
-from tests.vllm.dsa_specs import dsa_layer_specs
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import (
+    dsa_layer_specs,
+    kv_transfer_config,
+    make_vllm_config,
+)
 from vllm_hisparse.vllm.compat import KVConnectorRole
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.metrics import GAUGES, PROMETHEUS_METRICS, HiSparseConnectorStats

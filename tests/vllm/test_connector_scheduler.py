@@ -11,7 +11,7 @@ import pytest
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 from vllm_hisparse.core.commands import Residency, TransferKind
 
 # 4 DSA layers -> 4 sparse-MLA groups + 1 indexer group; index_topk=128 -> hot region of

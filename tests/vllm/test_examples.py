@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm.config import KVTransferConfig  # noqa: E402
 
-from tests.vllm.vllm_configs import make_vllm_config  # noqa: E402
+from vllm_hisparse.vllm.simulation.model import make_vllm_config  # noqa: E402
 from vllm_hisparse.cli.main import main  # noqa: E402
 from vllm_hisparse.vllm.setup.config import find_connector_extra_config  # noqa: E402
 from vllm_hisparse.vllm.setup.engine_checks import resolve_config

@@ -42,7 +42,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.vllm.fault_worker import FaultRates, FaultWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.setup.config import ACCEPTED_KEYS
 

@@ -21,7 +21,7 @@ import torch
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.test_worker_side import allocate, planned
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 from vllm_hisparse.core import StepCommand, TransferKind, TransferSpec
 from vllm_hisparse.vllm.setup.engine_checks import resolve_config
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, IndexerPages

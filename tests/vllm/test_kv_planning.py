@@ -16,16 +16,17 @@ from vllm.v1.core.kv_cache_planning import (
 )
 from vllm.v1.kv_cache_interface import SparseCacheRole, UniformTypeKVCacheSpecs
 
-from tests.vllm.dsa_specs import (
+from vllm_hisparse.vllm.simulation.model import (
     deepseek_v32_specs,
     dsa_layer_specs,
     glm_index_share_specs,
     indexer_name,
     indexer_spec,
+    kv_transfer_config,
+    make_vllm_config,
     mla_name,
     sparse_mla_spec,
 )
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core.capacity import (
     DEEPSEEK_V32_FP8,
     EngineLayout,

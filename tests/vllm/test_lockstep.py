@@ -10,7 +10,7 @@ import random
 import pytest
 
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator, lockstep_groups
 

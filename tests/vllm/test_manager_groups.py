@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.scheduler_side.managers import ResidencyAwareManager, residency_manager_group_ids
-from vllm_hisparse.vllm.simulation.model import indexer_spec, sparse_mla_spec
+from vllm_hisparse.vllm.simulation.model import indexer_spec, kv_transfer_config, sparse_mla_spec
 
 
 def _config(*groups):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config
 from vllm_hisparse.vllm.metrics import GAUGES, PREFIX, PROMETHEUS_METRICS, HiSparseConnectorStats
 from vllm_hisparse.vllm.simulation.probe import StepProbe
 from vllm_hisparse.vllm.metrics import HiSparseWorkerStats

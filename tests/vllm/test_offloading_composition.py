@@ -23,7 +23,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import CONNECTOR, kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import CONNECTOR, kv_transfer_config
 from vllm_hisparse.core.commands import TransferKind
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.compat import multi_connector_types

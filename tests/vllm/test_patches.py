@@ -337,7 +337,7 @@ def test_lockstep_coordinator(dsa_model_dir):
     """Put on the scheduler's coordinator object, seen through vLLM's KVCacheManager (its
     per-step calls reach the override), and taken off again (vLLM's class is back)."""
     from tests.vllm.scheduler_harness import SchedulerHarness
-    from tests.vllm.vllm_configs import kv_transfer_config
+    from vllm_hisparse.vllm.simulation.model import kv_transfer_config
     from vllm_hisparse.vllm.patches.lockstep import LockstepCoordinator
 
     harness = SchedulerHarness.build(dsa_model_dir, kv_transfer=kv_transfer_config({"host_pool_gib": 1}),

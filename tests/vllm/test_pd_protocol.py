@@ -149,9 +149,9 @@ def test_vllm_nixl_connector_cannot_read_into_our_kv_plan(model_dir, monkeypatch
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
-    from tests.vllm.dsa_specs import dsa_layer_specs
+    from vllm_hisparse.vllm.simulation.model import dsa_layer_specs
     from tests.vllm.test_worker_side import LEADERS, NUM_LAYERS, allocate, planned
-    from tests.vllm.vllm_configs import make_vllm_config
+    from vllm_hisparse.vllm.simulation.model import make_vllm_config
 
     monkeypatch.setattr(os, "sched_setaffinity", lambda *a: None, raising=False)
     monkeypatch.setitem(base_worker._NIXL_SUPPORTED_DEVICE, "cpu", ("cpu",))

@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from tests.vllm.dsa_specs import INDEXER_ROW_BYTES, MLA_ROW_BYTES
 from tests.vllm.pd_engine import check_imported_bytes
 from tests.vllm.pd_fakes import pd_kv_transfer
 from tests.vllm.pd_prefill import FakePrefill
 from tests.vllm.test_worker_side import BS, Rig, model_dir, shift_blocks  # noqa: F401 (fixture)
+from vllm_hisparse.vllm.simulation.model import INDEXER_ROW_BYTES, MLA_ROW_BYTES
 from vllm_hisparse.core import Outcome, Residency
 from vllm_hisparse.vllm.pd import reads as worker_import
 from vllm_hisparse.vllm.pd.import_order import Heartbeat, ImportOrder, RemotePrefill

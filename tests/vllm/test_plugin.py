@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma
 from vllm.platforms.interface import Platform
 
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config
 import vllm_hisparse
 from vllm_hisparse.vllm import compat, patches, plugin
 from vllm_hisparse.vllm.setup.config import HiSparseConfigError
@@ -132,7 +132,7 @@ def test_plugin_lines_reach_vllms_log_output(dsa_model_dir):
         "from vllm.logger import configure_logging\n"
         "load_general_plugins()\n"
         "configure_logging(LoggingConfig())\n"
-        "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
+        "from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config\n"
         f"make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"
         "logging.getLogger('vllm_hisparse.vllm.scheduler_side.role').info('capacity table')\n"
     )
@@ -150,7 +150,7 @@ def test_hand_built_config_needs_the_plugin_loaded(dsa_model_dir):
     """What docs/troubleshooting.md says: without register() (load_general_plugins), vLLM
     cannot resolve the connector name while it builds the VllmConfig."""
     code = (
-        "from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config\n"
+        "from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config\n"
         "import pathlib, sys\n"
         "try:\n"
         f"    make_vllm_config(pathlib.Path({str(dsa_model_dir)!r}), kv_transfer=kv_transfer_config())\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config
 
 # 4 DSA layers, block 64: default grouping = one group (MLA + indexer pages together).
 # 8 requests of 256 prompt tokens (4 pages) all fit at admission (32 of 63 usable

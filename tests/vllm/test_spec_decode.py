@@ -16,7 +16,7 @@ import pytest
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import kv_transfer_config, make_vllm_config
 from vllm_hisparse.vllm.setup.config import HiSparseConfigError, default_device_buffer_size
 from vllm_hisparse.vllm.setup.engine_checks import resolve_config
 from vllm_hisparse.vllm.setup.kv_plan import indexer_group_ids, sparse_group_ids

@@ -23,7 +23,7 @@ from vllm.config import KVTransferConfig
 from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 
 from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import CONNECTOR, kv_transfer_config
+from vllm_hisparse.vllm.simulation.model import CONNECTOR, kv_transfer_config
 
 
 class _Recorder:

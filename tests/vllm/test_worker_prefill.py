@@ -5,8 +5,8 @@ with ``triton_convert_req_index_to_global_index`` from the batch block table
 (``compat.DIRECT_CONVERSION_SITES``). Here the direct sites are driven as the backends call
 them, inside the layer context ``patches.LAYER_FORWARD_CONTEXT`` sets, over vLLM's real KV
 allocation and the core policy's commands. The Triton function is replaced by a pure-torch
-twin with its exact signature (no Triton on CPU): the simulator's
-``synthetic_attention.cpu_direct_conversion``.
+twin with its exact signature (no Triton on CPU), as the simulator puts it in place:
+``synthetic_attention.cpu_direct_twin``.
 
 vLLM's worker block table is append-only: a page keeps the first block it was given even
 after a restore moved it. :class:`PrefillRig` models that table, so a read that trusted it
@@ -26,23 +26,21 @@ from vllm_hisparse.core import Residency
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.worker_side.read_path import vllm_reference_conversion
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
-from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
+from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion, cpu_direct_twin
 from vllm_hisparse.worker.synthetic import describe_row, kv_rows
 
 
 @pytest.fixture(autouse=True)
-def _cpu_direct_conversion(monkeypatch):
-    """The worker captures vLLM's function when it installs the routing: give it the twin."""
+def _cpu_direct_conversion():
+    """The worker captures vLLM's function when it installs the routing: it wraps the twin,
+    put in place as the simulator does for a CPU run."""
     from vllm.v1.attention.backends.mla import sparse_utils
 
     real = sparse_utils.triton_convert_req_index_to_global_index
     assert list(inspect.signature(cpu_direct_conversion).parameters) == \
         list(inspect.signature(real).parameters)
-    patches.DIRECT_CONVERSION_ROUTING.remove()
-    monkeypatch.setattr(sparse_utils, "triton_convert_req_index_to_global_index",
-                        cpu_direct_conversion)
-    yield
-    patches.DIRECT_CONVERSION_ROUTING.remove()
+    with cpu_direct_twin():
+        yield
     patches.TOPK_CONVERSION_HOOK.remove()
 
 

@@ -19,8 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.vllm.dsa_specs import dsa_layer_specs
-from tests.vllm.vllm_configs import DSV32_TINY, kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.model import (
+    DSV32_TINY,
+    dsa_layer_specs,
+    kv_transfer_config,
+    make_vllm_config,
+)
 from vllm_hisparse.core import (
     HostBlockPool,
     InMemoryDevicePool,

@@ -10,7 +10,19 @@ vLLM's scheduler and the connector: the headline figure; needs vLLM), ``graphs``
 eager vs replayed as one CUDA graph), ``clustering`` (CPU: how a hot region's misses fall into
 4 KiB host pages per host-pool layout), ``reference`` (the pure-torch resolve on the CPU) and
 ``tp-gather`` (tensor-parallel ranks, one process and GPU each, gathering from one shared
-pinned host pool alone and all at once; CPU reference otherwise). Without a target:
+pinned host pool alone and all at once; CPU reference otherwise).
+
+The scheduler side on the CPU: ``core-step`` (one residency-policy step with many long
+requests), ``scheduler-overhead`` (vLLM's real scheduler with our connector against stock
+vLLM, the in-tree connector and our plan alone; needs vLLM), ``shared-prefix`` (the same
+systems on requests sharing a long prefix; needs vLLM), ``admission-sweep`` (``simulate``
+with and without the connector over 64 configurations; needs vLLM) and ``pd-import`` (P/D
+host landing over NIXL; needs nixl). Tools for the GPU figures: ``profile-resolve`` (a few
+resolve launches for Nsight Compute), ``ncu-phases`` (an ncu source export per
+barrier-delimited phase), ``profile-diff`` (two systems' profiled kernels of one ``throughput``
+case side by side) and ``throughput-table`` (the headline table from ``throughput`` JSONs).
+
+Without a target:
 ``kernels`` and ``capacity`` on a GPU, ``reference`` on a CPU-only machine. Arguments after the target go to that benchmark
 (``vllm-hisparse bench kernels --quick --json k.json``; ``--help`` lists them).
 """
@@ -22,12 +34,13 @@ import importlib
 import sys
 
 TARGETS = ("kernels", "capacity", "connector", "throughput", "graphs", "clustering", "reference",
-           "tp-gather")
+           "tp-gather", "core-step", "scheduler-overhead", "shared-prefix", "admission-sweep",
+           "pd-import", "profile-resolve", "ncu-phases", "profile-diff", "throughput-table")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="kernel, decode-capacity, connector, CUDA-graph step, "
-                       "clustering, reference and tensor-parallel gather benchmarks",
+                       "clustering, reference, tensor-parallel gather and scheduler benchmarks",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("target", nargs="?", choices=TARGETS,
                    help="which benchmark (default: kernels + capacity on a GPU, else reference)")

@@ -60,7 +60,7 @@ class DevicePool(Protocol):
 
 
 class InMemoryDevicePool:
-    """A ``DevicePool`` for tests and the simulator.
+    """A ``DevicePool`` for the policy without vLLM's block pool (tests, ``bench core-step``).
 
     Free blocks sit in one ordered queue: plainly freed blocks go to the *front* (their
     content is garbage, so reuse them first); released-readable blocks go to the *back*

@@ -12,18 +12,21 @@
   (an import into an engine's tail blocks); a lease's size agrees with the request's
   record, names distinct blocks and, with adaptive sizing, stays within the table width.
 
-The device side is checked exactly against :class:`InMemoryDevicePool`, the one pool that
-exposes its reference counts; with another pool only the policy's own records are checked.
+:func:`check_records` checks the policy's own records and returns the leases they hold;
+:func:`check_pool_leases` compares those with the pools' reference counts, on the device side
+exactly only against :class:`InMemoryDevicePool`, the one pool that exposes its counts (with
+another pool only the records are checked). ``ResidencyPolicy.check_invariants`` runs both.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.core.device_pool import InMemoryDevicePool
+from vllm_hisparse.core.device_pool import DevicePool, InMemoryDevicePool
+from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.page_table import range_mask
 from vllm_hisparse.core.policy_state import PolicyState
 from vllm_hisparse.core.request_table import RequestStatus
@@ -32,18 +35,23 @@ from vllm_hisparse.core.transitions import ResidencyTransitions
 from vllm_hisparse.core.units import ACTIVE_TAIL_PAGES, cdiv
 
 
-def check_invariants(
+@dataclass(frozen=True)
+class HeldLeases:
+    """The leases the policy's records hold: block id -> count, per pool."""
+
+    device: dict[int, int]
+    host: dict[int, int]
+
+
+def check_records(
     state: PolicyState,
     released_owner: dict[int, list[tuple[int, int, int]]],
     txns: TransactionTable,
     transitions: ResidencyTransitions,
-    extra_device_leases: Iterable[int] = (),
-    extra_host_leases: Iterable[int] = (),
-) -> None:
-    """Raise AssertionError if any invariant of the module docstring is broken.
+) -> HeldLeases:
+    """Raise AssertionError if the records break an invariant; the leases they hold otherwise.
 
-    ``released_owner``: :attr:`PageLeases.released_owner`; ``extra_*_leases``: blocks held
-    by someone other than the policy (a test hog).
+    ``released_owner``: :attr:`PageLeases.released_owner`.
     """
     t, requests = state.tables, state.requests
     device_pool, host_pool = state.device_pool, state.host_pool
@@ -129,10 +137,6 @@ def check_invariants(
                 add(dev_leases, block)
         elif req.status == RequestStatus.ACTIVE and req.residency != Residency.FULL:
             raise AssertionError((req.request_id, "MIXED/NONE request without hot lease"))
-    for block in extra_device_leases:
-        add(dev_leases, int(block))
-    for block in extra_host_leases:
-        add(host_leases, int(block))
     for txn in txns.values():
         for block in txn.held_device_until_enqueued + txn.held_device_until_done:
             add(dev_leases, block)
@@ -143,11 +147,17 @@ def check_invariants(
             assert t.serial[row] == 0 and t.num_pages[row] == 0
             assert requests.gate[row] and not requests.prefilling[row]
             assert not transitions.is_window_pending(row)
-    if in_memory:
+    return HeldLeases(dev_leases, host_leases)
+
+
+def check_pool_leases(device_pool: DevicePool, host_pool: HostBlockPool, held: HeldLeases) -> None:
+    """Raise AssertionError unless each pool's reference counts are exactly ``held`` (the
+    device pool only when it is an :class:`InMemoryDevicePool`)."""
+    if isinstance(device_pool, InMemoryDevicePool):
         ref = device_pool.ref_counts
         assert np.all(ref >= 0)
         expected = np.zeros_like(ref)
-        for block, count in dev_leases.items():
+        for block, count in held.device.items():
             expected[block] = count
         bad = np.nonzero(expected != ref)[0]
         assert bad.shape[0] == 0, f"device leases differ at blocks {bad[:8].tolist()}: " \
@@ -156,10 +166,10 @@ def check_invariants(
     ref = host_pool.ref_counts
     assert np.all(ref >= 0)
     expected = np.zeros_like(ref)
-    for block, count in host_leases.items():
+    for block, count in held.host.items():
         expected[block] = count
     bad = np.nonzero(expected != ref)[0]
     assert bad.shape[0] == 0, f"host leases differ at blocks {bad[:8].tolist()}"
-    for block in host_leases:
+    for block in held.host:
         assert not host_pool.is_free(block)
     assert host_pool.num_free_blocks + host_pool.num_cached_blocks == int(np.count_nonzero(ref == 0))

@@ -31,7 +31,7 @@ requests that change state.
 
 from __future__ import annotations
 
-from typing import AbstractSet, Hashable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from vllm_hisparse.core.host_blocks import HostBlockPool
 from vllm_hisparse.core.host_prefix import HostPrefixes
 from vllm_hisparse.core.hot_regions import HotRegionSizer
 from vllm_hisparse.core.imports import ImportLedger
-from vllm_hisparse.core.invariants import check_invariants
+from vllm_hisparse.core.invariants import HeldLeases, check_pool_leases, check_records
 from vllm_hisparse.core.outcome import AddResult, Outcome
 from vllm_hisparse.core.page_leases import PageLeases
 from vllm_hisparse.core.page_table import PageTable
@@ -533,12 +533,16 @@ class ResidencyPolicy:
             self._hot_sizer.forget_row(req.row)
         self._requests.remove(req)
 
-    def check_invariants(self, extra_device_leases: Iterable[int] = (), extra_host_leases: Iterable[int] = ()) -> None:
+    def check_invariants(self) -> None:
         """Raise AssertionError if a residency invariant is broken (tests and debugging;
-        O(everything)); see :mod:`~vllm_hisparse.core.invariants`. ``extra_*_leases`` are
-        blocks held by someone other than the policy (a test hog)."""
-        check_invariants(self._state, self._leases.released_owner, self._planner.txns, self._transitions,
-                         extra_device_leases, extra_host_leases)
+        O(everything)); see :mod:`~vllm_hisparse.core.invariants`."""
+        check_pool_leases(self.device_pool, self.host_pool, self.check_records())
+
+    def check_records(self) -> HeldLeases:
+        """The invariants of the policy's own records (AssertionError if one is broken), and
+        the leases they hold, which the pools' counts match when nobody else holds blocks."""
+        return check_records(self._state, self._leases.released_owner, self._planner.txns,
+                             self._transitions)
 
     def is_idle(self) -> bool:
         """True when no request and no transfer is open (pools should be at rest)."""

@@ -1,3 +1,5 @@
-"""Benchmarks shipped with the package, run by ``vllm-hisparse bench`` and by the scripts in
-``benchmarks/``. Each module has ``main(argv) -> int``; none imports vLLM, so they run on a GPU
-machine that has only torch."""
+"""The package's benchmarks, every one run by ``vllm-hisparse bench TARGET`` (``cli/bench.py``
+lists them); their measured results are under ``benchmarks/results/`` of the repository. Each
+target module has ``main(argv) -> int``; those that need vLLM import it themselves (connector,
+throughput and the scheduler benchmarks), so the GPU ones run on a machine that has only
+torch."""

@@ -1,5 +1,5 @@
 """GPU timing helpers shared by the kernel benchmarks (``bench kernels``,
-``benchmarks/profile_resolve.py``): CUDA-event medians with the L2 flushed, clock warm-up, and
+``bench profile-resolve``): CUDA-event medians with the L2 flushed, clock warm-up, and
 the run's results dictionary that ``--json`` writes."""
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ rows, ``cache_role=INDEXER``). Options vLLM itself normalises on a CPU-only plat
 KV manager, KV layout) are set on the real object after construction, which is what the
 engine core sees once they are resolved on a GPU host.
 
-Used by ``vllm-hisparse simulate`` and by the tests (``tests/vllm/vllm_configs.py`` and
-``tests/vllm/dsa_specs.py`` re-export it).
+Used by ``vllm-hisparse simulate``, the scheduler benchmarks and the tests.
 """
 
 from __future__ import annotations

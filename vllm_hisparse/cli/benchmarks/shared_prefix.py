@@ -16,8 +16,8 @@ whose connector answers ``None`` and looks at the next one). With ``--instructio
 system runs once more under callgrind, which counts the instructions of the same region
 (deterministic, where times on a shared machine are not).
 
-    python benchmarks/bench_shared_prefix.py
-    python benchmarks/bench_shared_prefix.py --instructions --json shared_prefix.json
+    vllm-hisparse bench shared-prefix
+    vllm-hisparse bench shared-prefix --instructions --json shared_prefix.json
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import vllm_baselines as baselines  # noqa: E402
-from tests.vllm.vllm_configs import write_model_dir  # noqa: E402
-from vllm_hisparse.core.units import GIB, cdiv  # noqa: E402
+from vllm_hisparse.cli.benchmarks import vllm_baselines as baselines
+from vllm_hisparse.core.units import GIB, cdiv
+from vllm_hisparse.vllm.simulation.model import write_model_dir
 
 SYSTEMS = ("stock", "intree", "plan", "hisparse")
 
@@ -94,14 +92,15 @@ def measure(args: argparse.Namespace, system: str, callgrind: bool = False) -> d
 
 def _child_args(args: argparse.Namespace, system: str) -> list[str]:
     return baselines.python_child(
-        __file__, "--child", system, "--model-dir", str(args.model_dir),
+        "shared-prefix", "--child", system, "--model-dir", str(args.model_dir),
         *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
             "requests", "prefix", "suffix_min", "suffix_max", "output", "kv_gib", "host_gib",
             "layers", "max_num_seqs", "max_num_batched_tokens", "seed", "max_steps")))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench shared-prefix",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prefix", type=int, default=16384, help="shared prompt tokens")
     parser.add_argument("--suffix-min", type=int, default=1024)
@@ -123,7 +122,7 @@ def main() -> None:
     parser.add_argument("--child", choices=baselines.SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--callgrind", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 < args.suffix_min <= args.suffix_max:
         parser.error("--suffix-min and --suffix-max: 0 < min <= max")
     if args.child:
@@ -131,7 +130,7 @@ def main() -> None:
 
         register()
         print(json.dumps(measure(args, args.child, callgrind=args.callgrind)))
-        return
+        return 0
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in baselines.SYSTEMS]
     if bad:
@@ -165,7 +164,4 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "results": results}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -13,7 +13,7 @@ position-major: the rows of all layers of one position are adjacent. Two ways in
 
 Two processes on 127.0.0.1, NIXL's UCX backend on CPU memory; median of ``--repeats``.
 
-    python benchmarks/bench_pd_import.py --pages 64 --layers 8
+    vllm-hisparse bench pd-import --pages 64 --layers 8
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _read(agent, name, local, remote) -> float:
     return elapsed
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench pd-import", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", type=int, default=64)
     parser.add_argument("--layers", type=int, default=8)
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--staging-pages", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import numpy as np
     import torch
@@ -149,7 +149,4 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), bytes=total, results=results), f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

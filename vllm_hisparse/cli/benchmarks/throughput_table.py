@@ -1,6 +1,6 @@
 """The headline table of docs/benchmarks.md from one or more ``bench throughput`` JSONs.
 
-    python3 benchmarks/throughput_table.py A.json B.json
+    vllm-hisparse bench throughput-table A.json B.json
 
 One row per (geometry, context) case, each cell ``start A / start B / ...`` in the order
 given: requests per GPU, tokens/s per GPU of the real model at each system's largest batch
@@ -28,10 +28,10 @@ def _k(context: int) -> str:
     return f"{context // 1024}K"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench throughput-table", description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+", help="bench throughput --json outputs, one per start")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     starts = [_cases(p) for p in args.json]
     print("| model | context | requests full / hybrid | full tok/s | hybrid tok/s | oracle tok/s "
           "| **hybrid / full** | **hybrid / oracle** | miss rate | hybrid GPU / host ms |")
@@ -59,7 +59,4 @@ def main() -> None:
               f"| {hyb.get('gpu_ms', float('nan')):.2f} / {hyb.get('host_ms', float('nan')):.2f} |")
     if len(starts) > 1:
         print(f"\nlargest gap between the starts' ratios: {100 * worst[0]:.1f} % ({worst[1]})")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -8,7 +8,7 @@ timed region. The HBM for KV is sized so that every request stays fully resident
 system (steady state, no pressure): this measures each system's fixed per-step cost. The
 model is DeepSeek-V3.2-shaped (``--layers`` sparse-MLA layers, an indexer each).
 
-Systems (``benchmarks/vllm_baselines.py``): ``stock`` (plain vLLM: one KV cache group, no
+Systems (``cli/benchmarks/vllm_baselines.py``): ``stock`` (plain vLLM: one KV cache group, no
 connector), ``intree`` (vLLM's in-tree Hybrid HiSparse), ``plan`` (our KV plan with vLLM's
 stock managers, no connector), ``noop`` (our plan and a connector that does nothing) and
 ``hisparse`` (ours). Ratios are reported against ``stock`` (what an operator runs without
@@ -29,8 +29,8 @@ The counts do not depend on the machine's load; ``hisparse`` is also counted wit
 connector's methods left out, which separates vLLM's share from ours. Slow (minutes per
 run): use fewer steps.
 
-    python benchmarks/bench_scheduler_overhead.py --repeats 5
-    python benchmarks/bench_scheduler_overhead.py --instructions --steps 10
+    vllm-hisparse bench scheduler-overhead --repeats 5
+    vllm-hisparse bench scheduler-overhead --instructions --steps 10
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import vllm_baselines as baselines  # noqa: E402
-from tests.vllm.scheduler_harness import SchedulerHarness  # noqa: E402
-from tests.vllm.vllm_configs import write_model_dir  # noqa: E402
-from vllm_hisparse.core.units import cdiv  # noqa: E402
-from vllm_hisparse.vllm.plugin import register  # noqa: E402
+from vllm_hisparse.cli.benchmarks import vllm_baselines as baselines
+from vllm_hisparse.core.units import cdiv
+from vllm_hisparse.vllm.plugin import register
+from vllm_hisparse.vllm.simulation.model import write_model_dir
+from vllm_hisparse.vllm.simulation.scheduler_driver import SchedulerDriver
 
 MODES = baselines.SYSTEMS
 #: Our connector's scheduler-side methods, timed to separate them from vLLM's own work.
@@ -69,7 +67,7 @@ _SPARE_HOT_REGIONS = 16
 
 
 def build_harness(model_dir: Path, mode: str, *, requests: int, context: int, max_tokens: int,
-                  layers: int = 4) -> SchedulerHarness:
+                  layers: int = 4) -> SchedulerDriver:
     """A scheduler of system ``mode`` holding ``requests`` requests of ``context`` +
     ``max_tokens`` tokens fully resident."""
     if mode not in MODES:
@@ -154,7 +152,7 @@ def measure(model_dir: Path, mode: str, *, requests: int, context: int, steps: i
 
 def _run_child(args: argparse.Namespace, mode: str, callgrind: str | None = None) -> dict[str, Any]:
     cmd = baselines.python_child(
-        __file__, "--child", mode, "--model-dir", str(args.model_dir), "--requests", str(args.requests),
+        "scheduler-overhead", "--child", mode, "--model-dir", str(args.model_dir), "--requests", str(args.requests),
         "--context", str(args.context), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--layers", str(args.layers), "--evict-mib", str(args.evict_mib))
     if callgrind is not None:
@@ -209,8 +207,9 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{format(med, fmt)} [{format(min(values), fmt)}-{format(max(values), fmt)}]"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench scheduler-overhead",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--layers", type=int, default=61, help="sparse-MLA layers, an indexer each")
@@ -227,14 +226,14 @@ def main() -> None:
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--callgrind", choices=("all", "vllm"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     register()
     if args.child:
         result = measure(args.model_dir, args.child, requests=args.requests, context=args.context,
                          steps=args.steps, warmup=args.warmup, layers=args.layers,
                          evict_mib=args.evict_mib, callgrind=args.callgrind)
         print(json.dumps(result))
-        return
+        return 0
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad or "stock" not in modes:
@@ -242,7 +241,7 @@ def main() -> None:
     args.model_dir = write_model_dir(Path(tempfile.mkdtemp()) / "dsv32", num_hidden_layers=args.layers)
     if args.instructions:
         count_instructions(args, modes)
-        return
+        return 0
     runs: list[dict[str, Any]] = []
     for round_index in range(args.repeats):
         # Rotate the order every round so no system always runs first.
@@ -280,7 +279,4 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "runs": runs, "summary": summary}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

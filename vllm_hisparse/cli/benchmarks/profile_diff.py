@@ -1,6 +1,6 @@
 """The profiled kernels of two systems of one ``bench throughput`` case, side by side.
 
-    python3 benchmarks/profile_diff.py out/throughput.json --geometry glm51 --context 4096 \
+    vllm-hisparse bench profile-diff out/throughput.json --geometry glm51 --context 4096 \
         --systems full hybrid
 
 Reads the ``kernels`` table of each run's profiled step (``cli/benchmarks/step_profile.py``:
@@ -24,14 +24,14 @@ def load_split(path: str, geometry: str, context: int, system: str) -> dict:
     raise SystemExit(f"profile_diff: no case {geometry} at {context} tokens in {path}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench profile-diff", description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--geometry", required=True)
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--systems", nargs=2, default=["full", "hybrid"])
     parser.add_argument("--rows", type=int, default=25)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     a_name, b_name = args.systems
     a, b = (load_split(args.json, args.geometry, args.context, s) for s in args.systems)
     if "kernels" not in a or "kernels" not in b:
@@ -48,7 +48,4 @@ def main() -> None:
         print(f"| {n[:70]} | {ams:.3f} ({al}) | {bms:.3f} ({bl}) | {diff:+.3f} |")
     for name, split in ((a_name, a), (b_name, b)):
         print(f"{name}: span {split['span_ms']:.3f} ms, idle {split['idle_ms']:.3f} ms")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

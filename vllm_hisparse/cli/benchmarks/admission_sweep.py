@@ -14,9 +14,9 @@ prompt length (60 to 1000 blocks), and a loose host pool (every request at once)
 tight one (four requests of the longest length). Row checks are off by default (they do
 not change a scheduling decision; ``--check`` turns them on).
 
-    python benchmarks/bench_admission_sweep.py                  # all 64, ~15 min on 2 cores
-    python benchmarks/bench_admission_sweep.py --only 0-7 --check
-    python benchmarks/bench_admission_sweep.py --json sweep.json
+    vllm-hisparse bench admission-sweep                  # all 64, ~15 min on 2 cores
+    vllm-hisparse bench admission-sweep --only 0-7 --check
+    vllm-hisparse bench admission-sweep --json sweep.json
 """
 
 from __future__ import annotations
@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_hisparse.cli.simulate import DEFAULTS  # noqa: E402
-from vllm_hisparse.core.units import GIB, cdiv  # noqa: E402
+from vllm_hisparse.cli.simulate import DEFAULTS
+from vllm_hisparse.core.units import GIB, cdiv
 
 PROMPTS = (128, 512, 1024, 4096)
 OUTPUTS = (64, 512)
@@ -136,12 +133,12 @@ def _parse_only(text: str | None, n: int) -> list[int]:
     return picked
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench admission-sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="configuration indices, e.g. 0-7,12 (default: all 64)")
     parser.add_argument("--check", action="store_true", help="check every row read (slower)")
     parser.add_argument("--json", type=Path, help="write every configuration's result here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from vllm_hisparse.cli.quiet import quiet
 
     with quiet(verbose=False):
@@ -149,6 +146,7 @@ def main() -> None:
 
         torch.set_num_threads(1)
         _sweep(args)
+    return 0
 
 
 def _sweep(args: argparse.Namespace) -> None:
@@ -194,7 +192,3 @@ def _sweep(args: argparse.Namespace) -> None:
           f"{total('peak_running', 'with')}")
     if args.json:
         args.json.write_text(json.dumps({"configurations": results}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:resolve_fast --launch-skip 2 \
         --launch-count 1 --set full --import-source yes -o resolve \
-        python3 benchmarks/profile_resolve.py --batch 64
+        vllm-hisparse bench profile-resolve --batch 64
 
 Builds the case of ``vllm-hisparse bench kernels --only resolve`` (K = 2048, bs = 64,
 P = 2048, every selection host-backed, ``--miss`` of them misses), restores the hot state and
@@ -15,8 +15,9 @@ replays): the default launch (fast path) cold / warm L2, the general kernel alon
 launch with eviction classes (``slot_class``, random classes 0..3: the general path) cold, at
 ``--batches``, plus the cumulative time to each stop point at batch 64 (a quick check inside
 a short device lease). ``--resident`` times the same batches with every page resident (FULL
-requests: the resolve only maps rows and counts them), with and without the stats counters. ``benchmarks/ncu_phases.py`` reads an ncu source export of the
-profile (instructions and stall reasons per barrier-delimited phase).
+requests: the resolve only maps rows and counts them), with and without the stats counters.
+``vllm-hisparse bench ncu-phases`` reads an ncu source export of the profile (instructions and
+stall reasons per barrier-delimited phase).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from vllm_hisparse.cli.benchmarks.kernels import (GENERAL_ONLY, check_resolve, g
 from vllm_hisparse.ops import probe
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm-hisparse bench profile-resolve")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--slots", type=int, default=4096)
     ap.add_argument("--miss", type=float, default=0.05)
@@ -45,7 +46,7 @@ def main() -> int:
     ap.add_argument("--resident", action="store_true",
                     help="with --time: every page resident, with and without stats")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128, 256])
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.time:
         return time_table(a)
     s = make_resolve_sets(a.batch, 2048, a.slots, a.miss, sets=1)[0]
@@ -97,6 +98,3 @@ def time_table(a) -> int:
         del sets
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

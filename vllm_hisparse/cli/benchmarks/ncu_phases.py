@@ -7,9 +7,9 @@ path was tuned (docs/kernels.md): a phase whose executed count is several times 
 count shows warps split into groups by divergent loops.
 
     ncu --clock-control none --kernel-name regex:resolve_fast --launch-skip 2 --launch-count 1 \\
-        --set full --import-source yes -o r64 python3 benchmarks/profile_resolve.py --batch 64
+        --set full --import-source yes -o r64 vllm-hisparse bench profile-resolve --batch 64
     ncu -i r64.ncu-rep --page source --csv --print-source sass > r64.csv
-    python3 benchmarks/ncu_phases.py r64.csv --warps 2048      # 64 CTAs x 32 warps
+    vllm-hisparse bench ncu-phases r64.csv --warps 2048      # 64 CTAs x 32 warps
 """
 
 from __future__ import annotations
@@ -49,12 +49,12 @@ def phases(path: str) -> list[dict]:
     return [p for p in out if p["executed"]]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="vllm-hisparse bench ncu-phases", description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass export")
     ap.add_argument("--warps", type=float, default=2048.0,
                     help="warps in the profiled launch (CTAs x warps per CTA)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     ps = phases(a.csv)
     total = sum(p["executed"] for p in ps)
     print(f"executed warp instructions per warp: {total / a.warps:.0f}")
@@ -64,6 +64,3 @@ def main() -> int:
               f"samples {p['samples']:5.0f}  " + ", ".join(f"{k} {v:.0f}" for v, k in top))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

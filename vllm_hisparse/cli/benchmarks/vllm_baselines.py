@@ -13,8 +13,8 @@ block size), five systems:
            managers and no connector: what our grouping alone costs.
 ``noop``   our plan and a connector that does nothing: what vLLM spends because *a*
            connector is configured.
-``hisparse`` our connector (scheduler role) with the fake worker of the tests acking its
-           transfers in the step they were issued.
+``hisparse`` our connector (scheduler role) with a worker stand-in acking its transfers in
+           the step they were issued (``simulation.scheduler_driver.InStepAcks``).
 ========== =================================================================================
 
 vLLM refuses the in-tree connector on a machine without CUDA (``VllmConfig`` checks the
@@ -37,16 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.vllm.dsa_specs import dsa_layer_specs
-from tests.vllm.scheduler_harness import SchedulerHarness
-from tests.vllm.vllm_configs import kv_transfer_config, make_vllm_config
 from vllm_hisparse.core.capacity import HostMemoryLimit
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.setup import config as config_module
+from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, kv_transfer_config, make_vllm_config
+from vllm_hisparse.vllm.simulation.scheduler_driver import SchedulerDriver
 
 SYSTEMS = ("stock", "intree", "plan", "noop", "hisparse")
 NOOP_CONNECTOR = "BenchNoopConnector"
-INTREE_CONNECTOR = "HiSparseConnector"  # vLLM's literal switch for its in-tree HiSparse
 
 
 class NoopConnector(compat.KVConnectorBase_V1, compat.SupportsHMA):
@@ -84,11 +82,7 @@ class InTreeFakeWorker:
     multi_index = None
 
     def __init__(self) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (
-            HiSparseConnectorWorkerMetadata,
-        )
-
-        self._meta = HiSparseConnectorWorkerMetadata
+        self._meta = compat.intree_hisparse()[2]
 
     def on_forward(self, scheduler_output):
         meta = scheduler_output.kv_connector_metadata
@@ -121,12 +115,9 @@ class Setup:
 def _in_tree_specs(vllm_config, specs: dict) -> dict:
     """The per-layer specs a CUDA worker reports with the in-tree switch on: the model's
     layers plus the resident and hot layers vLLM derives from them."""
-    from vllm.v1.hisparse.layout import get_hisparse_kv_cache_groups
-    from vllm.v1.kv_cache_interface import HiSparseHotSpec, HiSparseResidentSpec
-
-    groups = get_hisparse_kv_cache_groups(vllm_config, specs)
-    return specs | {name: group.kv_cache_spec for group in groups
-                    if isinstance(group.kv_cache_spec, (HiSparseResidentSpec, HiSparseHotSpec))
+    _, _, _, hisparse_groups, added_specs = compat.intree_hisparse()
+    return specs | {name: group.kv_cache_spec for group in hisparse_groups(vllm_config, specs)
+                    if isinstance(group.kv_cache_spec, added_specs)
                     for name in group.layer_names}
 
 
@@ -139,8 +130,8 @@ def _plan(vllm_config, specs: dict, kv_bytes: int):
     return compat.generate_scheduler_kv_cache_config([config])
 
 
-def build(system: str, setup: Setup) -> SchedulerHarness:
-    """A scheduler harness of ``system`` (one of :data:`SYSTEMS`) for ``setup``."""
+def build(system: str, setup: Setup) -> SchedulerDriver:
+    """A scheduler driver of ``system`` (one of :data:`SYSTEMS`) for ``setup``."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     # The scheduler side pins no host memory (its host pool is bookkeeping), so a large
@@ -155,10 +146,9 @@ def build(system: str, setup: Setup) -> SchedulerHarness:
     specs = dsa_layer_specs(setup.num_layers, block_size=setup.block_size)
     worker = None
     if system == "intree":
-        from vllm.config.attention import HiSparseConfig
-
+        intree_connector, HiSparseConfig, _, _, _ = compat.intree_hisparse()
         vllm_config.kv_transfer_config = compat.KVTransferConfig(
-            kv_connector=INTREE_CONNECTOR, kv_role="kv_both",
+            kv_connector=intree_connector, kv_role="kv_both",
             kv_connector_extra_config={"host_pool_gib": setup.host_pool_gib})
         vllm_config.attention_config.hisparse_config = HiSparseConfig()
         specs = _in_tree_specs(vllm_config, specs)
@@ -171,7 +161,7 @@ def build(system: str, setup: Setup) -> SchedulerHarness:
             compat.KVConnectorFactory.register_connector(NOOP_CONNECTOR, __name__, NoopConnector.__name__)
         vllm_config.kv_transfer_config = compat.KVTransferConfig(kv_connector=NOOP_CONNECTOR,
                                                                  kv_role="kv_both")
-    return SchedulerHarness(vllm_config, kv_cache_config, worker=worker)
+    return SchedulerDriver(vllm_config, kv_cache_config, worker=worker)
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,7 +213,7 @@ def run_child(cmd: list[str], label: str, *, callgrind: bool = False) -> tuple[d
     return result, int(totals[-1].split()[1])
 
 
-def measured_step(harness: SchedulerHarness, toggle: Any = None, between: Any = None) -> tuple[Any, float]:
+def measured_step(harness: SchedulerDriver, toggle: Any = None, between: Any = None) -> tuple[Any, float]:
     """One scheduler step: ``schedule()`` and ``update_from_output()`` timed (and, with
     callgrind's ``toggle``, counted); the fake forward and ``between()`` (work a real engine
     does between the two) are not. Returns the ``SchedulerOutput`` and the step in ms."""
@@ -248,6 +238,6 @@ def measured_step(harness: SchedulerHarness, toggle: Any = None, between: Any = 
     return output, ((t1 - t0) + (t3 - t2)) * 1e3
 
 
-def python_child(script: str, *args: str) -> list[str]:
-    """The command line that runs a benchmark script as a child."""
-    return [sys.executable, script, *args]
+def python_child(target: str, *args: str) -> list[str]:
+    """The command line that runs ``vllm-hisparse bench TARGET ARGS`` as a child."""
+    return [sys.executable, "-m", "vllm_hisparse.cli.main", "bench", target, *args]

@@ -12,7 +12,7 @@ Scenarios:
                 ``schedule_rows()`` (what a per-request connector hook would cost)
 
 Usage:
-    python benchmarks/bench_core_step.py [--requests 256] [--context 32768] [--steps 640]
+    vllm-hisparse bench core-step [--requests 256] [--context 32768] [--steps 640]
                                          [--repeats 1] [--json]
 
 ``--repeats N`` runs every scenario N times and keeps the run with the lowest mean (a shared
@@ -27,15 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_hisparse.core import (  # noqa: E402
+from vllm_hisparse.core import (
     HostBlockPool,
     InMemoryDevicePool,
     PolicyConfig,
@@ -121,8 +117,8 @@ def run(scenario: str, num_requests: int, context_tokens: int, steps: int, block
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-hisparse bench core-step", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--context", type=int, default=32768, help="tokens per request before decoding")
     parser.add_argument("--steps", type=int, default=640, help="decode steps measured (64 = one page each)")
@@ -131,7 +127,7 @@ def main() -> None:
     parser.add_argument("--scenarios", default="full,mixed,full-per-req")
     parser.add_argument("--repeats", type=int, default=1, help="runs per scenario; the lowest mean is kept")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = [
         min(
             (run(s, args.requests, args.context, args.steps, args.block_size, args.hot_rows)
@@ -142,7 +138,7 @@ def main() -> None:
     ]
     if args.json:
         print(json.dumps(results, indent=2))
-        return
+        return 0
     print(f"residency policy step: {args.requests} requests x {args.context} tokens, "
           f"block {args.block_size}, {args.steps} decode steps, best of {max(1, args.repeats)}")
     header = f"{'scenario':<14}{'mean us/step':>14}{'p50':>10}{'p99':>10}{'us/req/step':>13}{'budget':>9}"
@@ -152,7 +148,4 @@ def main() -> None:
         print(f"{r['scenario']:<14}{r['mean_us_per_step']:>14.1f}{r['p50_us_per_step']:>10.1f}"
               f"{r['p99_us_per_step']:>10.1f}{r['us_per_request_per_step']:>13.3f}"
               f"{r['budget_us_per_request_per_step']:>9.2f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
