@@ -39,6 +39,7 @@ from vllm_hisparse.core import (
 BLOCK_SIZE = 4
 MAX_PAGES = 24
 NUM_ROWS = 6
+LOW_WATERMARK_BLOCKS = 6
 
 STEPS_PER_RUN = 200
 NUM_RUNS = int(os.environ.get("HS_RUNS", 100))
@@ -60,7 +61,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             max_num_rows=NUM_ROWS,
             max_pages=MAX_PAGES,
             hot_blocks=2,
-            low_watermark_blocks=6,
+            low_watermark_blocks=LOW_WATERMARK_BLOCKS,
             high_watermark_blocks=12,
             admission_window_pages=12,
             eager_host_mirror=eager,
@@ -188,6 +189,11 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.step(seed, max_new)
         self.ack(seed, enqueue_only=False, fraction=1.0)
 
+    @rule(seed=st.integers(0, 2**32 - 1), max_new=st.sampled_from([16, 32]))
+    def step_long_and_ack(self, seed, max_new):
+        """Long chunks (a prefill's) and their acks: requests large enough to demote."""
+        self.step_and_ack(seed, max_new)
+
     @precondition(lambda self: self.worker.launched)
     @rule(seed=st.integers(0, 2**32 - 1), enqueue_only=st.booleans(), fraction=st.sampled_from([0.3, 1.0]))
     def ack(self, seed, enqueue_only, fraction):
@@ -301,6 +307,20 @@ class ResidencyMachine(RuleBasedStateMachine):
                     self.synced = False
                 except DevicePoolExhausted:
                     pass
+
+    @precondition(lambda self: not self.device_hog)
+    @rule(left=st.integers(0, LOW_WATERMARK_BLOCKS - 1))
+    def squeeze_device(self, left):
+        """Someone else takes the device pool to just under the low watermark, so the next
+        steps must demote and spill. Demotions need that pressure and a request with more
+        clean pages than its hot region; without this rule the walk reaches them only by
+        luck, and Hypothesis's draws change with the modules a test run has loaded (it mines
+        their constants), so the coverage check below would depend on test order."""
+        self._count()
+        take = self.policy.device_pool.get_num_free_blocks() - left
+        if take > 0:
+            self.device_hog = self.policy.device_pool.get_new_blocks(take)
+            self.synced = False
 
     @precondition(lambda self: self.ops_since_drain > 40)
     @rule()
