@@ -238,7 +238,7 @@ class PDLandings:
 
     def _hot_blocks_pending(self) -> int:
         """vLLM blocks the host landings admitted in this admission pass take at its end,
-        when the policy leases their hot regions (``_start_imports``)."""
+        when the policy leases their hot regions (:meth:`start_imports`)."""
         landings = sum(1 for _, offer in self._claimed if offer.landing == Landing.HOST)
         return landings * self.geometry.hot_blocks_per_request * self.geometry.num_sparse_groups
 

@@ -1,11 +1,13 @@
 """What the scheduler role's parts know about the engine and never change: block size,
-KV cache groups, step budgets, the configured limits. Read once, when the role is built."""
+KV cache groups, step budgets, the configured limits. Read once, when the role is built,
+together with the residency policy's configuration derived from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_hisparse.core.policy import PolicyConfig
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat
 from vllm_hisparse.vllm.setup.config import HiSparseResidencyConfig
@@ -58,3 +60,48 @@ class SchedulerGeometry:
         max_tokens = getattr(request, "max_tokens", None) or 0
         total = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
         return cdiv(max(total, 1), self.block_size)
+
+    def policy_config(self, sched: Any, kv_cache_config: Any, hisparse_config: HiSparseResidencyConfig) -> PolicyConfig:
+        """The residency policy's configuration for this engine (``sched``: vLLM's
+        ``SchedulerConfig``)."""
+        bs = self.block_size
+        low, high = self._pressure_watermarks(sched, kv_cache_config, hisparse_config)
+        return PolicyConfig(
+            block_size=bs,
+            max_num_rows=sched.max_num_seqs,
+            max_pages_per_request=cdiv(self.max_model_len, bs),
+            device_buffer_size_rows=hisparse_config.device_buffer_size,
+            admission_window_pages=cdiv(sched.max_num_batched_tokens, bs),
+            eager_host_mirror=hisparse_config.eager_host_mirror,
+            low_watermark_blocks=low,
+            high_watermark_blocks=high,
+            hot_sizing=hisparse_config.hot_sizing(),
+        )
+
+    def _pressure_watermarks(self, sched: Any, kv_cache_config: Any,
+                             hisparse_config: HiSparseResidencyConfig) -> tuple[int, int]:
+        """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
+
+        The policy relieves pressure only at the end of a step, after vLLM allocated
+        (and, failing that, preempted). So the low watermark covers the most one step
+        can ask for: a full prefill budget of pages plus one page crossing per running
+        request, in every group, converted to bundles of the sparse groups (capped at
+        half the pool). The high watermark adds one hot region and 5 % of the pool on
+        top (hysteresis). On top of that, demand the connector sees is reported each
+        step (``note_device_demand``): the next chunks of prefilling requests, a waiting
+        request vLLM could not admit, an allocation that failed.
+
+        A low watermark of decode growth only, relying on the reported demand for prefills
+        and admissions, was measured and was not a clear win (docs/vllm-integration.md), so
+        the worst-case sizing stays.
+        """
+        num_sparse = self.num_sparse_groups
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        step_pages = cdiv(sched.max_num_batched_tokens, self.block_size) + min(
+            sched.max_num_seqs, sched.max_num_batched_tokens
+        )
+        step_blocks = step_pages * num_groups
+        bundles = (kv_cache_config.num_blocks - 1) // num_sparse
+        low = min(cdiv(step_blocks, num_sparse), bundles // 2)
+        high = min(low + hisparse_config.hot_blocks_per_request + cdiv(bundles, 20), bundles)
+        return low, max(high, low)

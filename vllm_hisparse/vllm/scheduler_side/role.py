@@ -51,7 +51,7 @@ import numpy as np
 
 from vllm_hisparse.core.commands import StepCommand
 from vllm_hisparse.core.host_blocks import HostBlockPool
-from vllm_hisparse.core.policy import Outcome, PolicyConfig, ResidencyPolicy
+from vllm_hisparse.core.policy import Outcome, ResidencyPolicy
 from vllm_hisparse.core.units import cdiv
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata
@@ -130,20 +130,8 @@ class SchedulerRole:
         self.capacity_report = report
         self.host_pool = HostBlockPool(report.host_blocks)
 
-        sched = vllm_config.scheduler_config
-        bs = geometry.block_size
-        low, high = _pressure_watermarks(geometry, kv_cache_config, sched, hisparse_config)
-        self.policy_config = PolicyConfig(
-            block_size=bs,
-            max_num_rows=sched.max_num_seqs,
-            max_pages_per_request=cdiv(geometry.max_model_len, bs),
-            device_buffer_size_rows=hisparse_config.device_buffer_size,
-            admission_window_pages=cdiv(sched.max_num_batched_tokens, bs),
-            eager_host_mirror=hisparse_config.eager_host_mirror,
-            low_watermark_blocks=low,
-            high_watermark_blocks=high,
-            hot_sizing=hisparse_config.hot_sizing(),
-        )
+        self.policy_config = geometry.policy_config(vllm_config.scheduler_config, kv_cache_config,
+                                                    hisparse_config)
 
         # Bound in bind_kv_cache_manager (vLLM builds the KVCacheManager after us).
         self.policy: ResidencyPolicy | None = None
@@ -565,31 +553,3 @@ class SchedulerRole:
         """No request and no transfer open (pools should be at rest)."""
         return self.policy is not None and self.policy.is_idle() and not self.book.requests
 
-
-def _pressure_watermarks(geometry: SchedulerGeometry, kv_cache_config: Any, sched: Any,
-                         hisparse_config: HiSparseResidencyConfig) -> tuple[int, int]:
-    """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
-
-    The policy relieves pressure only at the end of a step, after vLLM allocated
-    (and, failing that, preempted). So the low watermark covers the most one step
-    can ask for: a full prefill budget of pages plus one page crossing per running
-    request, in every group, converted to bundles of the sparse groups (capped at
-    half the pool). The high watermark adds one hot region and 5 % of the pool on
-    top (hysteresis). On top of that, demand the connector sees is reported each
-    step (``note_device_demand``): the next chunks of prefilling requests, a waiting
-    request vLLM could not admit, an allocation that failed.
-
-    A low watermark of decode growth only, relying on the reported demand for prefills
-    and admissions, was measured and was not a clear win (docs/vllm-integration.md), so
-    the worst-case sizing stays.
-    """
-    num_sparse = geometry.num_sparse_groups
-    num_groups = len(kv_cache_config.kv_cache_groups)
-    step_pages = cdiv(sched.max_num_batched_tokens, geometry.block_size) + min(
-        sched.max_num_seqs, sched.max_num_batched_tokens
-    )
-    step_blocks = step_pages * num_groups
-    bundles = (kv_cache_config.num_blocks - 1) // num_sparse
-    low = min(cdiv(step_blocks, num_sparse), bundles // 2)
-    high = min(low + hisparse_config.hot_blocks_per_request + cdiv(bundles, 20), bundles)
-    return low, max(high, low)
