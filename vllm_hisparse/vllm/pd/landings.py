@@ -229,11 +229,12 @@ class PDLandings:
             return None, False
         null_pages = max(0, cdiv(num_tokens, self.geometry.block_size) - ACTIVE_TAIL_PAGES)
         self._offers[rid] = _Offer(landing, num_external, num_tokens,
-                                      null_pages if landing == Landing.HOST else 0, remote)
+                                   null_pages if landing == Landing.HOST else 0, remote)
         self._track_offers()
         # Not admitted (vLLM could not allocate) is unmet device demand.
-        self.admission.note_offer(rid, cdiv(num_external + 1, self.geometry.block_size) if landing == Landing.RESIDENT
-                                  else ACTIVE_TAIL_PAGES + 1 + self.geometry.hot_blocks_per_request)
+        pages = (cdiv(num_external + 1, self.geometry.block_size) if landing == Landing.RESIDENT
+                 else ACTIVE_TAIL_PAGES + 1 + self.geometry.hot_blocks_per_request)
+        self.admission.note_offer(rid, pages)
         return num_external, True
 
     def _hot_blocks_pending(self) -> int:
@@ -485,7 +486,7 @@ class PDLandings:
         recompute) ends as finished, not as a preemption."""
         if rid in self._restarting:
             self._restarting.discard(rid)
-            self.book.finishing.add(rid)
+            self.book.mark_finishing(rid)
 
     def forget(self, rid: str) -> None:
         """vLLM freed ``rid``: its offer and lease renewals end (unless its import runs)."""

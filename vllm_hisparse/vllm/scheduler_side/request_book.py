@@ -1,9 +1,10 @@
 """The scheduler role's request registries: who is admitted, at which state row, in which
 phase, and what host blocks each still has promised.
 
-Every part of the role reads these; they change through the book's verbs only:
-:meth:`RequestBook.admit` (vLLM allocated for a managed request), :meth:`~RequestBook.bind_row`
-(the policy gave it a state row), :meth:`~RequestBook.end_row` and
+Every part of the role reads these; they change through the book's verbs:
+:meth:`~RequestBook.admit` (vLLM allocated for a managed request),
+:meth:`~RequestBook.bind_row` (the policy gave it a state row),
+:meth:`~RequestBook.mark_finishing` (vLLM finished it), :meth:`~RequestBook.end_row` and
 :meth:`~RequestBook.forget` (vLLM freed it). The book holds no policy: the role tells the
 policy, then the book.
 """
@@ -79,6 +80,14 @@ class RequestBook:
         return used
 
     # ------------------------------------------------------------------ the step
+    def rows_of_step(self, keys: tuple) -> np.ndarray | None:
+        """The state rows of ``keys`` when they are the previous step's scheduled ids, in
+        the same order (adding or ending a request drops this cache); else None."""
+        return self.cached_rows if keys == self.cached_keys else None
+
+    def remember_step(self, keys: tuple, rows: np.ndarray) -> None:
+        self.cached_keys, self.cached_rows = keys, rows
+
     def is_prefilling(self, request: Any) -> bool:
         """True while the request has prompt tokens to compute, or more than
         ``max_decode_query_len`` known tokens left (a recompute after vLLM's preemption):
@@ -134,6 +143,10 @@ class RequestBook:
                 self.non_full.add(change.request_id)
 
     # ------------------------------------------------------------------ end
+    def mark_finishing(self, rid: str) -> None:
+        """vLLM finished or aborted ``rid`` (not a preemption): its free ends it as finished."""
+        self.finishing.add(rid)
+
     def end_row(self, rid: str) -> int:
         """The policy ended ``rid``: its state row is free. Returns the row."""
         row = self.row_of.pop(rid)

@@ -241,7 +241,7 @@ class SchedulerRole:
     # ==================================================================== finishing
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, dict | None]:
         """Finish or abort (not preemption): the free that follows ends it as finished."""
-        self.book.finishing.add(request.request_id)
+        self.book.mark_finishing(request.request_id)
         if self.landings is not None:  # a P/D request aborted while waiting
             self.landings.finished(request)
         return False, None
@@ -279,7 +279,9 @@ class SchedulerRole:
         for rid in host_prefix.take_loads_to_start():
             if rid not in book.row_of:
                 new_rows[rid] = self._add_row(rid)
-        imports = landings.start_imports(new_rows, self._add_row) if landings and landings.has_orders() else []
+        imports = []
+        if landings is not None and landings.has_orders():
+            imports = landings.start_imports(new_rows, self._add_row)
         if scheduled:
             keys, rows, counts = self._schedule(scheduled, new_rows)
         command = policy.build_step()
@@ -291,7 +293,7 @@ class SchedulerRole:
         return HiSparseConnectorMetadata(
             command=command, new_rows=new_rows, bundles=self._bundles_of(command),
             indexer_pages=indexer_pages, load_requests=host_prefix.take_load_requests(),
-            imports=imports, heartbeats=landings.heartbeats() if landings else [],
+            imports=imports, heartbeats=landings.heartbeats() if landings is not None else [],
         )
 
     def _schedule(self, scheduled: dict[str, int],
@@ -303,10 +305,8 @@ class SchedulerRole:
         n = len(scheduled)
         keys = tuple(scheduled)
         counts = np.fromiter(scheduled.values(), dtype=np.int64, count=n)
-        if keys == book.cached_keys:
-            # Same requests as the previous step, in the same order: same rows.
-            rows = book.cached_rows
-        else:
+        rows = book.rows_of_step(keys)  # same requests as the previous step: same rows
+        if rows is None:
             row_of = book.row_of
             rows = np.fromiter((row_of.get(rid, -1) for rid in keys), dtype=np.int64, count=n)
             for i in (rows < 0).nonzero()[0].tolist():
@@ -316,7 +316,7 @@ class SchedulerRole:
                 # A prefix hit: vLLM's computed tokens not adopted as a host prefix are
                 # new to the policy (a device prefix-cache hit).
                 counts[i] += book.requests[rid].num_computed_tokens - adopted
-            book.cached_keys, book.cached_rows = keys, rows
+            book.remember_step(keys, rows)
         outcome = self.policy.schedule_rows(rows, counts, self._adopt_pages)
         self.drafts.remember(keys, rows)
         if np.count_nonzero(outcome):
