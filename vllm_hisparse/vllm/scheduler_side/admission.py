@@ -135,8 +135,8 @@ class AdmissionGate:
         admitted into that space can leave nothing for the others' growth, and vLLM then
         preempts it, re-admits it from its prefix-cache hits and preempts it again at the
         next page boundaries (``vllm-hisparse simulate --requests 8 --prompt-len 512
-        --output-len 128 --device-blocks 160``: 3 preemptions against 1 without the
-        connector). The headroom, in vLLM blocks, is what the running requests need next:
+        --output-len 128 --device-blocks 160`` shows it; docs/vllm-integration.md,
+        "Admission headroom"). The headroom, in vLLM blocks, is what the running requests need next:
 
         * the rest of the prompt of every prefilling request and of every request let
           through earlier this step, in every KV cache group (a prefilling request stays

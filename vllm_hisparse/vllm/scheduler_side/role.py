@@ -444,9 +444,8 @@ class SchedulerRole:
         acks = self.acks.vote(meta)
         if acks.is_empty():
             return
-        policy = self._require_policy()
         self.host_prefix.settle_identities(acks)
-        policy.apply_acks(acks)
+        self._require_policy().apply_acks(acks)
 
     # ==================================================================== frees
     def on_blocks_freed(self, group_index: int, request_id: str, blocks: list) -> list:
