@@ -232,9 +232,10 @@ class PDEngine:
         importer (tables, NIXL transfers, staging slots, handshakes, cached agents)."""
         self.harness.assert_no_leaks()
         role = self.harness.residency
-        for name in ("_pd_offers", "_pd_claimed", "_pd_importing", "_pd_releases", "_pd_leases",
-                     "_pd_restarting", "_pd_refused", "_pd_settled"):
-            assert not getattr(role, name), (name, getattr(role, name))
+        landings = role.landings
+        for name in ("_offers", "_claimed", "_importing", "_releases", "_leases",
+                     "_restarting", "_refused", "_settled"):
+            assert not getattr(landings, name), (name, getattr(landings, name))
         importer = self.importer
         assert importer.num_imports == 0 and not importer._spills
         assert not importer.prefills.handshakes

@@ -160,5 +160,5 @@ class SchedulerHarness(SchedulerDriver):
             host = residency.host_pool
             assert (host.ref_counts == 0).all()
             assert host.num_free_blocks + host.num_cached_blocks == host.num_blocks
-            assert residency._host_outstanding == 0
-            assert not residency._hot_rows and not residency._non_full and not residency._freeing
+            assert residency.book.host_outstanding == 0
+            assert not residency.book.hot_rows and not residency.book.non_full and not residency.book.freeing

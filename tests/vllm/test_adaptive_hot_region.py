@@ -176,5 +176,5 @@ def test_resizes_on_vllms_scheduler_and_block_pool(model_dir, under_multi):
             harness.step()
         harness.drain()
         assert all(r.is_finished() for r in requests)
-        assert harness.residency.is_idle() and not harness.residency._hot_rows
+        assert harness.residency.is_idle() and not harness.residency.book.hot_rows
     assert policy.stats.num_hot_grows > 0 and policy.stats.num_hot_shrinks > 0

@@ -67,15 +67,15 @@ def test_gate_defers_and_counts(small_topk_model_dir):
     seen = 0
     while harness.scheduler.has_requests():
         harness.step()
-        deferred = role._stats.data.get("num_admissions_deferred", 0)
+        deferred = role.stats.data.get("num_admissions_deferred", 0)
         if deferred > seen:
             deferred_steps += 1
             # A deferral leaves requests waiting, never a preemption.
             assert harness.scheduler.waiting
         seen = deferred
         # The admission state is reset by build_connector_meta at the end of each step.
-        assert not role._let_through
-        assert harness.scheduler.kv_cache_manager.watermark_blocks == role._base_watermark_blocks
+        assert not role.admission.let_through
+        assert harness.scheduler.kv_cache_manager.watermark_blocks == role.admission.base_watermark_blocks
     harness.drain()
     assert deferred_steps > 0
     assert harness.stats.preemptions == 0

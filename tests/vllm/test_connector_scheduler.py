@@ -68,9 +68,9 @@ def test_released_pages_become_null_entries(small_topk_model_dir):
     def checked(scheduler_output):
         meta = real(scheduler_output)
         t = residency.policy.tables
-        for manager in residency._managers:
+        for manager in residency.managers:
             for rid, blocks in manager.req_to_blocks.items():
-                row = residency._row_of.get(rid)
+                row = residency.book.row_of.get(rid)
                 if row is None:
                     continue
                 for page, block in enumerate(blocks[: int(t.num_pages[row])]):
@@ -113,7 +113,7 @@ def test_abort_in_the_middle_of_a_transfer(small_topk_model_dir, eager_mirror):
         harness.step()
         t = residency.policy.tables
         for request in requests:
-            row = residency._row_of.get(request.request_id)
+            row = residency.book.row_of.get(request.request_id)
             if row is None:
                 continue
             n = int(t.num_pages[row])
@@ -218,8 +218,8 @@ def test_duplicate_acks_are_counted_once(small_topk_model_dir, async_scheduling)
     run(harness, dict(count=4, prompt_len=512, max_tokens=64))
     assert worker.num_repeated > 0
     residency = harness.residency
-    assert residency._duplicates_seen == 2 * worker.num_repeated
-    assert residency._vote.num_open == 0
+    assert residency.acks.num_duplicates_seen == 2 * worker.num_repeated
+    assert residency.acks.num_open == 0
 
 
 def test_a_worker_repeating_an_ack_does_not_vote_for_another(small_topk_model_dir):
@@ -239,7 +239,7 @@ def test_a_worker_repeating_an_ack_does_not_vote_for_another(small_topk_model_di
     assert set(issued) <= open_ids  # worker 0 reported them twice; worker 1 not yet
     harness.run_to_completion()
     harness.assert_no_leaks()
-    assert residency._vote.num_open == 0  # decided ballots are forgotten
+    assert residency.acks.num_open == 0  # decided ballots are forgotten
 
 
 @pytest.mark.parametrize("num_workers", [1, 2])
@@ -320,7 +320,7 @@ def test_as_a_multiconnector_child_next_to_offloading(small_topk_model_dir):
     for _ in range(3):  # let our last transfers be acknowledged
         harness.step()
     harness.drain()
-    assert residency.is_idle() and residency._host_outstanding == 0
+    assert residency.is_idle() and residency.book.host_outstanding == 0
     assert (residency.host_pool.ref_counts == 0).all()
 
 
@@ -339,15 +339,15 @@ def test_a_small_host_pool_runs_the_rest_unmanaged(small_topk_model_dir):
 
     def counted(scheduler_output):
         meta = real(scheduler_output)
-        managed.append(len(role._requests))
-        unmanaged.append(len(role._unmanaged))
+        managed.append(len(role.book.requests))
+        unmanaged.append(len(role.book.unmanaged))
         return meta
 
     role.build_connector_meta = counted
     stats = run(harness)
     assert max(managed) <= host_blocks // per_request
     assert max(unmanaged) > 0
-    assert role._stats.data.get("num_unmanaged_admissions", 0) + sum(unmanaged) > 0
+    assert role.stats.data.get("num_unmanaged_admissions", 0) + sum(unmanaged) > 0
     assert stats.peak_running >= without.peak_running
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tests.vllm.fake_worker import FakeWorker
 from tests.vllm.test_connector_scheduler import WORKLOAD, build, run
-from vllm_hisparse.vllm.scheduler_side import role as scheduler_side
+from vllm_hisparse.vllm.scheduler_side.admission import AdmissionGate
 from vllm_hisparse.vllm.scheduler_side.role import _STATS_EVERY_STEPS
 
 
@@ -79,14 +79,14 @@ def test_unadmitted_requests_and_prefill_chunks_are_reported_as_demand(small_top
 
     policy.note_device_demand = recorded
     calls = {"unadmitted": 0}
-    real_unadmitted = scheduler_side.SchedulerRole._note_unadmitted
+    real_unadmitted = AdmissionGate.note_unadmitted
 
     def counting(self, scheduled):
         before = len(noted)
         real_unadmitted(self, scheduled)
         calls["unadmitted"] += len(noted) - before
 
-    harness.residency._note_unadmitted = counting.__get__(harness.residency)
+    harness.residency.admission.note_unadmitted = counting.__get__(harness.residency.admission)
     run(harness, dict(WORKLOAD, count=12))
     assert calls["unadmitted"] > 0  # vLLM could not admit a waiting request at least once
     assert len(noted) > calls["unadmitted"]  # prefilling chunks too
@@ -99,11 +99,11 @@ def test_scheduled_rows_are_cached_while_the_set_is_unchanged(small_topk_model_d
     harness.add_requests(2, prompt_len=128, max_tokens=8)
     harness.step()
     harness.step()
-    keys, rows = residency._cached_keys, residency._cached_rows
-    assert keys is not None and sorted(keys) == sorted(residency._row_of)
-    assert [residency._row_of[rid] for rid in keys] == rows.tolist()
+    keys, rows = residency.book.cached_keys, residency.book.cached_rows
+    assert keys is not None and sorted(keys) == sorted(residency.book.row_of)
+    assert [residency.book.row_of[rid] for rid in keys] == rows.tolist()
     harness.step()
-    assert residency._cached_rows is rows  # reused, not rebuilt
+    assert residency.book.cached_rows is rows  # reused, not rebuilt
     harness.run_to_completion()
-    assert residency._cached_keys is None  # invalidated when requests ended
+    assert residency.book.cached_keys is None  # invalidated when requests ended
     harness.assert_no_leaks()

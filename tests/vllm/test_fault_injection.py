@@ -111,12 +111,12 @@ def check_tables(h: SchedulerHarness) -> None:
     policy = residency.policy
     t = policy.tables
     pool = residency.device_pool
-    if set(residency._row_of) != set(policy.request_ids()):
-        raise Violation(f"connector rows {sorted(residency._row_of)} != policy requests "
+    if set(residency.book.row_of) != set(policy.request_ids()):
+        raise Violation(f"connector rows {sorted(residency.book.row_of)} != policy requests "
                         f"{sorted(policy.request_ids())}")
-    for rid, row in residency._row_of.items():
+    for rid, row in residency.book.row_of.items():
         n = int(t.num_pages[row])
-        for index, manager in enumerate(residency._managers):
+        for index, manager in enumerate(residency.managers):
             table = manager.req_to_blocks.get(rid, [])
             if len(table) < n:
                 raise Violation(f"{rid}: sparse group {index} has {len(table)} blocks, policy {n} pages")
@@ -142,13 +142,13 @@ def check_block_pool(h: SchedulerHarness, hog: list = ()) -> None:
     block_pool = kv.block_pool
     expected: Counter[int] = Counter()
     t = policy.tables
-    bound = {id(m) for m in residency._managers}
+    bound = {id(m) for m in residency.managers}
     groups = tuple(range(len(h.kv_cache_config.kv_cache_groups)))
     for manager in compat.group_managers(kv, groups):
         for rid, blocks in manager.req_to_blocks.items():
             skip = 0
-            if id(manager) in bound and rid in residency._row_of:
-                skip = int(t.num_pages[residency._row_of[rid]])
+            if id(manager) in bound and rid in residency.book.row_of:
+                skip = int(t.num_pages[residency.book.row_of[rid]])
             expected.update(b.block_id for b in blocks[skip:] if not b.is_null)
     # Async scheduling: blocks of freed requests wait for the in-flight step (vLLM's
     # deferred frees) before they return to the pool.
@@ -199,7 +199,7 @@ class FaultDriver:
             max_num_batched_tokens=256, max_num_seqs=12)
         self.residency = self.h.residency
         self.residency.num_workers = scenario.num_workers  # what a TP engine's world size gives
-        assert self.residency.host_prefix_cache
+        assert self.residency.host_prefix.enabled
         self.aborted: set[str] = set()
         self._num_added = 0
         self._hog: list = []  # device blocks the driver holds (device pool exhaustion)
@@ -211,8 +211,8 @@ class FaultDriver:
         """Count back-pressure, failed allocations and host-prefix hits; check the block
         tables right after each command is applied to them."""
         residency, faults, h = self.residency, self.figures.faults, self.h
-        matched, pending, adopt = (residency.get_num_new_matched_tokens,
-                                   residency.has_pending_block_frees, residency._adopt_host_prefix)
+        matched, pending, adopt = (residency.admission.host_answer,
+                                   residency.has_pending_block_frees, residency.host_prefix.adopt)
         connector = h.connector
         build = connector.build_connector_meta
 
@@ -234,9 +234,9 @@ class FaultDriver:
             check_tables(h)
             return meta
 
-        residency.get_num_new_matched_tokens = counted_matched
+        residency.admission.host_answer = counted_matched
         residency.has_pending_block_frees = counted_pending
-        residency._adopt_host_prefix = counted_adopt
+        residency.host_prefix.adopt = counted_adopt
         connector.build_connector_meta = checked_build
 
     # ------------------------------------------------------------------ workload
@@ -265,7 +265,7 @@ class FaultDriver:
             return
         policy = self.residency.policy
         busy_rows = {int(r) for txn in policy.open_transfers() for r in np.asarray(txn.rows).tolist()}
-        busy = [r for r in live if self.residency._row_of.get(r.request_id) in busy_rows]
+        busy = [r for r in live if self.residency.book.row_of.get(r.request_id) in busy_rows]
         victim = self.rng.choice(busy or live)
         self.figures.faults["abort_mid_transfer" if busy else "abort"] += 1
         self.aborted.add(victim.request_id)
@@ -469,7 +469,7 @@ def test_the_checks_catch_planted_corruption(small_topk_model_dir):
         check_block_pool(h)
     pool.free_blocks([spare])
     check_block_pool(h)
-    manager = driver.residency._managers[1]
+    manager = driver.residency.managers[1]
     rid, table = next(iter(manager.req_to_blocks.items()))
     table[0], real = spare, table[0]  # a block table that disagrees with the policy
     with pytest.raises(Violation, match="page 0: policy bundle"):

@@ -52,7 +52,7 @@ def test_a_prefix_published_on_the_host_is_loaded_into_vllms_blocks(dsa_model_di
     included, into the blocks vLLM allocated for B."""
     h = _harness(dsa_model_dir, async_scheduling=async_scheduling)
     residency = h.residency
-    assert residency.host_prefix_cache
+    assert residency.host_prefix.enabled
     prompt = [(i * 37) % 900 + 10 for i in range(10 * BS)]
     h.add_request(len(prompt), 3, prompt_token_ids=prompt)
     h.run_to_completion()
@@ -66,11 +66,11 @@ def test_a_prefix_published_on_the_host_is_loaded_into_vllms_blocks(dsa_model_di
     meta = _metadata(out)
     (load,) = [t for t in meta.command.transfers if t.kind == TransferKind.RESTORE]
     assert not load.after_forward
-    sparse_tables = [m.req_to_blocks[b.request_id] for m in residency._managers]
+    sparse_tables = [m.req_to_blocks[b.request_id] for m in residency.managers]
     assert load.device_blocks == [blk.block_id for blk in sparse_tables[0][:10]]
     idx = meta.indexer_pages[load.transfer_id]
     assert not idx.to_host and idx.host_blocks == load.host_blocks
-    idx_tables = [m.req_to_blocks[b.request_id] for m in residency._indexer_managers]
+    idx_tables = [m.req_to_blocks[b.request_id] for m in residency.indexer_managers]
     assert idx.device_blocks == [[blk.block_id for blk in t[:10]] for t in idx_tables]
     for lead in load.device_blocks:  # bundles name every sparse group's block of each page
         assert meta.bundles[lead] == [t[load.device_blocks.index(lead)].block_id
@@ -100,7 +100,7 @@ def test_a_failed_prefix_load_fails_that_request_alone(dsa_model_dir, async_sche
     h = _harness(dsa_model_dir, async_scheduling=async_scheduling, worker=worker,
                  max_num_batched_tokens=128)
     h.residency.num_workers = num_workers
-    assert len(h.kv_cache_config.kv_cache_groups) > 2 and h.residency.indexer_group_ids
+    assert len(h.kv_cache_config.kv_cache_groups) > 2 and h.residency.geometry.indexer_group_ids
     prompt = [(i * 29) % 900 + 10 for i in range(6 * BS)]
     h.add_request(len(prompt), 2, prompt_token_ids=prompt)
     h.run_to_completion()
@@ -175,7 +175,7 @@ def test_preempted_requests_resume_from_the_host(dsa_model_dir):
 
 def test_hits_are_off_when_vllm_would_rewind_instead_of_failing(dsa_model_dir):
     h = _harness(dsa_model_dir, load_failure_policy="recompute")
-    assert not h.residency.host_prefix_cache
+    assert not h.residency.host_prefix.enabled
     prompt = [(i * 5) % 900 + 10 for i in range(4 * BS)]
     h.add_request(len(prompt), 1, prompt_token_ids=prompt)
     h.run_to_completion()

@@ -191,7 +191,7 @@ def test_indexer_suffix_restored_through_offloading(small_topk_model_dir, in_sto
     b = harness.add_request(0, 4, prompt_token_ids=tokens[: PROMPT_PAGES * BS] + prompt_tokens(2, 20))
     seen = first_start(harness, b)
     harness.step()  # admission: vLLM allocates; a load parks B in WAITING_FOR_REMOTE_KVS
-    assert b.request_id not in harness.residency._host_hits  # we left it to Offloading
+    assert not harness.residency.host_prefix.has_hit(b.request_id)  # we left it to Offloading
     loads = [job for m in harness.worker.offload_metadata for job in m.load_jobs.values()][loads_before:]
     if in_store:
         assert [job.req_id for job in loads] == [b.request_id]

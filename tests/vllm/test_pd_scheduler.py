@@ -53,11 +53,11 @@ def finish(harness, max_steps=200):
     harness.drain()
     release_hog(harness)
     harness.assert_no_leaks()
-    assert not harness.residency._pd_leases and not harness.residency._pd_importing
+    assert not harness.residency.landings._leases and not harness.residency.landings._importing
 
 
 def sparse_tables(harness, rid):
-    return [[b.block_id for b in m.req_to_blocks[rid]] for m in harness.residency._managers]
+    return [[b.block_id for b in m.req_to_blocks[rid]] for m in harness.residency.managers]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -68,7 +68,7 @@ def test_resident_landing_when_the_prefix_fits(small_topk_model_dir, async_sched
     rid = request.request_id
     harness.step()
     role = harness.residency
-    assert role.num_pd_landings == {Landing.RESIDENT: 1, Landing.HOST: 0}
+    assert role.landings.num_pd_landings == {Landing.RESIDENT: 1, Landing.HOST: 0}
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     harness.step()
     # Our workers read every page into the blocks vLLM allocated in every group.
@@ -99,7 +99,7 @@ def test_host_landing_when_the_prefix_does_not_fit(small_topk_model_dir, async_s
     rid = request.request_id
     harness.step()
     role, policy = harness.residency, harness.residency.policy
-    assert role.num_pd_landings == {Landing.RESIDENT: 0, Landing.HOST: 1}
+    assert role.landings.num_pd_landings == {Landing.RESIDENT: 0, Landing.HOST: 1}
     assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert request.kv_transfer_params["do_remote_prefill"] is False  # loaded here, once
     # vLLM allocated the indexer pages and the sparse tail only: the rest is the null block.
@@ -112,7 +112,7 @@ def test_host_landing_when_the_prefix_does_not_fit(small_topk_model_dir, async_s
     assert order.num_tokens == PROMPT - 1  # vLLM recomputes the last prompt token
     assert order.host_blocks == policy.tables.host_block[row, :16].tolist()
     assert order.device_blocks == [[t[p] for t in tables] for p in (14, 15)]
-    indexer = role._indexer_managers[0].req_to_blocks[rid]
+    indexer = role.indexer_managers[0].req_to_blocks[rid]
     assert order.indexer_blocks == [[b.block_id for b in indexer[:16]]]
     assert policy.status(rid).name == "IMPORTING" and len(policy.hot_block_ids(rid)) == 4
     for _ in range(4):
@@ -132,7 +132,7 @@ def test_a_failed_import_fails_that_request_alone(small_topk_model_dir, async_sc
     worker.fail_loads.add(bad.request_id)
     finish(harness)
     landing = Landing.HOST if free else Landing.RESIDENT
-    assert harness.residency.num_pd_landings[landing] == 1
+    assert harness.residency.landings.num_pd_landings[landing] == 1
     assert bad.status == RequestStatus.FINISHED_ERROR and not bad.output_token_ids
     assert local.status == RequestStatus.FINISHED_LENGTH_CAPPED and len(local.output_token_ids) == 20
     assert harness.residency.num_preemptions == 0
@@ -187,7 +187,7 @@ def test_leases_are_renewed_while_waiting_and_loading(small_topk_model_dir):
     harness, worker = build(small_topk_model_dir, free=20)
     role = harness.residency
     now = [0.0]
-    role._pd_clock = lambda: now[0]
+    role.landings._clock = lambda: now[0]
     request = add_pd_request(harness, PROMPT, 8)
     for _ in range(3):  # waits for room: one renewal, then none until 5 s passed
         harness.step()
@@ -232,8 +232,8 @@ def test_a_child_reads_the_composing_config(small_topk_model_dir):
     which turns host-prefix hits off under 'recompute'."""
     harness, _ = build(small_topk_model_dir, compose="first", failure_policy="recompute")
     role = harness.residency
-    assert role.pd.enabled
-    assert role._load_failure_policy == "recompute" and not role.host_prefix_cache
+    assert role.landings.composition.enabled
+    assert role.geometry.load_failure_policy == "recompute" and not role.host_prefix.enabled
 
 
 def _bad_params(harness, prompt_len, **change):
@@ -279,8 +279,8 @@ def test_refused_requests_fail_alone(small_topk_model_dir, async_scheduling, cap
     # Leases renewed only for params valid at arrival (the coverage one until its offer).
     assert not worker.releases
     assert {rid for h in worker.heartbeats for rid in h.request_ids} <= {f"p-{good.request_id}", "p-req"}
-    assert role.num_pd_landings == {Landing.RESIDENT: 1, Landing.HOST: 0}
-    assert not role._pd_refused and not role._pd_settled and not role._pd_offers
+    assert role.landings.num_pd_landings == {Landing.RESIDENT: 1, Landing.HOST: 0}
+    assert not role.landings._refused and not role.landings._settled and not role.landings._offers
 
 
 def test_a_refused_request_is_recomputed_under_recompute(small_topk_model_dir, caplog):

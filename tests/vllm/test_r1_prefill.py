@@ -39,7 +39,7 @@ class R1Monitor:
         # The attributes WorkerRole's R1 methods read.
         self.role = SimpleNamespace(
             lanes=[SimpleNamespace(executor=executor)],
-            config=SimpleNamespace(max_decode_query_len=residency.max_decode_query_len),
+            config=SimpleNamespace(max_decode_query_len=residency.geometry.max_decode_query_len),
             _tracked={}, _row_request={})
         self.executor = executor
         self.prefill_checks = 0
@@ -134,7 +134,7 @@ def test_the_r1_monitor_is_not_vacuous(small_topk_model_dir):
     prompt_len, max_tokens = w["prompt_len"], w["max_tokens"]
     harness = build(small_topk_model_dir, max_num_batched_tokens=w["chunk"], num_blocks=w["num_blocks"])
     monitor = R1Monitor(harness)
-    harness.residency._is_prefilling = lambda request: False
+    harness.residency.book.is_prefilling = lambda request: False
     monitor.on_command_real = monitor.on_command
 
     def without_policy_side_check(cmd, scheduler_output, prefilling):

@@ -62,7 +62,7 @@ def test_connector_is_constructed_by_the_real_scheduler(dsa_model_dir):
         num_blocks=NUM_BLOCKS * 5, max_model_len=2048,
     )
     managers = harness.scheduler.kv_cache_manager.coordinator.single_type_managers
-    sparse = harness.residency.sparse_group_ids
+    sparse = harness.residency.geometry.sparse_group_ids
     assert sparse == (0, 1, 2, 3)
     assert all(isinstance(managers[i], ResidencyAwareManager) for i in sparse)
     assert all(managers[i].residency_bound for i in sparse)

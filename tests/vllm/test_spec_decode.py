@@ -49,7 +49,7 @@ def check_starts(harness):
         meta = real(scheduler_output)
         t = residency.policy.tables
         for rid, n in scheduler_output.num_scheduled_tokens.items():
-            row = residency._row_of[rid]
+            row = residency.book.row_of[rid]
             assert int(t.num_tokens[row]) == harness.requests[rid].num_computed_tokens + n, rid
         return meta
 
@@ -122,7 +122,7 @@ def test_large_k_with_small_blocks(small_topk_model_dir, k, block_size):
 def test_without_the_rollback_the_policy_keeps_rejected_rows(small_topk_model_dir, monkeypatch):
     """The check above can fail: with the rollback switched off the policy's length runs
     ahead of vLLM's verified one (and rejected rows would count as mirrored)."""
-    monkeypatch.setattr(DraftRollback, "_roll_back_rejected", lambda self: None)
+    monkeypatch.setattr(DraftRollback, "roll_back_rejected", lambda self: None)
     harness = build(small_topk_model_dir, k=3)
     harness.accept = lambda request, n: 0
     with pytest.raises(AssertionError):
@@ -154,7 +154,7 @@ def test_draft_layers_stay_resident(small_topk_model_dir):
     run_checked(harness, count=8, prompt_len=1024, max_tokens=256)
     assert nulls["sparse"] > 0 and nulls["draft"] == 0
     # The host tier does not hold the draft layers' pages: no host-prefix hits.
-    assert not harness.residency.host_prefix_cache
+    assert not harness.residency.host_prefix.enabled
 
 
 def test_device_buffer_default_follows_the_spec_config(small_topk_model_dir):

@@ -12,18 +12,22 @@ role votes them per (transfer, worker) with the one vote of the package
   with :class:`~vllm_hisparse.core.ack_vote.WorkerSilentError` naming the silent workers
   (docs/core.md, "Failure semantics").
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`.
+The role applies the voted acks (after the host-prefix service settled the identities
+riding with them); :class:`AckIntake` owns the vote, the step count and the duplicate log.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 from vllm_hisparse.core.ack_vote import AckVote, WorkerSilentError
-from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
+from vllm_hisparse.core.commands import StepCommand, WorkerAcks
 from vllm_hisparse.vllm.metadata import HiSparseWorkerMetadata
+from vllm_hisparse.vllm.metrics import HiSparseConnectorStats
+from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -32,41 +36,20 @@ DUPLICATE_LOG_EVERY_S = 60.0
 
 
 class AckIntake:
-    """Worker acks → policy (module docstring)."""
+    """Worker acks, voted per (transfer, worker rank) (module docstring).
 
-    def update_connector_output(self, connector_output: Any) -> None:
-        """Apply the workers' transfer acks, voted per (transfer, worker rank)
-        (``core.ack_vote``: completed once every worker completed it, failed once every
-        worker reported it and one failed; duplicates are counted and dropped)."""
-        # Rejected drafts first: the acks below may complete their rows' mirror.
-        self._roll_back_rejected()
-        meta = connector_output.kv_connector_worker_meta
-        if meta is None:
-            return
-        if not isinstance(meta, HiSparseWorkerMetadata):
-            raise TypeError(
-                f"{CONNECTOR_NAME}: expected HiSparseWorkerMetadata from the workers, got {type(meta).__name__}"
-            )
-        # Before the acks that make pages clean (a clean page with an identity is
-        # published): a worker that failed to save indexer pages reports it no later
-        # than its own completion of the mirror.
-        for tid in meta.failed_indexer_saves:
-            self._revoke_identities(tid)
-        if meta.hot_counts:  # adaptive hot regions: sized in the next build_step
-            self._require_policy().observe_hot_counts(meta.hot_counts)
-        acks = self._vote.vote(meta.reports())
-        self._note_duplicates()
-        if acks.is_empty():
-            return
-        policy = self._require_policy()
-        if self._identity_pending:
-            for tid in acks.failed:  # the pages may become clean later, by a spill
-                self._revoke_identities(tid)
-            for tid in acks.completed:
-                entries = self._identity_pending.pop(tid, None)
-                if entries:
-                    self._give_late_identities(entries)
-        policy.apply_acks(acks)
+    Verbs: :meth:`issue` (a step's command was built), :meth:`worker_meta` (the workers'
+    reports in a step's output), :meth:`vote`, :meth:`check_deadline`.
+    """
+
+    def __init__(self, num_workers: int, ack_deadline_s: float, stats: HiSparseConnectorStats) -> None:
+        # A transfer without every worker's final ack for ack_deadline_s stops the engine.
+        self._vote = AckVote(num_workers, "worker")
+        self.ack_deadline_s = ack_deadline_s
+        self.stats = stats
+        self._num_steps = 0
+        self._duplicates_seen = 0
+        self._duplicates_logged_s = -math.inf
 
     @property
     def num_workers(self) -> int:
@@ -79,13 +62,48 @@ class AckIntake:
             raise RuntimeError(f"{CONNECTOR_NAME}: num_workers changed with transfers open")
         self._vote = AckVote(value, "worker")
 
+    @property
+    def num_open(self) -> int:
+        """Transfers issued and not decided yet."""
+        return self._vote.num_open
+
+    @property
+    def num_duplicates_seen(self) -> int:
+        return self._duplicates_seen
+
+    def issue(self, command: StepCommand) -> None:
+        """A step's command was built: its transfers wait for every worker's ack."""
+        self._num_steps += 1
+        if command.transfers:
+            self._vote.expect((t.transfer_id for t in command.transfers), self._num_steps,
+                              time.monotonic())
+
+    def worker_meta(self, connector_output: Any) -> HiSparseWorkerMetadata | None:
+        """The workers' reports in a step's output (None without any)."""
+        meta = connector_output.kv_connector_worker_meta
+        if meta is None:
+            return None
+        if not isinstance(meta, HiSparseWorkerMetadata):
+            raise TypeError(
+                f"{CONNECTOR_NAME}: expected HiSparseWorkerMetadata from the workers, got {type(meta).__name__}"
+            )
+        return meta
+
+    def vote(self, meta: HiSparseWorkerMetadata) -> WorkerAcks:
+        """The transfers decided by these reports (``core.ack_vote``: completed once every
+        worker completed it, failed once every worker reported it and one failed;
+        duplicates are counted and dropped)."""
+        acks = self._vote.vote(meta.reports())
+        self._note_duplicates()
+        return acks
+
     def _note_duplicates(self) -> None:
         """Count duplicate acks in the stats; log them at most once a minute."""
         new = self._vote.num_duplicates - self._duplicates_seen
         if not new:
             return
         self._duplicates_seen += new
-        self._stats.add("num_duplicate_acks", new)
+        self.stats.add("num_duplicate_acks", new)
         now = time.monotonic()
         if now - self._duplicates_logged_s >= DUPLICATE_LOG_EVERY_S:
             self._duplicates_logged_s = now
@@ -93,7 +111,7 @@ class AckIntake:
                            "idempotent, a worker repeats reports", CONNECTOR_NAME, new,
                            self._duplicates_seen)
 
-    def check_ack_deadline(self) -> None:
+    def check_deadline(self) -> None:
         """Raise :class:`WorkerSilentError` if a transfer has waited longer than
         ``ack_deadline_s`` for some worker's final ack (docs/core.md, "Failure
         semantics": its copy may still be in flight, so its blocks cannot be reused).

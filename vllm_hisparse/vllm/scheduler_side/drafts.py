@@ -20,39 +20,48 @@ not known when its command is built (``engine_checks.check_runner_and_scheduling
 combination). Cost: nothing without speculative tokens; otherwise one pass over the
 step's scheduled requests (reading ``num_computed_tokens``) and a vectorised rollback.
 
-A mixin of :class:`~vllm_hisparse.vllm.scheduler_side.role.SchedulerRole`.
+The role tells :class:`DraftRollback` each step it built (:meth:`~DraftRollback.remember`)
+and asks it to roll back before the next step's acks (:meth:`~DraftRollback.roll_back_rejected`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from vllm_hisparse.core.policy import ResidencyPolicy
+from vllm_hisparse.vllm.scheduler_side.request_book import RequestBook
 
 
 class DraftRollback:
     """Rejected draft positions → ``ResidencyPolicy.roll_back`` (module docstring)."""
 
-    _spec_step: tuple[tuple, np.ndarray, np.ndarray] | None = None
+    def __init__(self, book: RequestBook, max_decode_query_len: int) -> None:
+        self.book = book
+        self.max_decode_query_len = max_decode_query_len
+        self._policy: ResidencyPolicy | None = None
+        # The last built step: its requests, state rows and their incarnations.
+        self._step: tuple[tuple, np.ndarray, np.ndarray] | None = None
 
-    def _remember_spec_step(self, keys: tuple, rows: np.ndarray) -> None:
-        """The step just built: its requests, state rows and their incarnations."""
+    def bind(self, policy: ResidencyPolicy) -> None:
+        self._policy = policy
+
+    def remember(self, keys: tuple, rows: np.ndarray) -> None:
+        """The step just built (nothing to remember without speculative tokens)."""
         if self.max_decode_query_len > 1 and keys:
-            self._spec_step = (keys, rows.copy(), self.policy.tables.serial[rows].copy())
+            self._step = (keys, rows.copy(), self._policy.serials_at(rows))
 
-    def _roll_back_rejected(self) -> None:
+    def roll_back_rejected(self) -> None:
         """Roll the last built step's requests back to vLLM's ``num_computed_tokens``
         (once per step; requests that ended or restarted since are skipped)."""
-        step, self._spec_step = self._spec_step, None
+        step, self._step = self._step, None
         if step is None:
             return
         keys, rows, serials = step
-        requests: dict[str, Any] = self._requests
+        requests = self.book.requests
         computed = np.fromiter(
             (requests[k].num_computed_tokens if k in requests else -1 for k in keys),
             dtype=np.int64, count=len(keys))
-        policy = self._require_policy()
-        t = policy.tables
-        cut = (t.serial[rows] == serials) & (computed >= 0) & (computed < t.num_tokens[rows])
+        policy = self._policy
+        cut = (policy.serials_at(rows) == serials) & (computed >= 0) & (computed < policy.num_tokens_at(rows))
         if np.count_nonzero(cut):
             policy.roll_back(rows[cut], computed[cut])

@@ -24,7 +24,7 @@ prefix the other groups lost): when a connector loads the pages past the shared 
 sparse groups get their cached blocks back for the pages still on the device instead of
 fresh ones. This is what makes ``OffloadingConnector`` correct next to us (it loads only
 the indexer groups, up to the sparse groups' own hit), and it lets our host-prefix loads
-skip the sparse-MLA pages still cached (``host_prefix_cache``). vLLM trims the kept blocks
+skip the sparse-MLA pages still cached (``HostPrefixService``). vLLM trims the kept blocks
 to the loaded range at allocation, so with nothing loaded it changes nothing.
 
 Unbound (connector not configured, or not bound yet) the manager is exactly a
