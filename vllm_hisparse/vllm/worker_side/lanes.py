@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from vllm_hisparse.core.commands import StepCommand, TransferKind
+from vllm_hisparse.core.commands import StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
 from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency, StepView
@@ -195,6 +195,24 @@ class Lane:
                 patches.LAYER_FORWARD_CONTEXT.install(forward_context[self.layer_names[i]].impl)
             bound += 1
         return bound
+
+    def before_forward(self, cmd: StepCommand, bundles: Mapping[int, Sequence[int]],
+                       num_lanes: int) -> None:
+        """Apply this lane's share of the step's command (tables, leases, pre-forward
+        transfers, fence)."""
+        self.executor.before_forward(self.command(cmd, bundles, num_lanes))
+
+    def after_forward(self) -> None:
+        """Launch the post-forward spills and mirrors."""
+        self.executor.after_forward()
+
+    def acks(self) -> WorkerAcks:
+        """This lane's transfer acks since the last call."""
+        return self.executor.acks()
+
+    def drain(self) -> None:
+        """Wait for every transfer of this lane."""
+        self.engine.wait_all()
 
     def release_layers(self) -> None:
         """Drop the lane's and its bindings' references to the KV and host tensors (at

@@ -291,7 +291,7 @@ class WorkerRole:
         self._check_rows(cmd)
         self._vote.expect(t.transfer_id for t in cmd.transfers)
         for lane in self.lanes:
-            lane.executor.before_forward(lane.command(cmd, self._bundles, len(self.lanes)))
+            lane.before_forward(cmd, self._bundles, len(self.lanes))
         if self.pd_reads is not None:  # P/D imports and prefill lease renewals
             self.pd_reads.submit(metadata)
         else:
@@ -318,7 +318,7 @@ class WorkerRole:
             return  # no forward this step (vLLM may call it on idle steps)
         self.prefix_loads.after_forward()  # indexer page saves, ahead of the mirrors
         for lane in self.lanes:
-            lane.executor.after_forward()
+            lane.after_forward()
         self.step_view.end()
         if self._scores is not None:
             self._scores.drop()
@@ -360,7 +360,7 @@ class WorkerRole:
 
     def _poll_acks(self) -> None:
         """Merge the lanes' acks into the pending report; decide host-prefix loads."""
-        acks = self._vote.vote([(i, lane.executor.acks()) for i, lane in enumerate(self.lanes)])
+        acks = self._vote.vote([(i, lane.acks()) for i, lane in enumerate(self.lanes)])
         if acks.is_empty():
             return
         self._stats.add(failed_transfers=len(acks.failed))
@@ -403,7 +403,7 @@ class WorkerRole:
             return
         self._closed = True
         for lane in self.lanes:
-            lane.engine.wait_all()
+            lane.drain()
         for lane in self.lanes:
             lane.release_layers()
         if self.trace is not None:
