@@ -109,7 +109,6 @@ class WorkerRole:
         self.kv_cache_config = kv_cache_config
         self.block_size = hisparse_config.block_size
         self.sparse_group_ids = sparse_group_ids(kv_cache_config)
-        self.indexer_group_ids = indexer_group_ids(kv_cache_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.max_pages = cdiv(self.max_model_len, self.block_size)
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -119,6 +118,7 @@ class WorkerRole:
         pc = vllm_config.parallel_config
         self.worker_rank = int(pc.rank) % max(1, int(pc.world_size))
         self.writes_host = True  # False on TP ranks that map another rank's shared host pool
+        self.indexer_group_ids = indexer_group_ids(kv_cache_config)
         self._fail_transfer = fail_transfer
         self._huge_pages = huge_pages
         # The indexer's decode scores, with score-aware eviction (vllm/worker_side/score_tap.py).
