@@ -30,6 +30,7 @@ from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency, StepVi
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.worker import HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
+from vllm_hisparse.worker.hot_counts import RowHotCounts
 from vllm_hisparse.worker.page_tables import PageTables
 
 #: ``(leader layer name, its unit's HotState) -> record callback``: the trace's recorder
@@ -196,6 +197,18 @@ class Lane:
             bound += 1
         return bound
 
+    def poll_errors(self) -> None:
+        """Raise an error a resolve of this device recorded (``HotState.poll_errors``: the
+        record is per device, so one hot state answers for all)."""
+        self.hot_states[0].poll_errors()
+
+    def count_row_misses(self, num_state_rows: int) -> RowHotCounts:
+        """Count misses per state row in this lane's first index unit and return the
+        counts (one index group samples a request's miss rate)."""
+        first = self.hot_states[0]
+        first.row_counts = RowHotCounts(num_state_rows, first.device)
+        return first.row_counts
+
     def before_forward(self, cmd: StepCommand, bundles: Mapping[int, Sequence[int]],
                        num_lanes: int) -> None:
         """Apply this lane's share of the step's command (tables, leases, pre-forward
@@ -209,6 +222,11 @@ class Lane:
     def acks(self) -> WorkerAcks:
         """This lane's transfer acks since the last call."""
         return self.executor.acks()
+
+    @property
+    def bytes_moved(self) -> tuple[int, int]:
+        """Bytes this lane's transfers copied so far: ``(to host, to device)``."""
+        return self.executor.bytes_to_host, self.executor.bytes_to_device
 
     def drain(self) -> None:
         """Wait for every transfer of this lane."""

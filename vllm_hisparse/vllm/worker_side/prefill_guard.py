@@ -45,7 +45,7 @@ class PrefillGuard:
         self.rewrite_block_tables(metadata_by_layer, prefill)
 
     def tracked_prefills(self, request_ids: Sequence[str], batch_rows: Sequence[int],
-                          scheduler_output: Any) -> list[tuple[str, int, int]]:
+                         scheduler_output: Any) -> list[tuple[str, int, int]]:
         """``(request id, batch row, state row)`` of tracked requests with prefill tokens.
 
         Without a scheduler output the token counts are unknown: every tracked request is
@@ -75,7 +75,7 @@ class PrefillGuard:
                     "are scheduled (requirement R1, docs/worker.md)")
 
     def rewrite_block_tables(self, metadata_by_layer: Any,
-                              prefill: list[tuple[str, int, int]]) -> None:
+                             prefill: list[tuple[str, int, int]]) -> None:
         """Point the batch block-table rows of tracked prefill requests at the blocks the
         worker's residency tables name, in every sparse group (vLLM's worker table is
         append-only and misses restores into new blocks)."""

@@ -193,7 +193,8 @@ class IndexGroupResidency:
     The fields are set at construction and stay as they are (:meth:`release_layers` empties
     the layer lists once, at shutdown). The per-step state is the leader's last resolve
     (:class:`LeaderResolve`, replaced by each :meth:`resolve_leader`) and whatever the hot
-    state and the gather hold; the gather executor is built from the fields at construction.
+    state and the gather hold. The gather executor is built from the fields at construction
+    (benchmarks replace it through :meth:`swap_gather`).
 
     Attributes:
         hot_state: the group's residency tables and hot slots.

@@ -236,8 +236,7 @@ class WorkerRole:
         Only the first index group counts: one group samples a request's rate, and counting
         in every group would add several small kernels to each sparse layer."""
         if self._hot_counts is None:
-            first = self.lanes[0].hot_states[0]
-            self._hot_counts = first.row_counts = RowHotCounts(self.num_state_rows, first.device)
+            self._hot_counts = self.lanes[0].count_row_misses(self.num_state_rows)
         return self._hot_counts
 
     def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:
@@ -280,7 +279,7 @@ class WorkerRole:
                                "wait_for_save in between")
         # A resolve replayed in a CUDA graph never returns to its op wrapper, which raises
         # recorded errors at its next call: poll the record here (pinned memory, no sync).
-        self.lanes[0].hot_states[0].poll_errors()
+        self.lanes[0].poll_errors()
         cmd: StepCommand = metadata.command
         if self.trace is not None:
             self.trace.begin_step(cmd.step_id)
@@ -386,8 +385,8 @@ class WorkerRole:
         row_bytes = self.lanes[0].device_layers[0].shape[1]
         unit_layers = np.asarray([len(u) for lane in self.lanes for u in lane.units],
                                  dtype=np.int64)
-        to_host = sum(l.executor.bytes_to_host for l in self.lanes)
-        to_device = sum(l.executor.bytes_to_device for l in self.lanes)
+        to_host = sum(l.bytes_moved[0] for l in self.lanes)
+        to_device = sum(l.bytes_moved[1] for l in self.lanes)
         self._stats.add(resident=int(delta[:, 0].sum()), hot_hits=int(delta[:, 1].sum()),
                         misses=int(delta[:, 2].sum()),
                         bytes_to_host=to_host - self._reported_bytes[0],
