@@ -166,7 +166,7 @@ class PDEngine:
 
     @property
     def importer(self):
-        return self.role.importer
+        return self.role.pd_reads.importer
 
     def layers(self) -> list[tuple[str, int, int]]:
         """``(name, row bytes, synthetic layer id)`` of every layer a prefill holds."""

@@ -227,12 +227,12 @@ def planned_for(model_dir):
 
 
 def _page_views(role):
-    return [v for group in role.indexer_pages.groups for v in group]
+    return [v for group in role.prefix_loads.indexer_pages.groups for v in group]
 
 
 def test_worker_saves_indexer_pages_before_the_mirror_and_loads_them_back(role_rig):
     role, kv, _ = role_rig
-    store = role.indexer_pages
+    store = role.prefix_loads.indexer_pages
     assert store is not None and store.num_layers == len(_page_views(role))
     ngroups = len(store.groups)
     bundles = {5: [5] * len(role.lanes)}
@@ -266,7 +266,7 @@ def test_worker_saves_indexer_pages_before_the_mirror_and_loads_them_back(role_r
 
 def test_worker_reports_a_failed_prefix_load_to_vllm(role_rig):
     role, _, failing = role_rig
-    ngroups = len(role.indexer_pages.groups)
+    ngroups = len(role.prefix_loads.indexer_pages.groups)
     failing.add(7)
     cmd = StepCommand(step_id=0, transfers=[
         TransferSpec(transfer_id=7, kind=int(TransferKind.RESTORE), after_forward=False,
@@ -290,10 +290,10 @@ def test_worker_reports_a_failed_indexer_save(role_rig, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(role.indexer_pages, "save", broken)
+    monkeypatch.setattr(role.prefix_loads.indexer_pages, "save", broken)
     cmd = StepCommand(step_id=0, transfers=[
         TransferSpec(transfer_id=4, kind=int(TransferKind.MIRROR), after_forward=True)])
-    ngroups = len(role.indexer_pages.groups)
+    ngroups = len(role.prefix_loads.indexer_pages.groups)
     role.start_load_kv(HiSparseConnectorMetadata(
         command=cmd, indexer_pages={4: IndexerPages([[1]] * ngroups, [1], to_host=True)}))
     role.wait_for_save()
@@ -303,7 +303,7 @@ def test_worker_reports_a_failed_indexer_save(role_rig, monkeypatch):
 
 def test_indexer_pages_for_an_unknown_restore_are_refused(role_rig):
     role, _, _ = role_rig
-    ngroups = len(role.indexer_pages.groups)
+    ngroups = len(role.prefix_loads.indexer_pages.groups)
     with pytest.raises(ValueError, match="not one of its RESTOREs"):
         role.start_load_kv(HiSparseConnectorMetadata(
             command=StepCommand(step_id=0),

@@ -124,7 +124,7 @@ def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, pref
     assert rig.run_import(order)
     assert _check_bytes(rig, order) > 0
     assert prefill.notifications(expect=1) == ["p-imp:1"]  # the prefill may free its blocks
-    assert rig.role.importer.num_pages_staged == len(order.host_blocks)
+    assert rig.role.pd_reads.importer.num_pages_staged == len(order.host_blocks)
     assert rig.policy.finish_import("imp", success=True) == Outcome.OK
     assert rig.policy.residency("imp") == Residency.NONE
     rig.step({"imp": 1})  # the recomputed last prompt token
@@ -134,7 +134,7 @@ def test_host_landing_reads_every_byte_then_decodes_from_the_host_tier(rig, pref
     rig.policy.finish("imp")
     rig.drain()
     assert rig.policy.is_idle() and (rig.policy.host_pool.ref_counts == 0).all()
-    assert sorted(rig.role.importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
+    assert sorted(rig.role.pd_reads.importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
 
 
 def test_host_landing_into_a_layer_major_pool_reads_every_byte(model_dir):  # noqa: F811
@@ -169,11 +169,11 @@ def test_resident_landing_reads_every_page_into_vllms_blocks(rig, prefill):
                         device_blocks=[rig.bundles[rig.lead(b)] for b in leads],
                         indexer_blocks=[[first_free + 3 * p + 1 for p in range(pages)]
                                         for _ in rig.role.indexer_group_ids])
-    staged = rig.role.importer.num_pages_staged
+    staged = rig.role.pd_reads.importer.num_pages_staged
     rig.serial["res"] = 1  # the prefill holds request 1's KV
     assert rig.run_import(order)
     _check_bytes(rig, order)
-    assert rig.role.importer.num_pages_staged == staged
+    assert rig.role.pd_reads.importer.num_pages_staged == staged
     assert prefill.notifications(expect=1) == ["p-res:1"]
     rig.policy.device_pool.free_blocks(leads)
     rig.policy.abort("res")
@@ -215,7 +215,7 @@ def _end_good(rig: PDRig, order: ImportOrder) -> None:
 def _check_whole(rig: PDRig) -> None:
     """Nothing of any import left: the importer's tables, NIXL transfers, staging slots,
     the policy's host pool and device pool."""
-    importer = rig.role.importer
+    importer = rig.role.pd_reads.importer
     assert not importer._imports and not importer._spills and not importer.prefills.handshakes
     assert importer.transport.num_open_transfers == 0
     assert sorted(importer._free_slots) == list(range(worker_import.IMPORT_STAGING_PAGES))
@@ -224,7 +224,7 @@ def _check_whole(rig: PDRig) -> None:
 
 
 def test_unreachable_prefill_fails_the_request(rig, prefill, monkeypatch):
-    monkeypatch.setattr(rig.role.importer, "handshake_timeout_s", 0.5)
+    monkeypatch.setattr(rig.role.pd_reads.importer, "handshake_timeout_s", 0.5)
     order = rig.begin("lost", prefill)
     order.remote = RemotePrefill(prefill.engine_id, "p-lost", "127.0.0.1", prefill.port + 1, 1,
                                  order.remote.block_ids)  # nobody listens there
@@ -242,7 +242,7 @@ def test_a_foreign_engine_fails_the_request(rig, prefill):
 def test_the_deadline_fails_an_import_whose_reads_are_in_flight(rig, prefill, monkeypatch):
     """The clock jumps past the deadline as soon as the reads are posted: the request is
     reported failed only once no read of it is in flight, and the prefill is told."""
-    importer = rig.role.importer
+    importer = rig.role.pd_reads.importer
     monkeypatch.setattr(importer, "_clock", lambda: 1e9 if any(
         i.started for i in importer._imports.values()) else 0.0)
     order = rig.begin("late", prefill)
@@ -269,7 +269,7 @@ def test_a_prefill_lost_in_the_middle_of_the_staging(model_dir, monkeypatch):  #
         rig.role.start_load_kv(HiSparseConnectorMetadata(command=cmd, bundles=rig.bundles,
                                                          imports=[order]))
         rig.role.wait_for_save()
-        importer = rig.role.importer
+        importer = rig.role.pd_reads.importer
         deadline = time.monotonic() + 60
         while importer.num_pages_staged < 2 and time.monotonic() < deadline:
             rig.role.get_transfer_results()
@@ -363,7 +363,7 @@ def test_any_nixl_error_fails_that_import_alone(rig, prefill, monkeypatch, metho
     """Prepare, post or check raising (NIXL's own exception types or any other) at the
     first or a later call: the import is drained, reported failed, leaves nothing; the
     next import of the same prefill reads every byte."""
-    transport = rig.role.importer.transport
+    transport = rig.role.pd_reads.importer.transport
     cls = _nixl_error(error) if error.startswith("nixl") else {"KeyError": KeyError,
                                                                 "OverflowError": OverflowError}[error]
     faulty = _FaultyAgent(transport._agent, method, cls("injected"), after)
@@ -386,7 +386,7 @@ def test_any_nixl_error_fails_that_import_alone(rig, prefill, monkeypatch, metho
 def test_a_release_nixl_refuses_leaves_nothing(rig, prefill, monkeypatch):
     """Releasing a finished read raises: the read is over, so it is dropped all the same;
     the import succeeds with every byte and no NIXL transfer is left open."""
-    transport = rig.role.importer.transport
+    transport = rig.role.pd_reads.importer.transport
     faulty = _FaultyAgent(transport._agent, "release_xfer_handle", _nixl_error("nixlBackendError")("x"))
     monkeypatch.setattr(transport, "_agent", faulty)
     order = rig.begin("unreleased", prefill)
@@ -430,7 +430,7 @@ def test_a_failed_import_leaves_the_agent_others_read_from(rig, prefill, monkeyp
     again) while another import of the same prefill is in flight: the NIXL agent stays
     loaded until no import reads from it; the other one is exact. (Found by test_pd_fuzz:
     the agent was removed under the other's reads, which then failed.)"""
-    importer = rig.role.importer
+    importer = rig.role.pd_reads.importer
     transport = importer.transport
     holding = _HoldingAgent(transport._agent, importer)
     monkeypatch.setattr(transport, "_agent", holding)

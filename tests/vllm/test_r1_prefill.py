@@ -2,8 +2,8 @@
 
 The worker role refuses a step that schedules more than ``max_decode_query_len`` tokens
 for a residency-managed request while one of its pages that has a host block has no
-device block (``WorkerRole._check_prefill_context``, docs/worker.md). Here the
-worker role's own bookkeeping and check (``_track_residency``, ``_check_prefill_context``)
+device block (``PrefillGuard.check_context``, docs/worker.md). Here the
+worker role's own bookkeeping and check (``TrackedRequests.apply``, ``PrefillGuard.check_context``)
 run on the exact command stream the scheduler role produces, step by step, next to
 vLLM's real scheduler with chunked prefill under pool pressure.
 """
@@ -18,7 +18,8 @@ import pytest
 from tests.vllm.scheduler_harness import SchedulerHarness
 from tests.vllm.test_connector_scheduler import build
 from vllm_hisparse.core.commands import Residency
-from vllm_hisparse.vllm.worker_side.role import WorkerRole
+from vllm_hisparse.vllm.worker_side.prefill_guard import PrefillGuard
+from vllm_hisparse.vllm.worker_side.tracked import TrackedRequests
 
 
 class R1Monitor:
@@ -36,11 +37,10 @@ class R1Monitor:
         shape = (cfg.max_num_rows, cfg.max_pages_per_request)
         executor = SimpleNamespace(residency=np.full(shape, -1, dtype=np.int64),
                                    host_blocks=np.full(shape, -1, dtype=np.int64))
-        # The attributes WorkerRole's R1 methods read.
-        self.role = SimpleNamespace(
-            lanes=[SimpleNamespace(executor=executor)],
-            config=SimpleNamespace(max_decode_query_len=residency.geometry.max_decode_query_len),
-            _tracked={}, _row_request={})
+        # The worker role's R1 parts, over the one executor table they read.
+        self.tracked = TrackedRequests()
+        self.guard = PrefillGuard([SimpleNamespace(executor=executor)],
+                                  residency.geometry.max_decode_query_len)
         self.executor = executor
         self.prefill_checks = 0
         self.prefilling_seen: set[str] = set()
@@ -69,15 +69,15 @@ class R1Monitor:
                                         cmd.page_device_blocks, cmd.page_host_blocks):
             ex.residency[row, page] = dev
             ex.host_blocks[row, page] = host
-        WorkerRole._track_residency(self.role, cmd)
-        # The worker's own selection (_tracked_prefills) and check.
+        self.tracked.apply(cmd)
+        # The worker's own selection (tracked_prefills) and check.
         counts = scheduler_output.num_scheduled_tokens
-        limit = self.role.config.max_decode_query_len
-        prefill = [(rid, i, self.role._tracked[rid]) for i, (rid, n) in enumerate(counts.items())
-                   if n > limit and rid in self.role._tracked]
+        limit = self.guard.max_decode_query_len
+        prefill = [(rid, i, self.tracked[rid]) for i, (rid, n) in enumerate(counts.items())
+                   if n > limit and rid in self.tracked]
         if prefill:
             self.prefill_checks += len(prefill)
-            WorkerRole._check_prefill_context(self.role, cmd.step_id, prefill)
+            self.guard.check_context(cmd.step_id, prefill)
         # R1.a on the policy's side: prefilling requests stay FULL.
         policy = self.harness.residency.policy
         for rid in prefilling:

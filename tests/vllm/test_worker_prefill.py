@@ -251,7 +251,7 @@ def test_prefill_of_previously_mixed_request_reads_its_context(model_dir):  # no
         if rig.policy.residency(target) == Residency.FULL:
             break
     assert rig.policy.residency(target) == Residency.FULL
-    assert target in rig.role._tracked  # still residency-managed
+    assert target in rig.role.tracked  # still residency-managed
     ranges, topk, per_lane_md = rig.step_mixed({**{rid: 1 for rid in live}, target: 100},
                                                modes=("bf16", "common"))
     b = [r[0] for r in ranges].index(target)

@@ -447,7 +447,7 @@ def test_host_backed_step_without_request_ids_is_refused(model_dir):
     """A forward (the step's mirror writes rows) with host-backed requests needs the batch
     order; a façade that drops vLLM's keyword arguments is refused by name."""
     rig = Rig(model_dir, num_blocks=200)
-    rig.role._tracked["x"] = 0
+    rig.role.tracked.track("x", 0)
     from vllm_hisparse.core.commands import StepCommand, TransferKind, TransferSpec
 
     mirror = TransferSpec(transfer_id=1, kind=int(TransferKind.MIRROR), after_forward=True,
@@ -465,7 +465,7 @@ def test_a_step_without_a_forward_needs_no_request_ids(model_dir):
     read (``vllm-hisparse simulate`` stopped on it: 16 requests of 4096 + 512 tokens on
     280 blocks with a small host pool)."""
     rig = Rig(model_dir, num_blocks=200)
-    rig.role._tracked["x"] = 0
+    rig.role.tracked.track("x", 0)
     from vllm_hisparse.core.commands import StepCommand
 
     rig.role.start_load_kv(HiSparseConnectorMetadata(command=StepCommand(step_id=0)))
@@ -477,7 +477,7 @@ def test_prefill_of_host_only_context_is_refused(model_dir):
     """R1: prefill tokens of a request with host-only pages are refused with a clear error
     (a FULL request's prefill beside host-backed decodes is fine: tests/vllm/test_worker_prefill.py)."""
     rig = Rig(model_dir, num_blocks=200)
-    rig.role._tracked["x"] = 0
+    rig.role.tracked.track("x", 0)
     executor = rig.role.lanes[0].executor
     executor.host_blocks[0, :3] = [5, 6, 7]
     executor.residency[0, :3] = [-1, 4, 8]

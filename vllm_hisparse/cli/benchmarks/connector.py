@@ -155,9 +155,7 @@ class StepTimer(StepProbe):
             self._kind = "hybrid" if index % 2 == 0 else "oracle"
             self._stats_before = self._counters()
             if self._kind == "oracle":
-                self._gathers = [b._gather for b in self._run.bindings]
-                for b in self._run.bindings:
-                    b._gather = NoCopyGather()
+                self._gathers = [b.swap_gather(NoCopyGather()) for b in self._run.bindings]
         if torch.cuda.is_available() and self._run.model.device.type == "cuda":
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -193,14 +191,14 @@ class StepTimer(StepProbe):
             timed.miss_bytes = d[3] * self.row_bytes
         if self._kind == "oracle":
             for b, g in zip(self._run.bindings, self._gathers):
-                b._gather = g
+                b.swap_gather(g)
             self._gathers = []
         self.steps.append(timed)
 
     def end_run(self) -> None:
         if self._gathers:  # a failed oracle step: give the bindings their gathers back
             for b, g in zip(self._run.bindings, self._gathers):
-                b._gather = g
+                b.swap_gather(g)
             self._gathers = []
 
 

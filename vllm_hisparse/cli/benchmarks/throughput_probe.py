@@ -263,9 +263,7 @@ class GraphStepProbe(StepProbe):
             work.components = components
         gathers = []
         if oracle:
-            gathers = [b._gather for b in self._run.bindings]
-            for b in self._run.bindings:
-                b._gather = NoCopyGather()
+            gathers = [b.swap_gather(NoCopyGather()) for b in self._run.bindings]
         try:
             for leader, (_, names, _) in enumerate(model.units):
                 work.indexer(leader, n)
@@ -283,7 +281,7 @@ class GraphStepProbe(StepProbe):
         finally:
             work.components = saved
             for b, g in zip(self._run.bindings, gathers):
-                b._gather = g
+                b.swap_gather(g)
 
     def _capture(self, n: int) -> None:
         """Batch ``n``'s graphs (step, and with the connector the oracle), between steps."""

@@ -43,7 +43,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from vllm_hisparse.vllm.pd.prefill_agents import PrefillAgents, agent_key
 from vllm_hisparse.vllm.pd.transfer_params import InvalidTransferParams, check_registered_blocks
 from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME
 from vllm_hisparse.worker import TransferEngine
+from vllm_hisparse.worker.indexer_pages import page_view
 
 logger = logging.getLogger("vllm_hisparse.vllm")
 
@@ -484,24 +485,39 @@ class KVImporter:
 
 
 class PDReads:
-    """The worker role's share of P/D host landings: a mixin of
-    :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole` (``_init_imports`` from its
-    constructor, ``_bind_importer`` once the KV caches are bound, ``_submit_imports`` at
-    ``start_load_kv``, ``_poll_imports`` with the transfer results)."""
+    """The worker's P/D reads: a part of
+    :class:`~vllm_hisparse.vllm.worker_side.role.WorkerRole`, present only when this
+    instance lands P/D imports in the host tier (:func:`pd_reads_for`).
 
-    def _init_imports(self, vllm_config: Any) -> None:
-        # Called from the constructor: the composing MultiConnector is on the stack.
-        self.pd = pd_composition(compat.composing_kv_transfer_config(vllm_config))
+    Verbs: :meth:`bind` once the KV caches are bound (builds the :class:`KVImporter`),
+    :meth:`submit` at ``start_load_kv``, :meth:`poll` with the transfer results,
+    :meth:`close` at shutdown.
+
+    Args:
+        composition: the P/D composition of this instance (``pd_composition``), enabled.
+    """
+
+    def __init__(self, composition: Any) -> None:
+        self.composition = composition
         self.importer: KVImporter | None = None
 
-    def _bind_importer(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Build this worker's importer when the composition lands imports in the host tier."""
-        if not self.pd.enabled:
-            return
-        extra = self.pd.nixl_extra_config
+    def bind(self, vllm_config: Any, kv_cache_config: Any, kv_caches: dict[str, torch.Tensor],
+             lanes: Sequence[Any], host_layers: Sequence[torch.Tensor], *,
+             indexer_group_ids: Sequence[int], block_size: int, rank: int, writes_host: bool,
+             ops_backend: str) -> None:
+        """Build this worker's importer: its targets are the lanes' sparse-MLA layers
+        (``worker_side.lanes.Lane``), the indexer groups' page views and the host pool's
+        layers (``host_layers``, in lane order)."""
+        groups = kv_cache_config.kv_cache_groups
+        targets = ImportTargets(
+            sparse=[(name, lane.sparse_index, view, lane.layout.block_stride_rows)
+                    for lane in lanes for name, view in zip(lane.layer_names, lane.device_layers)],
+            indexer=[[(name, page_view(kv_caches[name])) for name in groups[g].layer_names]
+                     for g in indexer_group_ids],
+            host_layers=list(host_layers), block_size=block_size)
+        extra = self.composition.nixl_extra_config
         _, _, _, compat_hash = compat.nixl_handshake_types()
         enforce = bool(extra.get("enforce_handshake_compat", True))
-        vllm_config = self.vllm_config
 
         def check_compat(remote_hash: str, backend_name: str) -> str | None:
             ours = compat_hash(vllm_config, backend_name, transfer_mode="pull")
@@ -513,35 +529,53 @@ class PDReads:
         transport = NixlTransport(f"hisparse-import-{uuid.uuid4()}",
                                   backends=tuple(extra.get("backends", ["UCX"])),
                                   check_compat=check_compat)
-        groups = self.kv_cache_config.kv_cache_groups
-        from vllm_hisparse.worker.indexer_pages import page_view
-
-        targets = ImportTargets(
-            sparse=[(name, lane.sparse_index, view, lane.layout.block_stride_rows)
-                    for lane in self.lanes for name, view in zip(lane.layer_names, lane.device_layers)],
-            indexer=[[(name, page_view(kv_caches[name])) for name in groups[g].layer_names]
-                     for g in self.indexer_group_ids],
-            host_layers=list(self.host_pool.layers), block_size=self.block_size)
         self.importer = KVImporter(
-            targets, transport, list(kv_caches.values()), rank=self.worker_rank,
-            world_size=self.vllm_config.parallel_config.world_size, writes_host=self.writes_host,
-            ops_backend=self.config.ops_backend, staging_pages=IMPORT_STAGING_PAGES)
+            targets, transport, list(kv_caches.values()), rank=rank,
+            world_size=vllm_config.parallel_config.world_size, writes_host=writes_host,
+            ops_backend=ops_backend, staging_pages=IMPORT_STAGING_PAGES)
         logger.info("%s worker: P/D imports ready (NIXL agent %s; %s)", CONNECTOR_NAME,
                     transport.name, f"{IMPORT_STAGING_PAGES} staging pages of {len(targets.sparse)} "
-                    "layers" if self.writes_host else "device pages only: another rank writes the host pool")
+                    "layers" if writes_host else "device pages only: another rank writes the host pool")
 
-    def _submit_imports(self, metadata: Any) -> None:
-        orders = getattr(metadata, "imports", None) or []
-        heartbeats = getattr(metadata, "heartbeats", None) or []
+    def submit(self, metadata: Any) -> None:
+        """The step's import orders and lease renewals (``metadata.imports`` /
+        ``heartbeats``)."""
+        orders, heartbeats = _orders(metadata)
         if not orders and not heartbeats:
             return
         if self.importer is None:
-            raise RuntimeError(
-                f"{CONNECTOR_NAME}: the scheduler ordered a P/D import but this worker has no "
-                f"importer ({self.pd.reason or 'not bound'})")
+            refuse_imports(metadata, "not bound")
         self.importer.submit(orders, heartbeats)
 
-    def _poll_imports(self) -> tuple[set[str], set[str]]:
+    def poll(self) -> tuple[set[str], set[str]]:
+        """Imports decided since the last call: ``(finished, failed)``."""
         if self.importer is None:
             return set(), set()
         return self.importer.poll()
+
+    def close(self) -> None:
+        if self.importer is not None:
+            self.importer.close()
+
+
+def pd_reads_for(vllm_config: Any) -> tuple[PDReads | None, str]:
+    """This worker's P/D reads part, or None when the composition lands no imports here,
+    with the composition's reason (what a refused import order names). Called from the
+    worker role's constructor: the composing MultiConnector is on the stack then."""
+    composition = pd_composition(compat.composing_kv_transfer_config(vllm_config))
+    return (PDReads(composition) if composition.enabled else None), composition.reason
+
+
+def refuse_imports(metadata: Any, reason: str | None) -> None:
+    """Raise when the step orders imports or lease renewals that this worker cannot run
+    (no P/D reads: ``reason`` says why)."""
+    orders, heartbeats = _orders(metadata)
+    if orders or heartbeats:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME}: the scheduler ordered a P/D import but this worker has no "
+            f"importer ({reason or 'not bound'})")
+
+
+def _orders(metadata: Any) -> tuple[list[ImportOrder], list[Heartbeat]]:
+    return (getattr(metadata, "imports", None) or [],
+            getattr(metadata, "heartbeats", None) or [])

@@ -177,9 +177,24 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaderResolve:
+    """What an index group's leader resolved in one step; its followers read it."""
+
+    step_id: int
+    rows: torch.Tensor  # int32 [T, K] flat device rows
+    token_rows: torch.Tensor  # int32 [T] state row per token, -1 = not resolved
+
+
 @dataclasses.dataclass
 class IndexGroupResidency:
     """One vLLM index group (leader + IndexShare followers) bound to its hot state.
+
+    The fields are set at construction and stay as they are (:meth:`release_layers` empties
+    the layer lists once, at shutdown). The per-step state is the leader's last resolve
+    (:class:`LeaderResolve`, replaced by each :meth:`resolve_leader`) and whatever the hot
+    state and the gather hold. The gather executor is built from the fields at construction
+    (benchmarks replace it through :meth:`swap_gather`).
 
     Attributes:
         hot_state: the group's residency tables and hot slots.
@@ -214,10 +229,8 @@ class IndexGroupResidency:
     prefetch_max_ctas: int = DEFAULT_SIDE_MAX_CTAS
     gather_ctas_per_sm: int = DEFAULT_LEADER_CTAS_PER_SM
     scores: ScoreTap | None = None
-    _leader_rows: torch.Tensor | None = None
-    _leader_token_rows: torch.Tensor | None = None
-    _leader_step: int = -1
-    _gather: GroupGather | None = None
+    _gather: GroupGather = dataclasses.field(init=False, repr=False)
+    _leader: LeaderResolve | None = dataclasses.field(init=False, default=None, repr=False)
 
     def __post_init__(self):
         # Built now so that a bad mode or schedule fails at bind time, not in a forward.
@@ -227,6 +240,20 @@ class IndexGroupResidency:
                                    mode=self.gather_mode, chunks=self.gather_chunks,
                                    side_max_ctas=self.prefetch_max_ctas,
                                    leader_ctas_per_sm=self.gather_ctas_per_sm)
+
+    def attach(self, group: Any) -> None:
+        """Attach this binding to one vLLM index-group object (what the hooks look up)."""
+        setattr(group, BINDING_ATTR, self)
+
+    def release_layers(self) -> None:
+        """Drop the references to the KV and host tensors (shutdown)."""
+        self.device_layers, self.host_layers = [], []
+
+    def swap_gather(self, gather: Any) -> Any:
+        """Run the group's miss plans through ``gather`` from now on; returns the executor
+        it replaces. Benchmarks time the read path without copies this way."""
+        previous, self._gather = self._gather, gather
+        return previous
 
     @property
     def num_layers(self) -> int:
@@ -247,9 +274,7 @@ class IndexGroupResidency:
             self._fill_slot_classes(logical_topk)
         result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
         self._gather.launch(result)
-        self._leader_rows = result.out_rows
-        self._leader_token_rows = token_rows
-        self._leader_step = self.step.step_id
+        self._leader = LeaderResolve(self.step.step_id, result.out_rows, token_rows)
         if self.record is not None:
             self.record(token_rows, logical_topk)
 
@@ -266,13 +291,14 @@ class IndexGroupResidency:
 
     def leader_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat rows int32 [T, K], token state rows int32 [T]) the leader resolved this step."""
-        if self._leader_rows is None or self._leader_step != self.step.step_id:
+        leader = self._leader
+        if leader is None or leader.step_id != self.step.step_id:
             raise RuntimeError("residency hook: a follower layer converted its top-k before "
                                "the index group's leader layer did in this step")
-        if self._leader_rows.shape[0] != num_tokens:
+        if leader.rows.shape[0] != num_tokens:
             raise RuntimeError(f"residency hook: follower converts {num_tokens} tokens but the "
-                               f"leader resolved {self._leader_rows.shape[0]}")
-        return self._leader_rows, self._leader_token_rows
+                               f"leader resolved {leader.rows.shape[0]}")
+        return leader.rows, leader.token_rows
 
     def wait_for_layer(self, layer_index: int) -> None:
         """Order the current stream (the layer's attention) after the copy of layer
