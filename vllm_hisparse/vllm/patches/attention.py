@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -97,7 +96,7 @@ def current_sparse_layer() -> tuple[Any, int, Any] | None:
 
 
 def _site_modules() -> list[Any]:
-    return [importlib.import_module(m) for m in compat.DIRECT_CONVERSION_SITES]
+    return compat.direct_conversion_modules()
 
 
 def _routing_installed() -> bool:
@@ -252,12 +251,10 @@ INDEXER_SCORES = Patch(
 # ------------------------------------------------------------------------ CPU simulator
 
 _CPU_DIRECT = "cpu_direct_conversion"
-_SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 
 
 def _twin_modules() -> list[Any]:
-    names = dict.fromkeys([_SPARSE_UTILS, *compat.DIRECT_CONVERSION_SITES])
-    return [importlib.import_module(m) for m in names]
+    return compat.direct_conversion_modules(with_definition=True)
 
 
 def _cpu_direct_installed() -> bool:

@@ -4,7 +4,6 @@ coordinator, the config check and the startup capacity line."""
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -185,7 +184,7 @@ _CAPACITY = "capacity_line"
 
 
 def _capacity_module() -> Any:
-    return importlib.import_module(compat.MAX_CONCURRENCY_MODULE)
+    return compat.max_concurrency_module()
 
 
 def _capacity_installed() -> bool:
