@@ -21,7 +21,8 @@ One module per concern; callers use the names re-exported here
 * ``engine_config``: ``VllmConfig`` and what config time and the parallel layout read;
 * ``simulator``: the engine pieces the CPU simulator drives;
 * ``nixl``: the P/D decode consumer's side of NixlConnector;
-* ``intree``: vLLM's in-tree HiSparse, for the comparison benchmarks.
+* ``intree``: vLLM's in-tree HiSparse, for the comparison benchmarks;
+* ``objects``: vLLM objects by dotted path, for the object-change table's shape checks.
 
 Only accessors live here. The runtime patches this package applies to vLLM's functions are
 the ``Patch`` records of ``vllm_hisparse/vllm/patches/`` (``patches.PATCHES``); every other
@@ -33,7 +34,8 @@ patches") lists both tables.
 from __future__ import annotations
 
 from vllm_hisparse.vllm.compat import (attention, connectors, engine_config, group_roles, intree,
-                                       kv_cache_manager, kv_planning, nixl, scheduler, simulator)
+                                       kv_cache_manager, kv_planning, nixl, objects, scheduler,
+                                       simulator)
 from vllm_hisparse.vllm.compat.attention import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.connectors import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.engine_config import *  # noqa: F401,F403
@@ -42,11 +44,12 @@ from vllm_hisparse.vllm.compat.intree import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.kv_cache_manager import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.kv_planning import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.nixl import *  # noqa: F401,F403
+from vllm_hisparse.vllm.compat.objects import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.scheduler import *  # noqa: F401,F403
 from vllm_hisparse.vllm.compat.simulator import *  # noqa: F401,F403
 
 #: The concern modules, in the order above.
 MODULES = (connectors, kv_planning, group_roles, kv_cache_manager, scheduler, attention,
-           engine_config, simulator, nixl, intree)
+           engine_config, simulator, nixl, intree, objects)
 
 __all__ = sorted({name for module in MODULES for name in module.__all__})

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
-__all__ = ["DIRECT_CONVERSION_MODULE", "DIRECT_CONVERSION_NAME", "DIRECT_CONVERSION_SITES",
+__all__ = ["attention_block_table", "DIRECT_CONVERSION_MODULE", "DIRECT_CONVERSION_NAME", "DIRECT_CONVERSION_SITES",
            "direct_conversion_at", "direct_conversion_function", "direct_conversion_modules", "forward_context_attn_metadata",
            "in_tree_hisparse_index_group_class", "indexer_topk_class", "layer_index_group",
            "sparse_mla_index_group_class", "static_forward_context"]
@@ -143,3 +143,10 @@ def direct_conversion_at(module_name: str) -> Callable[..., Any]:
         raise KeyError(f"{module_name!r} is not a direct conversion site; known: "
                        f"{sorted(DIRECT_CONVERSION_SITES)}")
     return getattr(importlib.import_module(module_name), DIRECT_CONVERSION_NAME)
+
+
+def attention_block_table(attn_metadata: Any) -> Any:
+    """The batch block table of a layer's attention metadata (``SparseMLACommonMetadata
+    .block_table``, ``[batch rows, pages]``, one row per request of the step), or None. The
+    worker role rewrites rows of it in place (``worker_side/prefill_guard.py``)."""
+    return getattr(attn_metadata, "block_table", None)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-__all__ = ["is_waiting_for_remote_kvs", "scheduled_token_counts", "scheduler_classes",
-           "set_request_max_tokens"]
+__all__ = ["is_waiting_for_remote_kvs", "request_load_before_forward", "scheduled_token_counts",
+           "scheduler_classes", "set_request_max_tokens"]
 
 
 def scheduler_classes() -> tuple[type[Scheduler], type[Scheduler]]:
@@ -40,3 +40,10 @@ def set_request_max_tokens(request: Any, max_tokens: int) -> None:
 def scheduled_token_counts(scheduler_output: Any) -> dict[str, int]:
     """``SchedulerOutput.num_scheduled_tokens`` (request id → tokens this step)."""
     return dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
+
+
+def request_load_before_forward(scheduler_output: Any) -> None:
+    """Set ``SchedulerOutput.has_sync_kv_loads``: the model runner then calls the connector's
+    ``start_load_kv`` before the step's forward (vLLM's V2 model runner otherwise calls it
+    after, for steps without synchronous loads)."""
+    scheduler_output.has_sync_kv_loads = True

@@ -66,7 +66,8 @@ TOPK_CONVERSION_HOOK = Patch(
         "never runs for it.",
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.hooked_conversion)",
-    install=_install_topk, installed=_topk_installed, remove=_remove_topk)
+    install=_install_topk, installed=_topk_installed, remove=_remove_topk,
+    extension_point="a pluggable logical-to-physical top-k translator per sparse index group (a registry of translators, or a connector hook the index group calls)")
 
 
 
@@ -146,7 +147,8 @@ DIRECT_CONVERSION_ROUTING = Patch(
         "method has its own patch).",
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.routed_direct_conversion)",
-    install=_install_routing, installed=_routing_installed, remove=_remove_routing)
+    install=_install_routing, installed=_routing_installed, remove=_remove_routing,
+    extension_point="the same per-group top-k translator, called by every backend that converts from the batch block table instead of a module-global function each backend imports")
 
 
 
@@ -196,7 +198,8 @@ LAYER_FORWARD_CONTEXT = Patch(
         "self.impl.forward_mqa).",
     installed_by="the worker role, for every layer of an index group it binds",
     install_args="impl (the layer's MLAAttention.impl)",
-    install=_route_layer, installed=_layer_routed, remove=_unroute_layer)
+    install=_route_layer, installed=_layer_routed, remove=_unroute_layer,
+    extension_point="the layer (or its index group) named in vLLM's forward context while forward_mqa runs")
 
 
 
@@ -245,7 +248,8 @@ INDEXER_SCORES = Patch(
     installed_by="the worker role, when it binds the KV caches with hot_region_eviction "
                  "score",
     install_args="body (score_tap.record_decode_topk)",
-    install=_install_scores, installed=_scores_installed, remove=_remove_scores)
+    install=_install_scores, installed=_scores_installed, remove=_remove_scores,
+    extension_point="an observer hook after SparseIndexerTopk.forward that receives the decode logits and the selected top-k")
 
 
 # ------------------------------------------------------------------------ CPU simulator
@@ -300,7 +304,8 @@ CPU_DIRECT_CONVERSION = Patch(
         "signature in its place for one run.",
     installed_by="the simulator, for one CPU run",
     install_args="twin (simulation.synthetic_attention.cpu_direct_conversion)",
-    install=_install_cpu_direct, installed=_cpu_direct_installed, remove=_remove_cpu_direct)
+    install=_install_cpu_direct, installed=_cpu_direct_installed, remove=_remove_cpu_direct,
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the Triton conversion")
 
 
 _CPU_GROUP = "cpu_group_conversion"
@@ -338,6 +343,7 @@ CPU_GROUP_CONVERSION = Patch(
         "CPU; the CPU simulator gives each index group it builds a pure-torch twin.",
     installed_by="the simulator, for each index group it builds on CPU",
     install_args="group, twin (simulation.synthetic_attention.cpu_convert_once)",
-    install=_install_cpu_group, installed=_cpu_group_installed, remove=_remove_cpu_group)
+    install=_install_cpu_group, installed=_cpu_group_installed, remove=_remove_cpu_group,
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the index group's _convert_once")
 
 
