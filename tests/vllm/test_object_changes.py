@@ -406,3 +406,22 @@ def test_site_check_can_fail():
     assert site_problems(gone)[0] == "admission_watermark: site vllm_hisparse.vllm.no_such does not exist"
     invented = dataclasses.replace(object_changes.MANAGER_LONGER_HIT, names=("retains_longer_hit", "no_such"))
     assert site_problems(invented) == ["manager_longer_hit: no site (nor compat) touches 'no_such'"]
+
+
+def _doc_section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    level = heading.split(" ")[0]
+    rest = text[start + len(heading):]
+    ends = [m.start() for m in re.finditer(rf"^#{{1,{len(level)}}} ", rest, re.M)]
+    return rest[:ends[0]] if ends else rest
+
+
+def test_the_integration_doc_names_every_patch_and_object_change():
+    """docs/vllm-integration.md lists every record in "Runtime patches", and its "Upstream
+    proposal" says for each what would make it unnecessary."""
+    text = (REPO / "docs" / "vllm-integration.md").read_text()
+    patches_section = _doc_section(text, "## Runtime patches")
+    proposal = _doc_section(text, "### Upstream proposal")
+    names = [p.name for p in patches.PATCHES] + [c.name for c in patches.OBJECT_CHANGES]
+    assert [n for n in names if f"| `{n}` |" not in patches_section] == []
+    assert [n for n in names if f"`{n}`" not in proposal] == []
