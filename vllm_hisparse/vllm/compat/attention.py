@@ -11,8 +11,9 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
-__all__ = ["attention_block_table", "DIRECT_CONVERSION_MODULE", "DIRECT_CONVERSION_NAME", "DIRECT_CONVERSION_SITES",
-           "direct_conversion_at", "direct_conversion_function", "direct_conversion_modules", "forward_context_attn_metadata",
+__all__ = ["attention_block_table", "direct_conversion_at", "direct_conversion_function",
+           "DIRECT_CONVERSION_MODULE", "direct_conversion_modules", "DIRECT_CONVERSION_NAME",
+           "DIRECT_CONVERSION_SITES", "forward_context_attn_metadata",
            "in_tree_hisparse_index_group_class", "indexer_topk_class", "layer_index_group",
            "sparse_mla_index_group_class", "static_forward_context"]
 

@@ -15,12 +15,13 @@ from vllm.v1.kv_cache_interface import (AttentionSpec, HiddenStateCacheSpec, KVC
                                         SparseCacheRole, UniformTypeKVCacheSpecs)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-__all__ = ["AttentionSpec", "DEFAULT_BUILDER_QUALNAME", "DefaultKVCacheConfigBuilder",
+__all__ = ["allocate_kv_cache", "AttentionSpec", "DEFAULT_BUILDER_QUALNAME",
+           "default_kv_cache_groups", "DefaultKVCacheConfigBuilder", "get_kv_cache_groups",
            "HiddenStateCacheSpec", "KVCacheConfig", "KVCacheConfigBuilder", "KVCacheGroupSpec",
-           "KVCacheLayout", "KVCacheSpec", "MAX_CONCURRENCY_MODULE", "MAX_CONCURRENCY_NAME", "max_concurrency_module",
-           "MLAAttentionSpec", "Platform", "SlidingWindowMLASpec", "SparseCacheRole",
-           "UniformTypeKVCacheSpecs", "allocate_kv_cache", "default_kv_cache_groups",
-           "get_kv_cache_groups", "resolve_kv_cache_config_builder", "resolved_kv_cache_layout"]
+           "KVCacheLayout", "KVCacheSpec", "MAX_CONCURRENCY_MODULE", "max_concurrency_module",
+           "MAX_CONCURRENCY_NAME", "MLAAttentionSpec", "Platform",
+           "resolve_kv_cache_config_builder", "resolved_kv_cache_layout", "SlidingWindowMLASpec",
+           "SparseCacheRole", "UniformTypeKVCacheSpecs"]
 
 #: What ``Platform.get_kv_cache_config_builder_cls`` returns in vLLM 0.33 for every
 #: in-tree platform. Our builder subclasses this one, so we only take over when the

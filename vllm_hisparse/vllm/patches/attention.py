@@ -67,7 +67,8 @@ TOPK_CONVERSION_HOOK = Patch(
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.hooked_conversion)",
     install=_install_topk, installed=_topk_installed, remove=_remove_topk,
-    extension_point="a pluggable logical-to-physical top-k translator per sparse index group (a registry of translators, or a connector hook the index group calls)")
+    extension_point="a pluggable logical-to-physical top-k translator per sparse index group (a "
+                    "registry of translators, or a connector hook the index group calls)")
 
 
 
@@ -148,7 +149,9 @@ DIRECT_CONVERSION_ROUTING = Patch(
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.routed_direct_conversion)",
     install=_install_routing, installed=_routing_installed, remove=_remove_routing,
-    extension_point="the same per-group top-k translator, called by every backend that converts from the batch block table instead of a module-global function each backend imports")
+    extension_point="the same per-group top-k translator, called by every backend that converts "
+                    "from the batch block table instead of a module-global function each backend "
+                    "imports")
 
 
 
@@ -199,7 +202,8 @@ LAYER_FORWARD_CONTEXT = Patch(
     installed_by="the worker role, for every layer of an index group it binds",
     install_args="impl (the layer's MLAAttention.impl)",
     install=_route_layer, installed=_layer_routed, remove=_unroute_layer,
-    extension_point="the layer (or its index group) named in vLLM's forward context while forward_mqa runs")
+    extension_point="the layer (or its index group) named in vLLM's forward context while "
+                    "forward_mqa runs")
 
 
 
@@ -249,7 +253,8 @@ INDEXER_SCORES = Patch(
                  "score",
     install_args="body (score_tap.record_decode_topk)",
     install=_install_scores, installed=_scores_installed, remove=_remove_scores,
-    extension_point="an observer hook after SparseIndexerTopk.forward that receives the decode logits and the selected top-k")
+    extension_point="an observer hook after SparseIndexerTopk.forward that receives the decode "
+                    "logits and the selected top-k")
 
 
 # ------------------------------------------------------------------------ CPU simulator
@@ -305,7 +310,8 @@ CPU_DIRECT_CONVERSION = Patch(
     installed_by="the simulator, for one CPU run",
     install_args="twin (simulation.synthetic_attention.cpu_direct_conversion)",
     install=_install_cpu_direct, installed=_cpu_direct_installed, remove=_remove_cpu_direct,
-    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the Triton conversion")
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the "
+                    "Triton conversion")
 
 
 _CPU_GROUP = "cpu_group_conversion"
@@ -344,6 +350,7 @@ CPU_GROUP_CONVERSION = Patch(
     installed_by="the simulator, for each index group it builds on CPU",
     install_args="group, twin (simulation.synthetic_attention.cpu_convert_once)",
     install=_install_cpu_group, installed=_cpu_group_installed, remove=_remove_cpu_group,
-    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the index group's _convert_once")
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the "
+                    "index group's _convert_once")
 
 

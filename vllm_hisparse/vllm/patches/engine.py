@@ -72,7 +72,9 @@ PLANNER_HOOK = Patch(
     install_args="select_builder(vllm_config) -> our builder's qualified name, or None to "
                  "keep vLLM's answer (a vendor builder is refused by name)",
     install=_install_planner, installed=_planner_installed, remove=_remove_planner,
-    extension_point="a connector classmethod naming the KV cache config builder for its configs (KVConnectorBase_V1.get_kv_cache_config_builder(vllm_config)), consulted before the platform's")
+    extension_point="a connector classmethod naming the KV cache config builder for its configs "
+                    "(KVConnectorBase_V1.get_kv_cache_config_builder(vllm_config)), consulted "
+                    "before the platform's")
 
 
 
@@ -116,7 +118,8 @@ LOCKSTEP_COORDINATOR = Patch(
                  "moves in lockstep (lockstep.lockstep_groups)",
     install_args="coordinator (KVCacheManager.coordinator)",
     install=_install_lockstep, installed=_lockstep_installed, remove=_remove_lockstep,
-    extension_point="a coordinator that runs per-request manager calls once for a set of KV cache groups allocated, cached and freed together, chosen from KVCacheConfig")
+    extension_point="a coordinator that runs per-request manager calls once for a set of KV cache "
+                    "groups allocated, cached and freed together, chosen from KVCacheConfig")
 
 
 
@@ -177,7 +180,8 @@ CONFIG_CHECK = Patch(
                  "(engine_checks.check_before_vllm / check_after_vllm)",
     install=_install_config_check, installed=_config_check_installed,
     remove=_remove_config_check,
-    extension_point="a connector classmethod validate_config(vllm_config) that VllmConfig.__post_init__ calls before and after it resolves options")
+    extension_point="a connector classmethod validate_config(vllm_config) that "
+                    "VllmConfig.__post_init__ calls before and after it resolves options")
 
 
 
@@ -233,6 +237,8 @@ CAPACITY_LINE = Patch(
     install_args="concurrency(vllm_config, kv_cache_config) -> the startup capacity report's "
                  "steady-state figure, or None for configs that do not name the connector",
     install=_install_capacity, installed=_capacity_installed, remove=_remove_capacity,
-    extension_point="a connector classmethod reporting the maximum concurrency of a KVCacheConfig (or a KVCacheConfig field for host-backed capacity) that get_kv_cache_capacity reads")
+    extension_point="a connector classmethod reporting the maximum concurrency of a KVCacheConfig "
+                    "(or a KVCacheConfig field for host-backed capacity) that "
+                    "get_kv_cache_capacity reads")
 
 
