@@ -214,12 +214,11 @@ def _check_connector_config(path: str, raw: dict) -> None:
     """vLLM's own validation of the file (``KVTransferConfig``) and our entry's shape."""
     import types
 
-    from vllm.config import KVTransferConfig
-
+    from vllm_hisparse.vllm import compat
     from vllm_hisparse.vllm.setup.config import find_connector_extra_config
 
     try:
-        kv_transfer_config = KVTransferConfig(**raw)
+        kv_transfer_config = compat.KVTransferConfig(**raw)
         find_connector_extra_config(types.SimpleNamespace(kv_transfer_config=kv_transfer_config))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--connector-config={path} is invalid: {exc}".splitlines()[0]) from None

@@ -1,4 +1,6 @@
-"""Every runtime patch this package applies to vLLM 0.33, in one table (:data:`PATCHES`).
+"""Every runtime patch this package applies to vLLM 0.33, in one table (:data:`PATCHES`), and
+every other change it makes to vLLM's objects, in a second (:data:`OBJECT_CHANGES`,
+``object_changes.py``: attribute writes, overrides of vLLM internals, private reads).
 
 A patch replaces one vLLM attribute with a wrapper (or, in the CPU simulator, a pure-torch
 twin). Each is a :class:`Patch` record with the same three verbs:
@@ -31,6 +33,8 @@ from vllm_hisparse.vllm.patches.attention import (CPU_DIRECT_CONVERSION, CPU_GRO
                                                   current_sparse_layer, sparse_layer_context)
 from vllm_hisparse.vllm.patches.engine import (CAPACITY_LINE, CONFIG_CHECK,
                                                LOCKSTEP_COORDINATOR, PLANNER_HOOK)
+from vllm_hisparse.vllm.patches.object_changes import OBJECT_CHANGES, ObjectChange, object_change
+from vllm_hisparse.vllm.patches.object_changes import check as check_object_changes
 from vllm_hisparse.vllm.patches.record import Patch
 
 #: Every runtime patch of vLLM this package applies.

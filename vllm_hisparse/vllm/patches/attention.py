@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +66,9 @@ TOPK_CONVERSION_HOOK = Patch(
         "never runs for it.",
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.hooked_conversion)",
-    install=_install_topk, installed=_topk_installed, remove=_remove_topk)
+    install=_install_topk, installed=_topk_installed, remove=_remove_topk,
+    extension_point="a pluggable logical-to-physical top-k translator per sparse index group (a "
+                    "registry of translators, or a connector hook the index group calls)")
 
 
 
@@ -97,7 +98,7 @@ def current_sparse_layer() -> tuple[Any, int, Any] | None:
 
 
 def _site_modules() -> list[Any]:
-    return [importlib.import_module(m) for m in compat.DIRECT_CONVERSION_SITES]
+    return compat.direct_conversion_modules()
 
 
 def _routing_installed() -> bool:
@@ -147,7 +148,10 @@ DIRECT_CONVERSION_ROUTING = Patch(
         "method has its own patch).",
     installed_by="the worker role, when it binds the KV caches",
     install_args="body (read_path.routed_direct_conversion)",
-    install=_install_routing, installed=_routing_installed, remove=_remove_routing)
+    install=_install_routing, installed=_routing_installed, remove=_remove_routing,
+    extension_point="the same per-group top-k translator, called by every backend that converts "
+                    "from the batch block table instead of a module-global function each backend "
+                    "imports")
 
 
 
@@ -197,7 +201,9 @@ LAYER_FORWARD_CONTEXT = Patch(
         "self.impl.forward_mqa).",
     installed_by="the worker role, for every layer of an index group it binds",
     install_args="impl (the layer's MLAAttention.impl)",
-    install=_route_layer, installed=_layer_routed, remove=_unroute_layer)
+    install=_route_layer, installed=_layer_routed, remove=_unroute_layer,
+    extension_point="the layer (or its index group) named in vLLM's forward context while "
+                    "forward_mqa runs")
 
 
 
@@ -246,18 +252,18 @@ INDEXER_SCORES = Patch(
     installed_by="the worker role, when it binds the KV caches with hot_region_eviction "
                  "score",
     install_args="body (score_tap.record_decode_topk)",
-    install=_install_scores, installed=_scores_installed, remove=_remove_scores)
+    install=_install_scores, installed=_scores_installed, remove=_remove_scores,
+    extension_point="an observer hook after SparseIndexerTopk.forward that receives the decode "
+                    "logits and the selected top-k")
 
 
 # ------------------------------------------------------------------------ CPU simulator
 
 _CPU_DIRECT = "cpu_direct_conversion"
-_SPARSE_UTILS = "vllm.v1.attention.backends.mla.sparse_utils"
 
 
 def _twin_modules() -> list[Any]:
-    names = dict.fromkeys([_SPARSE_UTILS, *compat.DIRECT_CONVERSION_SITES])
-    return [importlib.import_module(m) for m in names]
+    return compat.direct_conversion_modules(with_definition=True)
 
 
 def _cpu_direct_installed() -> bool:
@@ -303,7 +309,9 @@ CPU_DIRECT_CONVERSION = Patch(
         "signature in its place for one run.",
     installed_by="the simulator, for one CPU run",
     install_args="twin (simulation.synthetic_attention.cpu_direct_conversion)",
-    install=_install_cpu_direct, installed=_cpu_direct_installed, remove=_remove_cpu_direct)
+    install=_install_cpu_direct, installed=_cpu_direct_installed, remove=_remove_cpu_direct,
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the "
+                    "Triton conversion")
 
 
 _CPU_GROUP = "cpu_group_conversion"
@@ -341,6 +349,8 @@ CPU_GROUP_CONVERSION = Patch(
         "CPU; the CPU simulator gives each index group it builds a pure-torch twin.",
     installed_by="the simulator, for each index group it builds on CPU",
     install_args="group, twin (simulation.synthetic_attention.cpu_convert_once)",
-    install=_install_cpu_group, installed=_cpu_group_installed, remove=_remove_cpu_group)
+    install=_install_cpu_group, installed=_cpu_group_installed, remove=_remove_cpu_group,
+    extension_point="none for serving (a CPU simulator twin); upstream, a torch fallback of the "
+                    "index group's _convert_once")
 
 

@@ -4,7 +4,6 @@ coordinator, the config check and the startup capacity line."""
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -72,7 +71,10 @@ PLANNER_HOOK = Patch(
     installed_by="plugin.register(), in every process vLLM starts",
     install_args="select_builder(vllm_config) -> our builder's qualified name, or None to "
                  "keep vLLM's answer (a vendor builder is refused by name)",
-    install=_install_planner, installed=_planner_installed, remove=_remove_planner)
+    install=_install_planner, installed=_planner_installed, remove=_remove_planner,
+    extension_point="a connector classmethod naming the KV cache config builder for its configs "
+                    "(KVConnectorBase_V1.get_kv_cache_config_builder(vllm_config)), consulted "
+                    "before the platform's")
 
 
 
@@ -115,7 +117,9 @@ LOCKSTEP_COORDINATOR = Patch(
     installed_by="the scheduler role, when it binds the KV cache manager, if every group "
                  "moves in lockstep (lockstep.lockstep_groups)",
     install_args="coordinator (KVCacheManager.coordinator)",
-    install=_install_lockstep, installed=_lockstep_installed, remove=_remove_lockstep)
+    install=_install_lockstep, installed=_lockstep_installed, remove=_remove_lockstep,
+    extension_point="a coordinator that runs per-request manager calls once for a set of KV cache "
+                    "groups allocated, cached and freed together, chosen from KVCacheConfig")
 
 
 
@@ -175,7 +179,9 @@ CONFIG_CHECK = Patch(
                  "it, no-ops for configs that do not name the connector "
                  "(engine_checks.check_before_vllm / check_after_vllm)",
     install=_install_config_check, installed=_config_check_installed,
-    remove=_remove_config_check)
+    remove=_remove_config_check,
+    extension_point="a connector classmethod validate_config(vllm_config) that "
+                    "VllmConfig.__post_init__ calls before and after it resolves options")
 
 
 
@@ -185,7 +191,7 @@ _CAPACITY = "capacity_line"
 
 
 def _capacity_module() -> Any:
-    return importlib.import_module(compat.MAX_CONCURRENCY_MODULE)
+    return compat.max_concurrency_module()
 
 
 def _capacity_installed() -> bool:
@@ -230,6 +236,9 @@ CAPACITY_LINE = Patch(
     installed_by="plugin.register(), in every process vLLM starts",
     install_args="concurrency(vllm_config, kv_cache_config) -> the startup capacity report's "
                  "steady-state figure, or None for configs that do not name the connector",
-    install=_install_capacity, installed=_capacity_installed, remove=_remove_capacity)
+    install=_install_capacity, installed=_capacity_installed, remove=_remove_capacity,
+    extension_point="a connector classmethod reporting the maximum concurrency of a KVCacheConfig "
+                    "(or a KVCacheConfig field for host-backed capacity) that "
+                    "get_kv_cache_capacity reads")
 
 

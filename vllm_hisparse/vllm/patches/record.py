@@ -28,6 +28,8 @@ class Patch:
         install: ``install(*args) -> bool``.
         installed: ``installed(*objects) -> bool``.
         remove: ``remove(*objects) -> bool``; restores vLLM's original.
+        extension_point: the public vLLM extension point that would make the patch
+            unnecessary (docs/vllm-integration.md, "Upstream proposal").
     """
 
     name: str
@@ -38,6 +40,7 @@ class Patch:
     install: Callable[..., bool]
     installed: Callable[..., bool]
     remove: Callable[..., bool]
+    extension_point: str = ""
 
 
 def marked(fn: Callable[..., Any], name: str, original: Any) -> Callable[..., Any]:

@@ -265,7 +265,7 @@ class SchedulerRole:
             # The worker must apply this step's command before the forward reads KV. MRV2
             # calls start_load_kv before the forward only for steps with synchronous loads
             # (after it otherwise), so every step that runs a forward asks for that order.
-            scheduler_output.has_sync_kv_loads = True
+            compat.request_load_before_forward(scheduler_output)
         # The admission pass of this step is over (offer).
         admission.note_unadmitted(scheduled)
         host_prefix.drop_stale_offers()

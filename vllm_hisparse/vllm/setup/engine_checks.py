@@ -133,9 +133,7 @@ def check_runner_and_scheduling(vllm_config: VllmConfig) -> None:
 
 def envs_v2_runner_off() -> bool:
     """Whether ``VLLM_USE_V2_MODEL_RUNNER`` was set to a false value."""
-    import vllm.envs as envs
-
-    return envs.VLLM_USE_V2_MODEL_RUNNER is False
+    return compat.v2_model_runner_env_off()
 
 
 def check_trace_recording(vllm_config: VllmConfig, record_trace: Any) -> None:

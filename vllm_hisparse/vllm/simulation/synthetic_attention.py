@@ -24,7 +24,6 @@ simulated. On CPU, where Triton cannot run, vLLM's conversions are replaced by p
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -80,8 +79,7 @@ class SyntheticSparseMLAImpl:
         if self.group_conversion_decode_only and not (
                 self.index_group.num_layers > 1
                 and attn_metadata.num_decode_tokens >= num_tokens):
-            convert = getattr(importlib.import_module(DIRECT_SITE_MODULE),
-                              compat.DIRECT_CONVERSION_NAME)
+            convert = compat.direct_conversion_at(DIRECT_SITE_MODULE)
             return convert(attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table,
                            topk, BLOCK_SIZE=block_size, BLOCK_STRIDE_ROWS=block_stride_rows,
                            NUM_TOPK_TOKENS=topk.shape[1], return_valid_counts=True)

@@ -95,7 +95,7 @@ class PrefillGuard:
             seen: set[int] = set()
             for name in lane.layer_names:
                 md = metadata_by_layer.get(name)
-                table = getattr(md, "block_table", None)
+                table = compat.attention_block_table(md)
                 if table is None or id(table) in seen:
                     continue
                 seen.add(id(table))
