@@ -141,7 +141,7 @@ MULTI_CONNECTOR_FRAME = ObjectChange(
     why="MultiConnector builds each child with a copy of the config holding only that child's "
         "entry; the top-level kv_load_failure_policy (the one vLLM's scheduler applies) and "
         "the siblings (a NixlConnector for P/D) are visible only in the parent's frame.",
-    sites=_m("pd.landings", "pd.reads", "scheduler_side.role"),
+    sites=_m("pd.landings", "pd.reads", "scheduler_side.geometry"),
     names=("f_locals",),
     compat=("composing_kv_transfer_config", "kv_load_failure_policy"),
     extension_point="MultiConnector hands each child the composing kv_transfer_config "
@@ -212,7 +212,7 @@ ADMISSION_WATERMARK = ObjectChange(
     why="admission headroom: a waiting request is admitted only if the device pool keeps "
         "room for the hot regions and restores the running requests need; vLLM reads the "
         "watermark at every allocate_slots call for WAITING / PREEMPTED requests.",
-    sites=_m("scheduler_side.admission", "scheduler_side.role"),
+    sites=_m("scheduler_side.admission"),
     names=("watermark_blocks",),
     compat=("admission_watermark_blocks", "set_admission_watermark_blocks"),
     extension_point="a connector query for the free blocks an admission must leave over "
@@ -393,7 +393,7 @@ LAYER_INDEX_GROUP = ObjectChange(
     action="read",
     why="the worker role binds each index group (one hot-slot state) and its layers; vLLM "
         "sets the group on the layer's impl at construction and exposes it nowhere else.",
-    sites=_m("worker_side.role"),
+    sites=_m("worker_side.lanes"),
     names=("index_group", "index_group_index"),
     compat=("layer_index_group",),
     extension_point="the pluggable top-k translator per index group (topk_conversion_hook's "
