@@ -206,6 +206,10 @@ class ModelLayerWork:
     rows, batch)`` with the rows the conversion returned (int32 ``[batch, K]``, valid first;
     ``-1`` padding); ``mlp(layer, batch)`` after. ``kv_rows``: each sparse layer's flat row
     view of its KV cache (uint8 ``[rows, mla_row_bytes]``), in layer order.
+
+    Each takes ``first`` (default 0): it then runs over tokens ``first`` to ``batch - 1``
+    only, one micro-batch of :func:`split_batch` (the two-micro-batch ceiling runs a layer
+    once per half: the weights read twice, each half's experts at its own token count).
     """
 
     def __init__(self, shape: LayerShape, *, max_batch: int, context: int, top_k: int,
@@ -260,38 +264,39 @@ class ModelLayerWork:
 
     # ------------------------------------------------------------------ per layer
 
-    def indexer(self, leader: int, batch: int) -> None:
+    def indexer(self, leader: int, batch: int, first: int = 0) -> None:
         """Leader ``leader``'s (its index among the leaders) logits and top-k."""
-        if "indexer" not in self.components or batch == 0:
+        if "indexer" not in self.components or batch <= first:
             return
-        keys = self.index_keys[leader % len(self.index_keys)][:batch]
-        torch.bmm(keys, self.index_q[:batch], out=self.logits[:batch])
-        torch.topk(self.logits[:batch, :, 0], self.top_k, dim=1,
-                   out=(self.topk_values[:batch], self.topk_indices[:batch]))
+        t = slice(first, batch)
+        keys = self.index_keys[leader % len(self.index_keys)][t]
+        torch.bmm(keys, self.index_q[t], out=self.logits[t])
+        torch.topk(self.logits[t, :, 0], self.top_k, dim=1,
+                   out=(self.topk_values[t], self.topk_indices[t]))
 
-    def attention(self, layer: int, rows: torch.Tensor, batch: int) -> None:
-        """Sparse MLA over the ``K`` rows of each of ``batch`` tokens."""
-        if "attention" not in self.components or batch == 0:
+    def attention(self, layer: int, rows: torch.Tensor, batch: int, first: int = 0) -> None:
+        """Sparse MLA over the ``K`` rows of each of the tokens."""
+        if "attention" not in self.components or batch <= first:
             return
-        flat = rows[:batch].reshape(-1).clamp_min(0).to(torch.int64)
+        flat = rows[first:batch].reshape(-1).clamp_min(0).to(torch.int64)
         torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
-        n = batch * self.shape.heads
-        torch.matmul(self.attn_q[:n], self.attn_kv.t(), out=self.attn_scores[:n])
-        probs = torch.softmax(self.attn_scores[:n], dim=1)
-        torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank], out=self.attn_out[:n])
+        h = slice(first * self.shape.heads, batch * self.shape.heads)
+        torch.matmul(self.attn_q[h], self.attn_kv.t(), out=self.attn_scores[h])
+        probs = torch.softmax(self.attn_scores[h], dim=1)
+        torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank], out=self.attn_out[h])
 
-    def mlp(self, layer: int, batch: int) -> None:
+    def mlp(self, layer: int, batch: int, first: int = 0) -> None:
         """Every projection's GEMM, EP dispatch, the routed experts, EP combine."""
-        if batch == 0:
+        if batch <= first:
             return
         if "weights" in self.components:
             dense, up, down = self.sets[layer % len(self.sets)]
             for (_, i, o), w in zip(self.gemm_shapes, dense):
-                torch.matmul(self.act_in[:batch, :i], w, out=self.act_out[:batch, :o])
+                torch.matmul(self.act_in[first:batch, :i], w, out=self.act_out[first:batch, :o])
         if "comm" in self.components:
             self.spin(self.shape.ep_comm_us / 2)  # dispatch
         if "weights" in self.components:
-            t = self.expert_tokens(batch)
+            t = self.expert_tokens(batch - first)
             torch.bmm(self.expert_in[:, :t], up, out=self.expert_mid[:, :t])
             torch.bmm(self.expert_mid[:, :t], down, out=self.expert_out[:, :t])
         if "comm" in self.components:
@@ -302,6 +307,22 @@ class ModelLayerWork:
             self._expert_tokens[batch] = min(self.max_expert_tokens,
                                              tokens_per_expert(self.shape, batch))
         return self._expert_tokens[batch]
+
+
+def split_batch(batch: int, parts: int = 2) -> list[tuple[int, int]]:
+    """The micro-batches of a batch as ``(first, stop)`` token ranges: consecutive, sizes
+    within one of each other (the first ones larger), every token in exactly one; empty
+    ones dropped (a batch of 1 is one micro-batch: nothing to overlap it with)."""
+    if parts < 1:
+        raise ValueError(f"parts={parts}: expected at least 1")
+    size, extra = divmod(max(0, batch), parts)
+    spans, first = [], 0
+    for j in range(parts):
+        stop = first + size + (j < extra)
+        if stop > first:
+            spans.append((first, stop))
+        first = stop
+    return spans
 
 
 def layer_flops_and_bytes(shape: LayerShape, batch: int, context: int, top_k: int) -> dict:

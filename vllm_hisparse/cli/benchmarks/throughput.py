@@ -24,6 +24,14 @@ printed with the run). A layer's work does not depend on the number of layers, s
 the real model is ``num_layers / sim_layers`` times the simulated one: tokens/s are given per
 GPU for the real model (ratios are unaffected).
 
+``--dbo-ceiling`` adds a third system to the connector run, the **two-micro-batch ceiling**
+(issue [16]): the oracle step with each layer's model-shaped work run once per half of the
+batch (weights read twice, each half's experts at its own router token count, the EP wait
+twice; the conversion once over the batch). No dual-batch overlap of this step can be faster,
+so a ceiling below hybrid's tokens/s says two micro-batches cannot win here. It is timed in the
+same rotation (hybrid, oracle, ceiling), with ``3 * ceil(--timed-steps / 2)`` timed steps per
+point so that hybrid and the oracle keep their count.
+
 Printed per geometry and context: tokens/s per GPU of each system at each concurrency (the
 full system saturates at its batch: more concurrent requests queue), the ratios, the miss
 rate, host issue time against step time (GPU-bound when well below), each stand-in's time
@@ -137,21 +145,32 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
                 sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages)
 
 
+def timed_steps(a, kind: str) -> int:
+    """Timed steps per point of one run: ``--timed-steps``, or with ``--dbo-ceiling`` on a
+    connector run enough for the three-kind rotation to give hybrid and the oracle as many
+    as without it."""
+    if kind == "full" or not getattr(a, "dbo_ceiling", False):
+        return a.timed_steps
+    return 3 * cdiv(a.timed_steps, 2)
+
+
 def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine
 
-    window = a.warmup_steps + a.timed_steps + 2
+    timed = timed_steps(a, kind)
+    window = a.warmup_steps + timed + 2
     # long enough that no request leaves before the probe sets the departures at the first
     # decode-only step (every request admitted, however long admission took)
     output_len = 4 * n + 64 + window * (2 + len(log_points(n, min(a.min_point, n))))
     spec = sim_spec(a, shape, a.sim_layers, context, n, output_len, device, blocks)
     trace = (None if a.trace_dir is None else
              os.path.join(a.trace_dir, f"{shape.name.replace(' ', '_')}-{context}-{kind}.json"))
-    probe = GraphStepProbe(work, a.warmup_steps, a.timed_steps, min_point=a.min_point,
-                           trace_path=trace)
+    with_connector = kind != "full"
+    probe = GraphStepProbe(work, a.warmup_steps, timed, min_point=a.min_point,
+                           trace_path=trace,
+                           dbo_ceiling=with_connector and getattr(a, "dbo_ceiling", False))
     engine = SimulationEngine(spec, probe=probe)
     t0 = time.perf_counter()
-    with_connector = kind != "full"
     try:
         r = engine.run(with_connector)
     finally:
@@ -160,7 +179,7 @@ def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     points = probe.points
     by_point = {}
     for p in points:
-        kinds = ("hybrid", "oracle") if with_connector else ("full",)
+        kinds = probe.connector_kinds if with_connector else ("full",)
         by_point[p] = {k: summarize(probe.steps, k, p) for k in kinds}
     print(f"    {kind}: {n} requests, peak running {r.peak_running}, {r.preemptions} "
           f"preemptions, {r.steps} steps, {probe.graphs_captured} graphs, {wall:.0f} s",
@@ -197,6 +216,11 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     case["scale"] = shape.num_layers / a.sim_layers
     case["sim_layers"] = a.sim_layers
     case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
+    ceiling = [dict(concurrency=r["concurrency"], **r["dbo_ceiling"],
+                    dbo_ceiling_over_hybrid=r.get("dbo_ceiling_over_hybrid"))
+               for r in curve(case) if "dbo_ceiling" in r]
+    if ceiling:  # the real model's figures per point (the raw steps: runs.hybrid.points)
+        case["dbo_ceiling"] = ceiling
     del work
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -214,8 +238,9 @@ def curve(case: dict) -> list[dict]:
     for c in sorted(set(full) | set(hyb), reverse=True):
         f = full.get(c, {}).get("full") or full.get(n_full, {}).get("full", {})
         h, o = hyb.get(c, {}).get("hybrid", {}), hyb.get(c, {}).get("oracle", {})
+        d = hyb.get(c, {}).get("dbo_ceiling", {})
         row = dict(concurrency=c, full_saturated=c > n_full)
-        for name, s in (("full", f), ("hybrid", h), ("oracle", o)):
+        for name, s in (("full", f), ("hybrid", h), ("oracle", o), ("dbo_ceiling", d)):
             if s:
                 row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
                                  range=[t / scale for t in s["tokens_per_s_range"]],
@@ -226,18 +251,22 @@ def curve(case: dict) -> list[dict]:
         if "oracle" in row and "hybrid" in row:
             row["hybrid_over_oracle"] = (row["hybrid"]["tokens_per_s"]
                                          / row["oracle"]["tokens_per_s"])
+        if "dbo_ceiling" in row and "hybrid" in row:
+            row["dbo_ceiling_over_hybrid"] = (row["dbo_ceiling"]["tokens_per_s"]
+                                              / row["hybrid"]["tokens_per_s"])
         rows.append(row)
     return rows
 
 
 def headline(case: dict) -> dict:
-    """Hybrid at its batch against full at its batch, and against the oracle."""
+    """Hybrid at its batch against full at its batch, against the oracle, and the
+    two-micro-batch ceiling against hybrid (where measured)."""
     rows = curve(case)
     if not rows:
         return {}
     top = rows[0]
     out = dict(concurrency=top["concurrency"])
-    for k in ("hybrid_over_full", "hybrid_over_oracle"):
+    for k in ("hybrid_over_full", "hybrid_over_oracle", "dbo_ceiling_over_hybrid"):
         if k in top:
             out[k] = top[k]
     return out
@@ -250,11 +279,16 @@ def print_case(case: dict) -> None:
           f"{case['shape']['num_layers']}-layer model (median [range]; a step takes the "
           f"larger of its GPU and host time), ms per step of the {case.get('sim_layers', '')} "
           f"simulated layers")
-    print("| concurrency | full tok/s | hybrid tok/s | oracle tok/s | hybrid / full "
-          "| hybrid / oracle | miss rate | GPU ms full / hybrid / oracle "
-          "| host ms full / hybrid / oracle |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in curve(case):
+    rows = curve(case)
+    dbo = any("dbo_ceiling" in r for r in rows)  # --dbo-ceiling: its own columns
+    names = ("full", "hybrid", "oracle") + (("dbo_ceiling",) if dbo else ())
+    systems = " / ".join("dbo ceiling" if n == "dbo_ceiling" else n for n in names)
+    print("| concurrency | full tok/s | hybrid tok/s | oracle tok/s "
+          + ("| dbo ceiling tok/s " if dbo else "") + "| hybrid / full | hybrid / oracle "
+          + ("| dbo ceiling / hybrid " if dbo else "")
+          + f"| miss rate | GPU ms {systems} | host ms {systems} |")
+    print("|---" * (9 + 2 * dbo) + "|")
+    for r in rows:
         def cell(name):
             s = r.get(name)
             if not s:
@@ -268,10 +302,12 @@ def print_case(case: dict) -> None:
 
         miss = r.get("hybrid", {}).get("miss_rate")
         print(f"| {r['concurrency']} | {cell('full')} | {cell('hybrid')} | {cell('oracle')} "
-              f"| {r.get('hybrid_over_full', nan):.2f} | {r.get('hybrid_over_oracle', nan):.2f} "
-              f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
-              f"| {ms('full', 'gpu_ms')} / {ms('hybrid', 'gpu_ms')} / {ms('oracle', 'gpu_ms')} "
-              f"| {ms('full', 'host_ms')} / {ms('hybrid', 'host_ms')} / {ms('oracle', 'host_ms')} |")
+              + (f"| {cell('dbo_ceiling')} " if dbo else "")
+              + f"| {r.get('hybrid_over_full', nan):.2f} | {r.get('hybrid_over_oracle', nan):.2f} "
+              + (f"| {r.get('dbo_ceiling_over_hybrid', nan):.2f} " if dbo else "")
+              + f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
+              f"| {' / '.join(ms(n, 'gpu_ms') for n in names)} "
+              f"| {' / '.join(ms(n, 'host_ms') for n in names)} |")
     for kind, run in case.get("runs", {}).items():
         split = run.get("split") or {}
         if split.get("alone_ms"):
@@ -346,6 +382,9 @@ def main(argv=None) -> int:
                    help="the connector's adaptive_hot_region (default: fixed regions)")
     p.add_argument("--gather-ctas-per-sm", type=nonneg_int, default=None,
                    help="the connector's gather_ctas_per_sm (default: the connector's)")
+    p.add_argument("--dbo-ceiling", action="store_true",
+                   help="also time the two-micro-batch ceiling (issue [16]): the oracle step "
+                   "with each layer's stand-ins run once per half of the batch")
     p.add_argument("--trace-dir", metavar="DIR",
                    help="keep each profiled step's chrome trace there "
                    "(MODEL-CONTEXT-SYSTEM.json)")
@@ -385,9 +424,10 @@ def main(argv=None) -> int:
     for c in cases:
         if c.get("runs") and not c.get("realism"):
             print_case(c)
+    dbo = any(c.get("dbo_ceiling") for c in cases)
     print("\n| geometry | context | full / hybrid requests | **hybrid / full** at peak "
-          "| **hybrid / oracle** at peak |")
-    print("|---|---|---|---|---|")
+          "| **hybrid / oracle** at peak |" + (" dbo ceiling / hybrid at peak |" if dbo else ""))
+    print("|---" * (5 + dbo) + "|")
     nan = float("nan")
     for c in cases:
         if c.get("realism") or not c.get("runs"):
@@ -395,7 +435,8 @@ def main(argv=None) -> int:
         h = headline(c)
         print(f"| {c['shape']['name']} | {c['context']} | {c['full_requests']} / "
               f"{c['hybrid_requests']} | {h.get('hybrid_over_full', nan):.2f} "
-              f"| {h.get('hybrid_over_oracle', nan):.2f} |")
+              f"| {h.get('hybrid_over_oracle', nan):.2f} |"
+              + (f" {h.get('dbo_ceiling_over_hybrid', nan):.2f} |" if dbo else ""))
     for c in cases:
         if c.get("realism") and c.get("runs"):
             s = c["runs"]["full"]["points"].get(REALISM["batch"], {}).get("full", {})

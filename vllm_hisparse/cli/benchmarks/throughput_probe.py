@@ -15,7 +15,11 @@ graph, as they do in vLLM. A batch size's graphs are captured between two steps 
 view inert, as at vLLM's startup capture) at its first decode-only step. With the connector
 two graphs are captured per size: the step, and the **oracle**, the same step with the miss
 copies left out (rows then stale; nothing is checked here: ``simulate`` checks this path);
-timed steps alternate between them. A timed step's GPU time runs between CUDA events from
+timed steps alternate between them. With ``dbo_ceiling`` a third graph, the **two-micro-batch
+ceiling**: the oracle step with each layer's model-shaped work run once per half of the
+batch (:func:`.model_layer.split_batch`; the conversion still once over the batch), the best
+step any dual-batch overlap (one half's gather under the other half's layer) could reach;
+timed steps then rotate over the three. A timed step's GPU time runs between CUDA events from
 before ``start_load_kv`` to after ``wait_for_save``, with the host's issue hidden: a
 ``GATE_US`` wait is queued on the GPU first and the start event after it, so the host queues
 the whole step before the GPU reaches it (what vLLM's async scheduling gives while the host
@@ -39,7 +43,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_hisparse.cli.benchmarks.connector import NoCopyGather
-from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork
+from vllm_hisparse.cli.benchmarks.model_layer import ModelLayerWork, split_batch
 from vllm_hisparse.cli.benchmarks.step_profile import StepProfile
 from vllm_hisparse.ops import probe as ops_probe
 from vllm_hisparse.vllm.simulation.probe import StepProbe
@@ -51,10 +55,14 @@ GATE_CTAS = 132
 #: Decode-only steps to wait for the last requests to be admitted before the departures are
 #: set without them.
 STALL_STEPS = 8
+#: A connector run's timed kind -> the graph it replays; the forward each graph runs.
+GRAPH_OF = {"hybrid": "step", "oracle": "oracle", "dbo_ceiling": "dbo_ceiling"}
+FORWARD_OF = {"step": {}, "oracle": dict(oracle=True),
+              "dbo_ceiling": dict(oracle=True, micro_batches=2)}
 
 @dataclass
 class TimedStep:
-    kind: str  # "full", "hybrid" or "oracle"
+    kind: str  # "full", "hybrid", "oracle" or "dbo_ceiling"
     batch: int
     ms: float  # max(gpu_ms, host_ms)
     gpu_ms: float
@@ -78,6 +86,7 @@ class GraphStepProbe(StepProbe):
     points: tuple[int, ...] = ()  # set at the first decode-only step (_plan_departures)
     split_at: int | None = None  # batch size whose step is split by component and profiled
     trace_path: str | None = None  # where the profiled step's chrome trace is kept
+    dbo_ceiling: bool = False  # with the connector: time the two-micro-batch ceiling too
     steps: list[TimedStep] = field(default_factory=list)
     split: dict = field(default_factory=dict)
     graphs_captured: int = 0
@@ -155,8 +164,9 @@ class GraphStepProbe(StepProbe):
             if not self._run.with_connector:
                 self._kind = "full"
             else:
-                self._kind = "hybrid" if timed % 2 == 0 else "oracle"
-                self._graph_kind = "step" if self._kind == "hybrid" else "oracle"
+                kinds = self.connector_kinds
+                self._kind = kinds[timed % len(kinds)]
+                self._graph_kind = GRAPH_OF[self._kind]
                 self._stats_before = self._counters()
         elif (self._cuda and n == self.split_at and timed == self.timed_steps
               and "kernel_ms" not in self.split):
@@ -201,7 +211,7 @@ class GraphStepProbe(StepProbe):
             self._tables[g][:n, :md.block_table.shape[1]].copy_(md.block_table)
         graph = self._graphs.get((n, self._graph_kind))
         if graph is None:
-            self._forward(n, oracle=self._graph_kind == "oracle")
+            self._forward(n, **FORWARD_OF[self._graph_kind])
         else:
             graph.replay()
 
@@ -239,6 +249,11 @@ class GraphStepProbe(StepProbe):
         self._graphs.clear()
         self._md.clear()
 
+    @property
+    def connector_kinds(self) -> tuple[str, ...]:
+        """The kinds a connector run's timed steps rotate over, in order."""
+        return ("hybrid", "oracle") + (("dbo_ceiling",) if self.dbo_ceiling else ())
+
     # -- the forward
 
     def _metadata(self, n: int) -> dict[str, SimpleNamespace]:
@@ -252,21 +267,26 @@ class GraphStepProbe(StepProbe):
             self._md[n] = {name: per_group[g] for name, (g, *_r) in self._model.layers.items()}
         return self._md[n]
 
-    def _forward(self, n: int, *, oracle: bool = False, components=None,
-                 convert: bool = True) -> None:
+    def _forward(self, n: int, *, oracle: bool = False, micro_batches: int = 1,
+                 components=None, convert: bool = True) -> None:
         """Every layer at batch ``n``: the leader's indexer, the conversion (unless not
-        ``convert``: the last converted rows are read again), attention, MLP."""
+        ``convert``: the last converted rows are read again), attention, MLP. With
+        ``micro_batches`` > 1 the stand-ins run once per micro-batch (indexer, attention and
+        MLP each over its tokens: the weights read once per micro-batch), the conversion
+        still once over the batch."""
         model, work = self._model, self.work
         md = self._metadata(n)
         saved = work.components
         if components is not None:
             work.components = components
+        spans = split_batch(n, micro_batches)
         gathers = []
         if oracle:
             gathers = [b.swap_gather(NoCopyGather()) for b in self._run.bindings]
         try:
             for leader, (_, names, _) in enumerate(model.units):
-                work.indexer(leader, n)
+                for first, stop in spans:
+                    work.indexer(leader, stop, first)
                 impl = model.impls[names[0]]
                 if convert:
                     impl.topk_indices_buffer[:n].copy_(self._topk[:n])
@@ -276,29 +296,31 @@ class GraphStepProbe(StepProbe):
                         rows, _ = model.impls[name].forward_mqa(self._q[:n], model.kv[name],
                                                                 md[name], None)
                         self._rows[layer] = rows
-                    work.attention(layer, self._rows[layer], n)
-                    work.mlp(layer, n)
+                    for first, stop in spans:
+                        work.attention(layer, self._rows[layer], stop, first)
+                        work.mlp(layer, stop, first)
         finally:
             work.components = saved
             for b, g in zip(self._run.bindings, gathers):
                 b.swap_gather(g)
 
     def _capture(self, n: int) -> None:
-        """Batch ``n``'s graphs (step, and with the connector the oracle), between steps."""
-        kinds = ("step", "oracle") if self._run.with_connector else ("step",)
+        """Batch ``n``'s graphs (step, and with the connector the oracle and the
+        two-micro-batch ceiling if asked), between steps."""
+        kinds = (tuple(GRAPH_OF[k] for k in self.connector_kinds) if self._run.with_connector
+                 else ("step",))
         for b in self._run.bindings:
             b.gather.join()
         for kind in kinds:
-            self._forward(n, oracle=kind == "oracle")  # warm-up: allocates, view inert
+            self._forward(n, **FORWARD_OF[kind])  # warm-up: allocates, view inert
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(n, oracle=kind == "oracle")
+                self._forward(n, **FORWARD_OF[kind])
             self._graphs[(n, kind)] = graph
             self.graphs_captured += 1
-        for m in [m for m, _ in self._graphs if m != n]:  # a finished point's graphs
-            self._graphs.pop((m, "step"), None)
-            self._graphs.pop((m, "oracle"), None)
+        for key in [key for key in self._graphs if key[0] != n]:  # a finished point's graphs
+            del self._graphs[key]
 
     def _components_alone(self, n: int) -> dict[str, float]:
         """ms of each stand-in alone at batch ``n`` (its own graph, every layer, median of
