@@ -9,7 +9,8 @@ import torch
 
 from vllm_hisparse.cli.benchmarks import throughput
 from vllm_hisparse.cli.benchmarks.model_layer import (LayerShape, ModelLayerWork, log_points,
-                                                      tokens_per_expert)
+                                                      split_batch, tokens_per_expert)
+from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe
 
 
 def test_layer_weight_bytes_are_the_models_fp8_bytes():
@@ -78,6 +79,9 @@ def test_cpu_smoke_run_through_the_scheduler(tmp_path, capsys):
     assert top["hybrid"]["miss_rate"] > 0
     printed = capsys.readouterr().out
     assert "hybrid / oracle" in printed and "DeepSeek-V3.2" in printed
+    # without --dbo-ceiling nothing of the two-micro-batch ceiling is run, stored or printed
+    assert "dbo" not in out.read_text().replace('"dbo_ceiling": false', "")
+    assert "dbo" not in printed
 
 
 def test_device_plan_counts_one_backing_allocation():
@@ -119,3 +123,122 @@ def test_residency_options_reach_the_connector_extra_config():
         assert s.connector_extra == {"host_layout": "auto", "adaptive_hot_region": True,
                                      "hot_region_eviction": eviction}
         assert s.topk_drift == "scored"
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_split_batch_covers_every_token_exactly_once(parts):
+    for batch in range(0, 41):
+        spans = split_batch(batch, parts)
+        tokens = [t for first, stop in spans for t in range(first, stop)]
+        assert tokens == list(range(batch))  # consecutive, each token once, in order
+        sizes = [stop - first for first, stop in spans]
+        assert all(size > 0 for size in sizes)  # no empty micro-batch
+        assert len(spans) == min(parts, batch)
+        assert sizes == sorted(sizes, reverse=True) and max(sizes, default=0) - min(
+            sizes, default=0) <= 1
+    assert split_batch(1) == [(0, 1)]  # nothing to overlap one token with
+    assert split_batch(5) == [(0, 3), (3, 5)]
+    assert split_batch(8) == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="parts=0"):
+        split_batch(4, 0)
+
+
+def test_layer_work_over_halves_is_the_whole_batch_read_twice():
+    """Each stand-in run over the two halves writes what it writes over the whole batch (every
+    token once), while the EP wait runs once per half and each half's experts get the router
+    stand-in's token count for that half."""
+    shape = LayerShape.named("dsv32", **throughput.TINY)
+    kv = [torch.randint(0, 255, (4096, shape.mla_row_bytes), dtype=torch.uint8)]
+    work = ModelLayerWork(shape, max_batch=5, context=256, top_k=32, kv_rows=kv,
+                          device=torch.device("cpu"))
+    rows = torch.randint(-1, 4096, (5, 32), dtype=torch.int32)
+    waits = []
+    work.spin = waits.append
+
+    def outputs(spans):
+        for buf in (work.logits, work.topk_indices, work.attn_out, work.act_out):
+            buf.zero_()
+        for first, stop in spans:
+            work.indexer(0, stop, first)
+            work.attention(0, rows, stop, first)
+            work.mlp(0, stop, first)
+        return [t[:5].clone() for t in (work.logits, work.topk_indices)] + [
+            work.attn_out[:5 * shape.heads].clone(), work.act_out[:5].clone()]
+
+    whole = outputs([(0, 5)])
+    assert len(waits) == 2 and sorted(work._expert_tokens) == [5]
+    halves = outputs(split_batch(5))
+    assert len(waits) == 6  # dispatch and combine per half
+    assert sorted(work._expert_tokens) == [2, 3, 5]
+    assert work.expert_tokens(3) == min(work.max_expert_tokens, tokens_per_expert(shape, 3))
+    for a, b in zip(whole, halves):
+        assert torch.allclose(a.float(), b.float(), rtol=0.02, atol=1e-3)
+    # a half alone leaves the other half's tokens untouched
+    outputs([(3, 5)])
+    assert not work.act_out[:3].any() and work.act_out[3:5].any()
+
+
+def test_dbo_ceiling_is_off_by_default():
+    import argparse
+
+    a = argparse.Namespace(timed_steps=6)
+    assert throughput.timed_steps(a, "hybrid") == 6
+    a.dbo_ceiling = True
+    assert throughput.timed_steps(a, "full") == 6
+    assert throughput.timed_steps(a, "hybrid") == 9  # hybrid and oracle keep 3 each
+    a.timed_steps = 5
+    assert throughput.timed_steps(a, "hybrid") == 9
+    probe = GraphStepProbe(None, 1, 2)
+    assert probe.connector_kinds == ("hybrid", "oracle")
+    probe.dbo_ceiling = True
+    assert probe.connector_kinds == ("hybrid", "oracle", "dbo_ceiling")
+
+
+def test_cpu_smoke_run_with_the_dbo_ceiling(tmp_path, capsys, monkeypatch):
+    """--dbo-ceiling through the real path: the ceiling's steps run each layer's MLP once per
+    half of the batch, and every connector point gets the third system with finite figures."""
+    import math
+
+    calls = []
+    forward = GraphStepProbe._forward
+
+    def recording(self, n, **kw):
+        calls.append((n, kw.get("micro_batches", 1), kw.get("oracle", False)))
+        return forward(self, n, **kw)
+
+    monkeypatch.setattr(GraphStepProbe, "_forward", recording)
+    mlp_calls = []
+    mlp = ModelLayerWork.mlp
+
+    def recording_mlp(self, layer, batch, first=0):
+        mlp_calls.append((batch, first))
+        return mlp(self, layer, batch, first)
+
+    monkeypatch.setattr(ModelLayerWork, "mlp", recording_mlp)
+    out = tmp_path / "t.json"
+    rc = throughput.main(["--geometries", "glm52", "--max-requests", "4", "--timed-steps", "2",
+                          "--dbo-ceiling", "--json", str(out)])
+    assert rc == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    hybrid = case["runs"]["hybrid"]["points"]
+    assert hybrid and all(sorted(p) == ["dbo_ceiling", "hybrid", "oracle"]
+                          for p in hybrid.values())
+    for p in hybrid.values():
+        assert all(s["timed_steps"] == 1 for s in p.values())  # one each: 3 x ceil(2 / 2)
+        d = p["dbo_ceiling"]
+        for key in ("tokens_per_s", "gpu_ms_median", "host_ms_median"):
+            assert math.isfinite(d[key]) and d[key] > 0
+    assert all("dbo_ceiling" not in p for p in case["runs"]["full"]["points"].values())
+    rows = case["dbo_ceiling"]
+    assert [r["concurrency"] for r in rows] == sorted(map(int, hybrid), reverse=True)
+    for r in rows:
+        assert math.isfinite(r["dbo_ceiling_over_hybrid"]) and r["dbo_ceiling_over_hybrid"] > 0
+        assert r["range"][0] <= r["tokens_per_s"] <= r["range"][1]
+    # the ceiling's forward: the oracle's (no miss copies), split in two micro-batches
+    ceiling = [(n, oracle) for n, parts, oracle in calls if parts == 2]
+    assert ceiling and all(oracle for _, oracle in ceiling)
+    assert {n for n, _ in ceiling} == set(map(int, hybrid))
+    for n in {n for n, _ in ceiling if n > 1}:
+        assert (n, (n + 1) // 2) in mlp_calls  # the second half's MLP
+    printed = capsys.readouterr().out
+    assert "dbo ceiling tok/s" in printed and "dbo ceiling / hybrid" in printed
