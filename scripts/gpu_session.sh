@@ -8,6 +8,9 @@
 #   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports and
 #   holds the probe kernels: cmake -DHISPARSE_PROBE_KERNELS=ON)
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
+#   STEPS=throughput THROUGHPUT_ARGS="--geometries dsv32 glm51 --contexts 32768 --dbo-ceiling" ...
+#     # THROUGHPUT_ARGS goes to bench throughput as is; --dbo-ceiling adds the two-micro-batch
+#     # ceiling (issue [16]) to each connector run (docs/benchmarks.md, "Throughput")
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -187,7 +190,8 @@ fi
 if has throughput; then
   # The headline figure: decode tokens/s against concurrency, full vs hybrid vs the no-IO
   # oracle, model-shaped layers replayed from CUDA graphs through vLLM's scheduler and both
-  # connector roles (docs/benchmarks.md, "Throughput"). THROUGHPUT_ARGS narrows it.
+  # connector roles (docs/benchmarks.md, "Throughput"). THROUGHPUT_ARGS narrows it (or adds
+  # --dbo-ceiling: the two-micro-batch ceiling as a fourth column).
   if ! vbundle; then
     note "throughput skipped: no vLLM bundle at $BUNDLE"
   else
