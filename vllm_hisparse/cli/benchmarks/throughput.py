@@ -366,7 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=positive_int)
     p.add_argument("--warmup-steps", type=positive_int)
     p.add_argument("--timed-steps", type=positive_int,
-                   help="timed steps per concurrency point (hybrid: half of them oracle)")
+                   help="timed steps per concurrency point (hybrid: half of them oracle; "
+                   "with --dbo-ceiling 3 x ceil(N / 2), a third each)")
     p.add_argument("--max-requests", type=positive_int)
     p.add_argument("--min-point", type=positive_int, help="smallest concurrency point")
     p.add_argument("--ep-comm-us", type=nonneg_float,

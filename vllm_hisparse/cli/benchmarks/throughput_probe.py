@@ -60,6 +60,7 @@ GRAPH_OF = {"hybrid": "step", "oracle": "oracle", "dbo_ceiling": "dbo_ceiling"}
 FORWARD_OF = {"step": {}, "oracle": dict(oracle=True),
               "dbo_ceiling": dict(oracle=True, micro_batches=2)}
 
+
 @dataclass
 class TimedStep:
     kind: str  # "full", "hybrid", "oracle" or "dbo_ceiling"
