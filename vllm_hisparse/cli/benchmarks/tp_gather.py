@@ -43,8 +43,8 @@ import uuid
 from vllm_hisparse.cli.args import output_path, positive_float, positive_int
 from vllm_hisparse.cli.memory import check_fits_in_memory
 
-#: docs/benchmarks.md, "CUDA kernels": measured on the H200 machine (one GPU, PCIe Gen5 x16): GB/s of the GPU
-#: zero-copy gather of scattered rows, by (row bytes, rows per launch).
+#: GB/s of the GPU zero-copy gather of scattered rows on the H200 machine (one GPU, PCIe Gen5
+#: x16), by (row bytes, rows per launch): docs/benchmarks.md, "CUDA kernels".
 DESIGN_GATHER_GBPS = {(656, 2048): 38.0, (656, 16384): 44.0, (1152, 2048): 47.0,
                       (1152, 16384): 50.0}
 DESIGN_DMA_H2D_GBPS = 55.0  # contiguous pinned DMA, one link
@@ -287,7 +287,7 @@ def rank_main(rank: int, cfg: dict, barrier, out) -> None:
 
 
 def summarize(reports: list[dict], cfg: dict) -> dict:
-    """Per row count: each rank's GB/s alone and together, the aggregate, the §8 figure."""
+    """Per row count: each rank's GB/s alone and together, the aggregate, one link's figure."""
     table = []
     for i, rows in enumerate(cfg["rows"]):
         entries = [r["rows"][i] for r in reports]
@@ -316,14 +316,15 @@ def format_report(summary: dict, cfg: dict) -> str:
     n = cfg["ranks"]
     head = " | ".join([f"rank {r} alone" for r in range(n)] + [f"rank {r} both" for r in range(n)])
     out = [f"| rows/launch | {head} | aggregate | aggregate / best alone | overlap | "
-           f"§8 one link |", "|---:" * (2 * n + 5) + "|"]
+           f"one link |", "|---:" * (2 * n + 5) + "|"]
     for row in summary["table"]:
         cells = [_gbps(g) for g in row["alone_gbps"] + row["together_gbps"]]
         limit = row["design_one_link_gbps"]
         cells += [_gbps(row["aggregate_gbps"]), f"{row['aggregate_over_best_alone']:.2f}x",
                   f"{100 * row['overlap']:.0f} %", "-" if limit is None else f"{limit:.0f}"]
         out.append(f"| {row['rows']:,} | " + " | ".join(cells) + " |")
-    out.append(f"GB/s; §8 one link: contiguous DMA H2D {DESIGN_DMA_H2D_GBPS:.0f} GB/s; "
+    out.append("GB/s; one link (docs/benchmarks.md, \"CUDA kernels\"): contiguous DMA H2D "
+               f"{DESIGN_DMA_H2D_GBPS:.0f} GB/s; "
                f"expected aggregate with one link per rank: up to {n} x alone")
     mem = summary["memory"]
     pss = sum(m["pss_bytes"] for m in mem)
