@@ -220,7 +220,7 @@ class PDLandings:
         except InvalidTransferParams as exc:
             self._refuse(rid, exc)
             return self._offer_refusal(request, num_computed_tokens)
-        if self.host_pool.num_allocatable_blocks - self.book.host_outstanding < self.geometry.host_pages_for(request):
+        if not self.admission.host_backs(request):
             return None, False  # host back-pressure, as for every request
         landing, shortfall = self._decide(request, num_computed_tokens, num_external, num_tokens)
         if landing is None:

@@ -108,9 +108,9 @@ class AdmissionGate:
         local_pages = num_computed_tokens // bs
         hit_pages = host_prefix.hit_pages(request, local_pages)
         prefix_pages = local_pages + hit_pages if hit_pages else 0
-        # Hit pages need no new host block; they may sit among the evictable ones.
-        available = self.host_pool.num_allocatable_blocks - self.book.host_outstanding - prefix_pages
-        if self.geometry.host_pages_for(request) - prefix_pages > available:
+        # Hit pages need no new host block, and they may sit among the evictable ones: on
+        # both sides of the comparison, so the prefix cancels out of it.
+        if not self.host_backs(request):
             # The host cannot back it: vLLM runs it as it would without us.
             self._offered_unmanaged = rid
             return 0, False
@@ -249,6 +249,12 @@ class AdmissionGate:
     def let_through(self) -> dict[str, int]:
         """Requests let through this admission pass: id -> prompt pages still to allocate."""
         return self._let_through
+
+    def host_backs(self, request: Any) -> bool:
+        """Whether the host pool can back ``request`` for its whole length beside the blocks
+        already reserved for admitted requests (else vLLM runs it as without us)."""
+        return (self.geometry.host_pages_for(request)
+                <= self.host_pool.num_allocatable_blocks - self.book.host_outstanding)
 
     def _require_policy(self) -> ResidencyPolicy:
         if self._policy is None:

@@ -65,21 +65,20 @@ class SchedulerGeometry:
         """The residency policy's configuration for this engine (``sched``: vLLM's
         ``SchedulerConfig``)."""
         bs = self.block_size
-        low, high = self._pressure_watermarks(sched, kv_cache_config, hisparse_config)
+        low, high = self._pressure_watermarks(sched, kv_cache_config)
         return PolicyConfig(
             block_size=bs,
             max_num_rows=sched.max_num_seqs,
             max_pages_per_request=cdiv(self.max_model_len, bs),
             device_buffer_size_rows=hisparse_config.device_buffer_size,
-            admission_window_pages=cdiv(sched.max_num_batched_tokens, bs),
-            eager_host_mirror=hisparse_config.eager_host_mirror,
+            admission_window_pages=cdiv(self.max_chunk_tokens, bs),
+            eager_host_mirror=self.eager_host_mirror,
             low_watermark_blocks=low,
             high_watermark_blocks=high,
             hot_sizing=hisparse_config.hot_sizing(),
         )
 
-    def _pressure_watermarks(self, sched: Any, kv_cache_config: Any,
-                             hisparse_config: HiSparseResidencyConfig) -> tuple[int, int]:
+    def _pressure_watermarks(self, sched: Any, kv_cache_config: Any) -> tuple[int, int]:
         """Pressure watermarks, in page bundles, sized to what one vLLM step allocates.
 
         The policy relieves pressure only at the end of a step, after vLLM allocated
@@ -96,12 +95,11 @@ class SchedulerGeometry:
         the worst-case sizing stays.
         """
         num_sparse = self.num_sparse_groups
-        num_groups = len(kv_cache_config.kv_cache_groups)
-        step_pages = cdiv(sched.max_num_batched_tokens, self.block_size) + min(
-            sched.max_num_seqs, sched.max_num_batched_tokens
+        step_pages = cdiv(self.max_chunk_tokens, self.block_size) + min(
+            sched.max_num_seqs, self.max_chunk_tokens
         )
-        step_blocks = step_pages * num_groups
+        step_blocks = step_pages * self.num_kv_groups
         bundles = (kv_cache_config.num_blocks - 1) // num_sparse
         low = min(cdiv(step_blocks, num_sparse), bundles // 2)
-        high = min(low + hisparse_config.hot_blocks_per_request + cdiv(bundles, 20), bundles)
+        high = min(low + self.hot_blocks_per_request + cdiv(bundles, 20), bundles)
         return low, max(high, low)

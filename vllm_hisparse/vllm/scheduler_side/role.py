@@ -113,7 +113,6 @@ class SchedulerRole:
         hisparse_config: HiSparseResidencyConfig,
         kv_cache_config: compat.KVCacheConfig,
     ) -> None:
-        self.hisparse_config = hisparse_config
         geometry = self.geometry = SchedulerGeometry.of_engine(vllm_config, hisparse_config, kv_cache_config)
         # Our manager for the sparse groups, chosen by group role. This must happen
         # before the scheduler builds its KVCacheManager, i.e. here (see compat).

@@ -177,22 +177,14 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-@dataclasses.dataclass(frozen=True)
-class LeaderResolve:
-    """What an index group's leader resolved in one step; its followers read it."""
-
-    step_id: int
-    rows: torch.Tensor  # int32 [T, K] flat device rows
-    token_rows: torch.Tensor  # int32 [T] state row per token, -1 = not resolved
-
-
 @dataclasses.dataclass
 class IndexGroupResidency:
     """One vLLM index group (leader + IndexShare followers) bound to its hot state.
 
     The fields are set at construction and stay as they are (:meth:`release_layers` empties
     the layer lists once, at shutdown). The per-step state is the leader's last resolve
-    (:class:`LeaderResolve`, replaced by each :meth:`resolve_leader`) and whatever the hot
+    (``(step_id, flat rows, token rows)``, replaced by each :meth:`resolve_leader`: a plain
+    tuple, for this runs per layer on every eager step) and whatever the hot
     state and the gather hold. The gather executor is built from the fields at construction
     (benchmarks replace it through :meth:`swap_gather`).
 
@@ -230,7 +222,8 @@ class IndexGroupResidency:
     gather_ctas_per_sm: int = DEFAULT_LEADER_CTAS_PER_SM
     scores: ScoreTap | None = None
     _gather: GroupGather = dataclasses.field(init=False, repr=False)
-    _leader: LeaderResolve | None = dataclasses.field(init=False, default=None, repr=False)
+    _leader: tuple[int, torch.Tensor, torch.Tensor] | None = dataclasses.field(
+        init=False, default=None, repr=False)
 
     def __post_init__(self):
         # Built now so that a bad mode or schedule fails at bind time, not in a forward.
@@ -274,7 +267,7 @@ class IndexGroupResidency:
             self._fill_slot_classes(logical_topk)
         result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
         self._gather.launch(result)
-        self._leader = LeaderResolve(self.step.step_id, result.out_rows, token_rows)
+        self._leader = (self.step.step_id, result.out_rows, token_rows)
         if self.record is not None:
             self.record(token_rows, logical_topk)
 
@@ -291,14 +284,14 @@ class IndexGroupResidency:
 
     def leader_rows(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat rows int32 [T, K], token state rows int32 [T]) the leader resolved this step."""
-        leader = self._leader
-        if leader is None or leader.step_id != self.step.step_id:
+        if self._leader is None or self._leader[0] != self.step.step_id:
             raise RuntimeError("residency hook: a follower layer converted its top-k before "
                                "the index group's leader layer did in this step")
-        if leader.rows.shape[0] != num_tokens:
+        _, rows, token_rows = self._leader
+        if rows.shape[0] != num_tokens:
             raise RuntimeError(f"residency hook: follower converts {num_tokens} tokens but the "
-                               f"leader resolved {leader.rows.shape[0]}")
-        return leader.rows, leader.token_rows
+                               f"leader resolved {rows.shape[0]}")
+        return rows, token_rows
 
     def wait_for_layer(self, layer_index: int) -> None:
         """Order the current stream (the layer's attention) after the copy of layer
