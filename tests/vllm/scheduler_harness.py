@@ -36,7 +36,7 @@ def planned_worker_kv_cache_config(
 ) -> KVCacheConfig:
     """vLLM's own planning (grouping through the platform's builder) for ``num_blocks``:
     the per-layer form a worker gets (the simulator's ``plan_kv_cache``)."""
-    from vllm_hisparse.vllm.simulation.engine import plan_kv_cache
+    from vllm_hisparse.vllm.simulation.scheduler_driver import plan_kv_cache
 
     config = plan_kv_cache(vllm_config, specs, num_blocks)
     assert config.num_blocks == num_blocks

@@ -416,7 +416,7 @@ OFFLINE_ENGINE_CONFIG = ObjectChange(
         "which sets these on its own config (block count after profiling, the platform's "
         "choices, one config per rank).",
     sites=_m("simulation.engine", "simulation.model", "simulation.ranks",
-             "vllm_hisparse.cli.benchmarks.vllm_baselines"),
+             "simulation.scheduler_driver", "vllm_hisparse.cli.benchmarks.vllm_baselines"),
     names=("num_gpu_blocks", "num_gpu_blocks_override", "kv_cache_layout",
            "disable_hybrid_kv_cache_manager", "kv_transfer_config", "hisparse_config", "rank"),
     compat=(),

@@ -46,9 +46,7 @@ from vllm_hisparse.core.errors import ProtocolError
 from vllm_hisparse.core.units import GIB, cdiv
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.compat import (KVConnectorOutput, ModelRunnerOutput, Request, SamplingParams,
-                                       StructuredOutputManager, generate_scheduler_kv_cache_config,
-                                       get_global_kv_cache_groups, get_kv_cache_configs,
-                                       get_request_block_hasher, init_none_hash, sha256)
+                                       generate_scheduler_kv_cache_config)
 from vllm_hisparse.vllm.plugin import register
 from vllm_hisparse.vllm.setup.kv_plan import host_page_bytes, indexer_group_ids, sparse_group_ids
 from vllm_hisparse.vllm.simulation.ground_truth import SimulationFailure, SimulationMismatch
@@ -56,6 +54,7 @@ from vllm_hisparse.vllm.simulation.model import dsa_layer_specs, kv_transfer_con
 from vllm_hisparse.vllm.simulation.probe import ProbeRun, StepInfo, StepProbe
 from vllm_hisparse.vllm.simulation.ranks import RankThreads
 from vllm_hisparse.vllm.simulation.results import Progress, RunResult
+from vllm_hisparse.vllm.simulation.scheduler_driver import make_scheduler, plan_kv_cache
 from vllm_hisparse.vllm.simulation.scored_indexer import decodes_first
 from vllm_hisparse.vllm.simulation.spec import (SAMPLED_TOKEN, RequestPlan, SimulationSpec, make_workload,
                                                 prompt_token_ids, token_ids)
@@ -83,22 +82,6 @@ def _worker_patches_restored() -> Iterator[None]:
         for patch in (patches.TOPK_CONVERSION_HOOK, patches.DIRECT_CONVERSION_ROUTING):
             if patch not in kept:
                 patch.remove()
-
-
-def plan_kv_cache(vllm_config, specs, num_blocks: int):
-    """vLLM's KV planning of ``specs`` (layer name -> spec) into a pool of exactly
-    ``num_blocks`` blocks, as the engine core plans (our planner when the connector is
-    configured); ``vllm_config.cache_config.num_gpu_blocks`` is set to it."""
-    groups = get_global_kv_cache_groups(vllm_config, [specs])
-    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
-    try:
-        # With the override vLLM sizes the pool to exactly num_blocks whatever memory we
-        # claim; claim plenty so its max_model_len check passes.
-        (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
-    finally:
-        vllm_config.cache_config.num_gpu_blocks_override = None
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    return full
 
 
 class SimulationEngine:
@@ -251,13 +234,9 @@ class _Run:
         #: Runs one engine step's model execution; RankThreads replaces it on rank 0.
         self.execute_model = self._forward
         if leader is None:
-            init_none_hash(sha256)
-            self._hasher = get_request_block_hasher(self.block_size, sha256)
             scheduler_cls, _ = compat.scheduler_classes()
-            self.scheduler = scheduler_cls(
-                vllm_config=vllm_config, kv_cache_config=sched_config,
-                structured_output_manager=StructuredOutputManager(vllm_config),
-                block_size=self.block_size, log_stats=True)
+            self.scheduler, self._hasher = make_scheduler(scheduler_cls, vllm_config,
+                                                          sched_config, self.block_size)
         else:
             self.scheduler = leader.scheduler
 

@@ -6,7 +6,9 @@ each step returns a ``ModelRunnerOutput`` that samples one fixed token for every
 prompt is fully computed after the step. A worker stand-in (``on_forward(scheduler_output) ->
 KVConnectorOutput | None``) answers our connector's commands; :class:`InStepAcks` acks every
 transfer in the step that issued it. The scheduler benchmarks time this driver; the tests
-extend it (fault-injecting workers, speculative decoding, leak checks).
+extend it (fault-injecting workers, speculative decoding, leak checks). :func:`plan_kv_cache`
+and :func:`make_scheduler` set up vLLM's planning and scheduler as the engine core does; the
+simulator's engine builds on them too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 from vllm_hisparse.core.commands import WorkerAcks
 from vllm_hisparse.vllm.compat import (KVConnectorOutput, ModelRunnerOutput, Request, SamplingParams,
-                                       StructuredOutputManager, get_request_block_hasher, init_none_hash,
+                                       StructuredOutputManager, get_global_kv_cache_groups,
+                                       get_kv_cache_configs, get_request_block_hasher, init_none_hash,
                                        scheduler_classes, sha256)
 from vllm_hisparse.vllm.metadata import HiSparseConnectorMetadata, HiSparseWorkerMetadata
 from vllm_hisparse.vllm.simulation.spec import SAMPLED_TOKEN
@@ -53,6 +56,33 @@ class RunStats:
     running_per_step: list[int] = field(default_factory=list)
 
 
+def plan_kv_cache(vllm_config, specs, num_blocks: int):
+    """vLLM's KV planning of ``specs`` (layer name -> spec) into a pool of exactly
+    ``num_blocks`` blocks, as the engine core plans (our planner when the connector is
+    configured); ``vllm_config.cache_config.num_gpu_blocks`` is set to it."""
+    groups = get_global_kv_cache_groups(vllm_config, [specs])
+    vllm_config.cache_config.num_gpu_blocks_override = num_blocks
+    try:
+        # With the override vLLM sizes the pool to exactly num_blocks whatever memory we
+        # claim; claim plenty so its max_model_len check passes.
+        (full,) = get_kv_cache_configs(vllm_config, [specs], [1 << 40], groups)
+    finally:
+        vllm_config.cache_config.num_gpu_blocks_override = None
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return full
+
+
+def make_scheduler(scheduler_cls: type, vllm_config: Any, kv_cache_config: Any,
+                   block_size: int) -> tuple[Any, Any]:
+    """vLLM's ``scheduler_cls`` over ``kv_cache_config`` (the scheduler's form of the plan),
+    built as the engine core builds it, and the block hasher its requests need."""
+    init_none_hash(sha256)
+    scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                              structured_output_manager=StructuredOutputManager(vllm_config),
+                              block_size=block_size, log_stats=True)
+    return scheduler, get_request_block_hasher(block_size, sha256)
+
+
 class SchedulerDriver:
     """A real scheduler with a fake forward; counts running, preemptions, finishes.
 
@@ -71,15 +101,8 @@ class SchedulerDriver:
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.block_size = vllm_config.cache_config.block_size
-        init_none_hash(sha256)
-        self._block_hasher = get_request_block_hasher(self.block_size, sha256)
-        self.scheduler = cls(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=self.block_size,
-            log_stats=True,
-        )
+        self.scheduler, self._block_hasher = make_scheduler(cls, vllm_config, kv_cache_config,
+                                                            self.block_size)
         # The engine core keeps one batch in flight with async scheduling: step N+1 is
         # scheduled before step N's output is applied.
         self.in_flight_depth = 2 if async_scheduling else 1
