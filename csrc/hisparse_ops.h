@@ -211,6 +211,17 @@ struct MergeRowsParams {
   int k;                      // K
   int from_stride_rows;       // rows between device blocks in `ours`
   int to_stride_rows;         // rows between device blocks in the target space
+  // Table mode (theirs == nullptr): an untracked token's rows are vLLM's decode conversion
+  // computed here, block_table[batch_rows[t], pos / block_size] * to_stride_rows
+  // + pos % block_size, -1 for pos < 0, a page at or past table_cols or a batch row outside
+  // [0, table_rows).
+  const int32_t* topk;        // [T, K] request-relative positions (-1 = none)
+  const int32_t* batch_rows;  // [T] batch row of each token
+  const int32_t* block_table; // [table_rows, table_cols], rows table_stride entries apart
+  int table_rows;
+  int table_cols;
+  long long table_stride;
+  int block_size;
 };
 
 // One CTA per token: merge, translate (block * to + offset) and optionally compact.

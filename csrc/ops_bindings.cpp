@@ -273,6 +273,30 @@ void merge_rows_py(uint64_t ours, uint64_t token_rows, uint64_t theirs, uint64_t
   check(launch_merge_rows(p, as_stream(stream)), "merge_rows");
 }
 
+void merge_table_rows_py(uint64_t ours, uint64_t token_rows, uint64_t topk, uint64_t batch_rows,
+                         uint64_t block_table, int table_rows, int table_cols,
+                         long long table_stride, int block_size, uint64_t out, uint64_t counts,
+                         int num_tokens, int k, int from_stride_rows, int to_stride_rows,
+                         uint64_t stream) {
+  MergeRowsParams p{};
+  p.ours = as_ptr<const int32_t>(ours);
+  p.token_rows = as_ptr<const int32_t>(token_rows);
+  p.topk = as_ptr<const int32_t>(topk);
+  p.batch_rows = as_ptr<const int32_t>(batch_rows);
+  p.block_table = as_ptr<const int32_t>(block_table);
+  p.table_rows = table_rows;
+  p.table_cols = table_cols;
+  p.table_stride = table_stride;
+  p.block_size = block_size;
+  p.out = as_ptr<int32_t>(out);
+  p.counts = as_ptr<int32_t>(counts);
+  p.num_tokens = num_tokens;
+  p.k = k;
+  p.from_stride_rows = from_stride_rows;
+  p.to_stride_rows = to_stride_rows;
+  check(launch_merge_rows(p, as_stream(stream)), "merge_table_rows");
+}
+
 int host_free_py(uint64_t ptr, size_t bytes) {
   py::gil_scoped_release release;
   return host_free_registered(as_ptr<void>(ptr), bytes);
@@ -346,6 +370,13 @@ void register_ops(py::module_& m) {
         "Launch merge + translate (+ compaction when `counts` != 0) of a top-k conversion.",
         py::arg("ours"), py::arg("token_rows"), py::arg("theirs"), py::arg("out"),
         py::arg("counts"), py::arg("num_tokens"), py::arg("k"), py::arg("from_stride_rows"),
+        py::arg("to_stride_rows"), py::arg("stream"));
+  m.def("merge_table_rows", &merge_table_rows_py,
+        "Launch merge_rows with vLLM's rows computed from its block table (table mode).",
+        py::arg("ours"), py::arg("token_rows"), py::arg("topk"), py::arg("batch_rows"),
+        py::arg("block_table"), py::arg("table_rows"), py::arg("table_cols"),
+        py::arg("table_stride"), py::arg("block_size"), py::arg("out"), py::arg("counts"),
+        py::arg("num_tokens"), py::arg("k"), py::arg("from_stride_rows"),
         py::arg("to_stride_rows"), py::arg("stream"));
   m.attr("SCORE_SUM_LANES") = kScoreSumLanes;
   m.attr("NUM_SCORE_CLASSES") = kNumScoreClasses;

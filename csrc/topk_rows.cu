@@ -1,13 +1,16 @@
 // The two small ops around resolve in a sparse-attention layer's top-k conversion
 // (hisparse_ops.h: launch_token_state_rows, launch_merge_rows; docs/kernels.md "Finishing a
 // conversion"). Each is one launch, so a step whose requests are all FULL pays two near-empty
-// launches per layer instead of the ~15 elementwise kernels the torch version queued.
+// launches per layer instead of the ~15 elementwise kernels the torch version queued. In its
+// table mode merge_rows also computes vLLM's own rows (its decode conversion), so that vLLM's
+// conversion kernel need not run first.
 //
 // merge_rows: one CTA per token. The row is processed in tiles of kThreads * kPerThread
 // entries, each thread holding kPerThread consecutive entries, so a block-wide exclusive scan
 // of the valid counts gives every entry its destination: a valid entry goes to (valid entries
 // before it), an invalid one to (row total) + (invalid entries before it). Every output entry
-// is written exactly once; the row total comes from a first counting pass over the row.
+// is written exactly once. A row of one tile (K <= 2048, the models' top-k) is read once and
+// its scan total is the row total; a longer row takes a first counting pass for it.
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -35,9 +38,20 @@ __global__ void token_state_rows_kernel(const BatchRow* __restrict__ batch_rows,
   out[t] = row;
 }
 
+// `table_row`: the token's block-table row in table mode (nullptr: none, or not table mode).
 __device__ __forceinline__ int32_t merged_value(const MergeRowsParams& p, bool tracked,
-                                                long long idx) {
-  if (!tracked) return p.theirs[idx];
+                                                const int32_t* table_row, long long idx) {
+  if (!tracked) {
+    if (p.theirs != nullptr) return p.theirs[idx];
+    const int32_t pos = p.topk[idx];
+    if (pos < 0 || table_row == nullptr) return -1;
+    const int32_t page = pos / p.block_size;
+    if (page >= p.table_cols) return -1;
+    // 32-bit wrap-around, as vLLM's int32 Triton arithmetic.
+    return static_cast<int32_t>(static_cast<uint32_t>(table_row[page]) *
+                                    static_cast<uint32_t>(p.to_stride_rows) +
+                                static_cast<uint32_t>(pos - page * p.block_size));
+  }
   const int32_t r = p.ours[idx];
   if (r < 0 || p.from_stride_rows == p.to_stride_rows) return r;
   const int32_t block = r / p.from_stride_rows;
@@ -73,14 +87,47 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
   const int t = blockIdx.x;
   const bool tracked = p.token_rows[t] >= 0;
   const long long base = static_cast<long long>(t) * p.k;
+  const int32_t* table_row = nullptr;
+  if (!tracked && p.theirs == nullptr) {
+    const int32_t b = p.batch_rows[t];
+    if (b >= 0 && b < p.table_rows) table_row = p.block_table + static_cast<long long>(b) * p.table_stride;
+  }
 
   if (p.counts == nullptr) {
-    for (int j = threadIdx.x; j < p.k; j += kThreads) p.out[base + j] = merged_value(p, tracked, base + j);
+    for (int j = threadIdx.x; j < p.k; j += kThreads) p.out[base + j] = merged_value(p, tracked, table_row, base + j);
+    return;
+  }
+
+  if (p.k <= kTile) {
+    // One tile holds the row: each entry is read once, one scan places it.
+    const int first = threadIdx.x * kPerThread;
+    int32_t v[kPerThread];
+    int n_valid = 0;
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int j = first + e;
+      v[e] = j < p.k ? merged_value(p, tracked, table_row, base + j) : -1;
+      n_valid += (j < p.k && v[e] >= 0);
+    }
+    int row_total = 0;
+    int valid_before = block_exclusive_scan(n_valid, warp_sums, row_total);
+    if (threadIdx.x == 0) p.counts[t] = row_total;
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int j = first + e;
+      if (j >= p.k) break;
+      if (v[e] >= 0) {
+        p.out[base + valid_before] = v[e];
+        ++valid_before;
+      } else {
+        p.out[base + row_total + (j - valid_before)] = -1;
+      }
+    }
     return;
   }
 
   int mine = 0;
-  for (int j = threadIdx.x; j < p.k; j += kThreads) mine += merged_value(p, tracked, base + j) >= 0;
+  for (int j = threadIdx.x; j < p.k; j += kThreads) mine += merged_value(p, tracked, table_row, base + j) >= 0;
   int row_total = 0;
   block_exclusive_scan(mine, warp_sums, row_total);
   if (threadIdx.x == 0) p.counts[t] = row_total;
@@ -93,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
       const int j = first + e;
-      v[e] = j < p.k ? merged_value(p, tracked, base + j) : -1;
+      v[e] = j < p.k ? merged_value(p, tracked, table_row, base + j) : -1;
       n_valid += (j < p.k && v[e] >= 0);
     }
     int tile_total = 0;
@@ -137,6 +184,11 @@ cudaError_t launch_token_state_rows(const void* batch_rows, bool batch_rows_64,
 cudaError_t launch_merge_rows(const MergeRowsParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.k <= 0) return cudaSuccess;
   if (p.from_stride_rows <= 0 || p.to_stride_rows <= 0) return cudaErrorInvalidValue;
+  if (p.theirs == nullptr && (p.topk == nullptr || p.batch_rows == nullptr ||
+                              p.block_table == nullptr || p.block_size <= 0 ||
+                              p.table_rows < 0 || p.table_cols < 0)) {
+    return cudaErrorInvalidValue;
+  }
   merge_rows_kernel<<<p.num_tokens, kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

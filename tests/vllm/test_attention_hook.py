@@ -176,3 +176,55 @@ def test_compaction_is_a_stable_partition(shape, invalid):
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
     assert torch.equal(got, torch.gather(rows, 1, order)) and got.dtype == torch.int32
     assert torch.equal(counts, valid.sum(dim=1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("return_valid_counts", [False, True])
+def test_decode_direct_conversion_computes_vllms_rows_without_vllms_kernel(return_valid_counts):
+    """At a direct conversion site without a prefill workspace the merge computes vLLM's rows
+    from the block table itself (``ops.merge_table_rows``): vLLM's function is not called,
+    and the rows are the ones the path through vLLM's rows gives, token for token (a FULL
+    token, a tracked one, a padding token past the real count)."""
+    import functools
+
+    from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
+    from vllm_hisparse.vllm.worker_side.read_path import BINDING_ATTR, routed_direct_conversion
+
+    calls = []
+
+    @functools.wraps(cpu_direct_conversion)  # the routing binds arguments by vLLM's signature
+    def vllm_function(*args, **kwargs):
+        calls.append(kwargs)
+        return cpu_direct_conversion(*args, **kwargs)
+
+    table = torch.tensor([[9, 3], [0, 0], [9, 3]], dtype=torch.int32)  # batch row 0 FULL
+    topk = torch.tensor([[1, 6, -1, 4], [6, 1, 2, -1], [2, 7, -1, -1]], dtype=torch.int32)
+    req = torch.tensor([0, 1, 0], dtype=torch.int32)
+    md = SimpleNamespace(num_actual_tokens=2)  # token 2 is padding
+
+    def run(direct: bool):
+        state, binding, step, dev = setup()
+        step.begin(0, [-1, 1])
+        if not direct:
+            vllm_rows = cpu_direct_conversion(req, table, topk, BLOCK_SIZE=BS,
+                                              BLOCK_STRIDE_ROWS=S, NUM_TOPK_TOKENS=K)
+            return convert_with_residency(binding, 0, topk, req, 2, vllm_rows,
+                                          block_stride_rows=S,
+                                          return_valid_counts=return_valid_counts)
+        group = SimpleNamespace(**{BINDING_ATTR: binding})
+        return routed_direct_conversion((group, 0, md), vllm_function, req, table, topk,
+                                        BLOCK_SIZE=BS, BLOCK_STRIDE_ROWS=S, NUM_TOPK_TOKENS=K,
+                                        return_valid_counts=return_valid_counts)
+
+    got, want = run(direct=True), run(direct=False)
+    assert calls == []
+    if return_valid_counts:
+        assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+        got = got[0]
+    else:
+        assert got.tolist() == want.tolist()
+    # The FULL and padding tokens' rows are vLLM's own; the tracked token's are resolve's.
+    vllm_rows = cpu_direct_conversion(req, table, topk, BLOCK_SIZE=BS, BLOCK_STRIDE_ROWS=S,
+                                      NUM_TOPK_TOKENS=K, return_valid_counts=return_valid_counts)
+    vllm_rows = vllm_rows[0] if return_valid_counts else vllm_rows
+    assert got[0].tolist() == vllm_rows[0].tolist() and got[2].tolist() == vllm_rows[2].tolist()
+    assert got[1].tolist() != vllm_rows[1].tolist()

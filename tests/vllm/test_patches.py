@@ -363,3 +363,38 @@ def test_lockstep_coordinator(dsa_model_dir):
     assert type(coordinator) is hybrid and not patches.LOCKSTEP_COORDINATOR.remove(coordinator)
     harness.run_to_completion()
     harness.assert_no_leaks()
+
+
+def test_vllms_group_conversion_is_what_merge_table_rows_computes(monkeypatch):
+    """In a step with tracked requests the hook does not call vLLM's group method: the merge
+    computes its rows from the same metadata (``read_path.hooked_conversion``). vLLM's own
+    method (its oversized-batch branch: the call its side-stream branch makes too), with the
+    CPU twin of its Triton function, gives ``reference.table_rows`` of the metadata's
+    ``req_id_per_token``, ``block_table`` and ``block_size`` exactly, without a prefill
+    workspace or ``idx_mapping``."""
+    from vllm.v1.attention.backends.mla import index_group
+
+    from vllm_hisparse.ops import reference
+    from vllm_hisparse.vllm.simulation.synthetic_attention import cpu_direct_conversion
+
+    calls = []
+
+    def twin(*args, **kwargs):
+        calls.append(kwargs)
+        return cpu_direct_conversion(*args, **kwargs)
+
+    monkeypatch.setattr(index_group, compat.DIRECT_CONVERSION_NAME, twin)
+    group = _cpu_group(num_tokens=0)  # every batch is oversized: no side stream
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 500, (5, 6), generator=g, dtype=torch.int32)
+    topk = torch.randint(-1, 6 * 16 + 20, (7, 4), generator=g, dtype=torch.int32)
+    req = torch.randint(0, 5, (9,), generator=g, dtype=torch.int32)  # vLLM's padded buffer
+    md = SimpleNamespace(req_id_per_token=req, block_table=table, block_size=16)
+    for stride in (None, 48):
+        rows = group.convert_logical_to_physical_topk(0, topk, md, block_stride_rows=stride,
+                                                      return_valid_counts=False)
+        want = reference.table_rows(topk, req[:7], table, 16, 16 if stride is None else stride)
+        assert torch.equal(rows, want)
+    assert len(calls) == 2
+    assert all(k.get("idx_mapping") is None and not k.get("HAS_PREFILL_WORKSPACE")
+               for k in calls)

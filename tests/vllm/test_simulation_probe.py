@@ -86,3 +86,27 @@ def test_unchecked_run_reads_the_rows_it_wrote_and_calls_every_hook(with_connect
     assert probe.calls.count("layer") == 2 * attended
     if with_connector:
         assert result.misses > 0 and result.hot_hits > 0  # host-backed rows were read
+
+
+class HotCountsProbe(StepProbe):
+    """Notes whether the worker role counts per-request misses."""
+
+    def start_run(self, run):
+        self.counting = run.worker_role.hot_counts is not None
+
+
+@pytest.mark.parametrize("count", [True, False])
+def test_timing_runs_leave_the_per_request_miss_counters_off(count):
+    """``count_request_misses=False`` (``bench throughput``'s runs) leaves the counters the
+    connector itself runs only with ``adaptive_hot_region`` off: they would put a dozen small
+    kernels into every timed step that an operator's step does not have."""
+    import dataclasses
+
+    probe = HotCountsProbe()
+    spec = dataclasses.replace(SPEC, num_requests=2, output_len=4, count_request_misses=count)
+    engine = SimulationEngine(spec, probe=probe)
+    try:
+        engine.run(True)
+    finally:
+        engine.close()
+    assert probe.counting == count

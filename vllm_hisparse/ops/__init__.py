@@ -1,7 +1,9 @@
 """Data-plane ops of docs/design.md, "Op contracts": ``resolve``, ``gather_rows``, ``copy_blocks``, ``mirror_rows``,
-and the two ops that finish an attention layer's top-k conversion around ``resolve``:
+and the ops that finish an attention layer's top-k conversion around ``resolve``:
 ``token_state_rows`` (each token's state row) and ``merge_rows`` (resolve's rows merged into
-the engine's, translated, optionally compacted; docs/kernels.md "Finishing a conversion");
+the engine's, translated, optionally compacted), or ``merge_table_rows`` (the same, with the
+engine's rows computed from its block table in the same pass; docs/kernels.md "Finishing a
+conversion");
 and the score ops of score-aware eviction, ``score_threshold`` and ``slot_classes``
 (:mod:`vllm_hisparse.ops.reference_scores`).
 
@@ -38,6 +40,7 @@ __all__ = [
     "copy_blocks",
     "gather_rows",
     "merge_rows",
+    "merge_table_rows",
     "mirror_rows",
     "reference",
     "resolve",
@@ -140,12 +143,22 @@ def _token_state_rows(backend: str, tuning: KernelTuning, batch_rows, step_table
 def _merge_rows(backend: str, tuning: KernelTuning, ours, token_rows, theirs, from_stride_rows,
                 to_stride_rows, out, counts=None) -> None:
     _conversion_checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows,
-                                             to_stride_rows,
-                                  out, counts)
+                                             to_stride_rows, out, counts)
     kernels = _kernels(ours.device, backend)
     (reference if kernels is None else kernels).merge_rows(
         ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts,
         **({} if kernels is None else {"tuning": tuning}))
+def _merge_table_rows(backend: str, tuning: KernelTuning, ours, token_rows, topk, batch_rows,
+                      block_table, block_size, from_stride_rows, to_stride_rows, out,
+                      counts=None) -> None:
+    args = (ours, token_rows, topk, batch_rows, block_table, block_size, from_stride_rows,
+            to_stride_rows, out, counts)
+    _conversion_checks.check_merge_table_rows_args(*args)
+    kernels = _kernels(ours.device, backend)
+    (reference if kernels is None else kernels).merge_table_rows(
+        *args, **({} if kernels is None else {"tuning": tuning}))
+
+
 def _score_threshold(backend: str, tuning: KernelTuning, logits, topk, threshold,
                      width) -> None:
     _checks.check_score_threshold_args(logits, topk, threshold, width)
@@ -182,6 +195,7 @@ class Backend:
     mirror_rows: Callable[..., None]
     token_state_rows: Callable[..., None]
     merge_rows: Callable[..., None]
+    merge_table_rows: Callable[..., None]
     score_threshold: Callable[..., None]
     slot_classes: Callable[..., None]
 
@@ -208,7 +222,8 @@ def select(backend: str = "auto", **tuning) -> Backend:
 
     return Backend(backend, kernel_tuning, bind(_resolve), bind(_gather_rows),
                    bind(_copy_blocks), bind(_mirror_rows), bind(_token_state_rows),
-                   bind(_merge_rows), bind(_score_threshold), bind(_slot_classes))
+                   bind(_merge_rows), bind(_merge_table_rows), bind(_score_threshold),
+                   bind(_slot_classes))
 
 
 _auto = select("auto")
@@ -218,5 +233,6 @@ copy_blocks = _auto.copy_blocks
 mirror_rows = _auto.mirror_rows
 token_state_rows = _auto.token_state_rows
 merge_rows = _auto.merge_rows
+merge_table_rows = _auto.merge_table_rows
 score_threshold = _auto.score_threshold
 slot_classes = _auto.slot_classes

@@ -40,6 +40,7 @@ __all__ = [
     "gather_rows",
     "gather_rows_tuned",
     "merge_rows",
+    "merge_table_rows",
     "mirror_rows",
     "poll_errors",
     "resolve",
@@ -420,3 +421,24 @@ def merge_rows(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, 
             ours.data_ptr(), token_rows.data_ptr(), theirs.data_ptr(), out.data_ptr(),
             0 if counts is None else counts.data_ptr(), num_tokens, k, int(from_stride_rows),
             int(to_stride_rows), torch.cuda.current_stream(device).cuda_stream)
+
+
+def merge_table_rows(ours, token_rows, topk, batch_rows, block_table, block_size,
+                     from_stride_rows, to_stride_rows, out, counts=None, *,
+                     tuning: KernelTuning = DEFAULT_TUNING) -> None:
+    """One launch of :func:`vllm_hisparse.ops.reference.merge_table_rows` (merge_rows'
+    kernel in its table mode)."""
+    num_tokens, k = ours.shape
+    if num_tokens == 0 or k == 0:
+        if counts is not None and num_tokens:
+            counts.zero_()
+        return
+    device = ours.device
+    num_rows, num_pages = block_table.shape
+    with _on_device(device):
+        _module().merge_table_rows(
+            ours.data_ptr(), token_rows.data_ptr(), topk.data_ptr(), batch_rows.data_ptr(),
+            block_table.data_ptr(), num_rows, num_pages, num_pages, int(block_size),
+            out.data_ptr(), 0 if counts is None else counts.data_ptr(), num_tokens, k,
+            int(from_stride_rows), int(to_stride_rows),
+            torch.cuda.current_stream(device).cuda_stream)

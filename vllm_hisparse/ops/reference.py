@@ -35,7 +35,7 @@ from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 from vllm_hisparse.ops.reference_scores import score_threshold, slot_classes
 
 __all__ = ["resolve", "gather_rows", "copy_blocks", "mirror_rows", "token_state_rows",
-           "merge_rows", "score_threshold", "slot_classes", "MAX_SLOT_CLASS"]
+           "merge_rows", "merge_table_rows", "score_threshold", "slot_classes", "MAX_SLOT_CLASS"]
 
 #: ``slot_class`` values above this count as this (four eviction classes, 0 evicted first).
 MAX_SLOT_CLASS = 3
@@ -381,8 +381,58 @@ def merge_rows(ours: torch.Tensor, token_rows: torch.Tensor, theirs: torch.Tenso
         counts: int32 ``[T]`` OUT or None: the valid entries of each token.
     """
     _conversion_checks.check_merge_rows_args(ours, token_rows, theirs, from_stride_rows,
-                                             to_stride_rows,
-                                  out, counts)
+                                             to_stride_rows, out, counts)
+    _merge_unchecked(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts)
+
+
+def merge_table_rows(ours: torch.Tensor, token_rows: torch.Tensor, topk: torch.Tensor,
+                     batch_rows: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                     from_stride_rows: int, to_stride_rows: int, out: torch.Tensor,
+                     counts: torch.Tensor | None = None) -> None:
+    """:func:`merge_rows` whose ``theirs`` is vLLM's decode conversion of ``topk``, computed
+    in the same pass (so that vLLM's own conversion kernel need not run first).
+
+    Args:
+        ours, token_rows, from_stride_rows, to_stride_rows, out, counts: as in
+            :func:`merge_rows`.
+        topk: int32 ``[T, K]`` request-relative positions (``< 0`` = none).
+        batch_rows: int32 ``[T]`` the batch row of each token (vLLM's ``req_id_per_token``).
+        block_table: int32 ``[B, P]`` vLLM's block table (contiguous).
+        block_size: positions per block.
+
+    An untracked token's entry is ``block_table[batch_rows[t], p // block_size] *
+    to_stride_rows + p % block_size`` for a position ``p = topk[t, k]``, wrapped to int32 as
+    vLLM's Triton arithmetic wraps; -1 when ``p < 0``, ``p // block_size >= P`` or
+    ``batch_rows[t]`` is outside ``[0, B)``. That is vLLM 0.33's
+    ``triton_convert_req_index_to_global_index`` without a prefill workspace, decode context
+    parallelism or ``idx_mapping`` (``BLOCK_STRIDE_ROWS = to_stride_rows``), which reads any
+    memory for a batch row outside the table.
+    """
+    _conversion_checks.check_merge_table_rows_args(ours, token_rows, topk, batch_rows,
+                                                   block_table, block_size, from_stride_rows,
+                                                   to_stride_rows, out, counts)
+    theirs = table_rows(topk, batch_rows, block_table, block_size, to_stride_rows)
+    _merge_unchecked(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts)
+
+
+def table_rows(topk: torch.Tensor, batch_rows: torch.Tensor, block_table: torch.Tensor,
+               block_size: int, stride_rows: int) -> torch.Tensor:
+    """int32 ``[T, K]``: the table-mode rows of :func:`merge_table_rows` for every token."""
+    num_rows, num_pages = block_table.shape
+    pos = topk.to(torch.int64)
+    page = torch.div(pos, block_size, rounding_mode="floor")
+    b = batch_rows.to(torch.int64)[:, None].expand_as(pos)
+    ok = (pos >= 0) & (page < num_pages) & (b >= 0) & (b < num_rows)
+    if num_rows == 0 or num_pages == 0:
+        return torch.full_like(topk, -1)
+    block = block_table.to(torch.int64)[b.clamp(0, num_rows - 1), page.clamp(0, num_pages - 1)]
+    rows = (block * stride_rows + pos - page * block_size) & 0xFFFFFFFF
+    rows = torch.where(rows >= 1 << 31, rows - (1 << 32), rows)  # int32 wrap-around
+    return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+
+
+def _merge_unchecked(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out,
+                     counts) -> None:
     r = ours.to(torch.int64)
     block = torch.div(r, from_stride_rows, rounding_mode="floor")
     translated = torch.where(r >= 0, block * to_stride_rows + r - block * from_stride_rows, r)

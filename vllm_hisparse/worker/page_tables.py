@@ -42,12 +42,27 @@ class PageTables:
     def update(self, rows: Sequence[int], pages: Sequence[int], device_blocks: Sequence[int],
                host_blocks: Sequence[int]) -> None:
         """``residency[rows[i], pages[i]] = device_blocks[i]`` (-1 releases the page) and
-        ``host_blocks[rows[i], pages[i]] = host_blocks[i]``: one copy, two writes."""
-        if not len(rows):
+        ``host_blocks[rows[i], pages[i]] = host_blocks[i]``: one copy, two writes (this runs
+        every step: the int64 indices and the int32 values travel in one buffer, so that no
+        conversion kernel runs on the device)."""
+        n = len(rows)
+        if not n:
             return
-        r, p, d, h = self._stage(rows, pages, device_blocks, host_blocks)
-        self.residency.index_put_((r, p), d.to(torch.int32))
-        self.host_blocks.index_put_((r, p), h.to(torch.int32))
+        lengths = [n, len(pages), len(device_blocks), len(host_blocks)]
+        if set(lengths) != {n}:
+            raise ValueError(f"PageTables: columns of lengths {lengths}")
+        staged = np.empty(24 * n, dtype=np.uint8)  # [rows, pages] int64, then [dev, host] int32
+        staged[:16 * n].view(np.int64)[:] = np.concatenate([np.asarray(rows, dtype=np.int64),
+                                                             np.asarray(pages, dtype=np.int64)])
+        staged[16 * n:].view(np.int32)[:] = np.concatenate(
+            [np.asarray(device_blocks, dtype=np.int32), np.asarray(host_blocks, dtype=np.int32)])
+        buf = torch.from_numpy(staged)
+        if self.device.type == "cuda":
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        r, p = buf[:16 * n].view(torch.int64).view(2, n)
+        d, h = buf[16 * n:].view(torch.int32).view(2, n)
+        self.residency.index_put_((r, p), d)
+        self.host_blocks.index_put_((r, p), h)
 
     def set_pages(self, rows: Sequence[int], pages: Sequence[int],
                   device_blocks: Sequence[int]) -> None:

@@ -180,15 +180,15 @@ class TransferEngine:
         if stream != torch.cuda.current_stream(self.device):
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what the forward wrote
         with torch.cuda.stream(stream):
-            src = src.pin_memory().to(index_device, non_blocking=True)
-            dst = dst.pin_memory().to(index_device, non_blocking=True)
+            # Both index lists in one pinned buffer, one copy: a step's mirrors are small.
+            ids = torch.stack([src, dst]).pin_memory().to(index_device, non_blocking=True)
+            src, dst = ids[0], ids[1]
             if kind is TransferKind.MIRROR:
                 self._ops.mirror_rows(src_layers, dst_layers, src, dst)
             else:
                 self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
             # The index tensors must outlive the copy: tie them to the copy stream.
-            src.record_stream(stream)
-            dst.record_stream(stream)
+            ids.record_stream(stream)
 
     def _stream_of(self, kind: TransferKind) -> "torch.cuda.Stream":
         """Mirrors on the compute stream, spills and restores on the copy stream."""

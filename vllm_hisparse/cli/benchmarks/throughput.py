@@ -108,7 +108,7 @@ def sim_spec(a, shape: LayerShape, num_layers: int, context: int, requests: int,
         max_num_batched_tokens=context + max(1, requests), num_requests=max(1, requests),
         prompt_len=context, output_len=output_len, device=device,
         ops_backend="cuda" if device == "cuda" else "auto", attention="group", check=False,
-        **residency_options(a))
+        count_request_misses=False, **residency_options(a))
 
 
 def device_plan(spec) -> dict:

@@ -259,8 +259,9 @@ class _Run:
                 raise SimulationFailure(f"the worker role did not bind the index groups of "
                                         f"{unbound} through the static forward context")
             self.residency = self.scheduler.connector.scheduler_role
-            # Per-request miss rates of fixed regions too (the policy ignores the counts then).
-            self.worker.worker_role.enable_hot_counts()
+            if spec.count_request_misses:
+                # Per-request miss rates of fixed regions too (the policy ignores the counts).
+                self.worker.worker_role.enable_hot_counts()
             self._request_counts: dict[str, list[int]] = {}
         self.requests: dict[str, RequestState] = {}
         self.step = 0

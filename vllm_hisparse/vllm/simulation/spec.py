@@ -66,6 +66,10 @@ class SimulationSpec:
     ops_backend: str = "auto"
     attention: str = "direct"  # see ATTENTION_PATHS
     check: bool = True  # False: no ground truth (timing runs); rows are read, not compared
+    # Per-request miss rates (the worst one is reported): counters on the first index group's
+    # resolves, a dozen small kernels per step that the connector runs only with
+    # adaptive_hot_region. Timing runs turn them off.
+    count_request_misses: bool = True
     connector_extra: dict | None = None  # further extra-config keys of the connector
     topk_drift: str = "uniform"  # see TOPK_DRIFT_CHOICES
     max_steps: int = 20_000

@@ -15,8 +15,9 @@ of vLLM, all listed there) wraps that method with :func:`hooked_conversion`. An 
 with no :class:`IndexGroupResidency` attached, or a step whose batch has only FULL requests,
 runs vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_residency` runs:
 
-* vLLM's conversion still produces the rows of FULL requests' tokens (their pages are all
-  resident and vLLM's block table names them);
+* FULL requests' tokens get vLLM's rows (their pages are all resident and vLLM's block
+  table names them), computed by the final merge from that block table
+  (``ops.merge_table_rows``: vLLM's method itself does not run);
 * tokens of MIXED / NONE requests get their rows from ``HotState.resolve`` (resident page →
   its row; hot hit → the slot's row; miss → an LRU victim slot) at the leader layer
   (``layer_index == 0``); followers reuse the leader's rows, exactly as vLLM's own group
@@ -38,6 +39,9 @@ sparse; ``compat.DIRECT_CONVERSION_SITES``). The ``direct_conversion_routing`` p
 routes those calls through :func:`routed_direct_conversion` while a bound layer's
 ``forward_mqa`` runs (the ``layer_forward_context`` patch sets the layer context), so every
 conversion of a bound group ends in :func:`convert_with_residency`, whatever the batch mix.
+Without a prefill workspace vLLM's function does not run there either: as at the group
+method, the final merge computes its rows for FULL requests' tokens from the same block
+table (``ops.merge_table_rows``, the same values), one launch fewer per layer.
 Tokens that vLLM maps into its prefill upconvert workspace (``HAS_PREFILL_WORKSPACE``) keep
 vLLM's workspace offsets: that workspace is filled from the batch block table, which the
 worker role rewrites for tracked requests (``worker_side``), and it holds their whole context.
@@ -321,11 +325,12 @@ def convert_with_residency(
     logical_topk: torch.Tensor,
     req_id_per_token: torch.Tensor,
     num_actual_tokens: int,
-    vllm_rows: torch.Tensor,
+    vllm_rows: torch.Tensor | None,
     *,
     block_stride_rows: int | None,
     return_valid_counts: bool,
     keep_vllm: torch.Tensor | None = None,
+    vllm_table: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Physical rows for a batch that holds tracked (residency-managed) requests.
 
@@ -338,19 +343,29 @@ def convert_with_residency(
         num_actual_tokens: tokens ``>=`` this are padding.
         vllm_rows: int32 ``[T, K]``: vLLM's own conversion of ``logical_topk``, uncompacted
             (column ``k`` ↔ selection ``k``), in the ``block_stride_rows`` index space; used
-            for FULL requests' tokens.
+            for FULL requests' tokens. None with ``vllm_table``.
         block_stride_rows: the kernel's row space (``None`` = dense page rows).
         return_valid_counts: compact to the front and return counts, like vLLM.
         keep_vllm: optional bool ``[T]``: tokens that keep vLLM's value whatever their
             request (vLLM mapped them to its prefill workspace); never resolved.
+        vllm_table: ``(block_table int32 [B, P], block_size)`` instead of ``vllm_rows``: the
+            merge computes vLLM's decode conversion itself (``ops.merge_table_rows``), so
+            vLLM's conversion kernel does not run. Only where vLLM's conversion has no prefill
+            workspace, decode context parallelism or ``idx_mapping``.
 
     Returns:
         int32 ``[T, K]`` rows (and int32 ``[T]`` counts when ``return_valid_counts``).
     """
     num_tokens = logical_topk.shape[0]
-    if vllm_rows.shape != logical_topk.shape:
+    if (vllm_rows is None) == (vllm_table is None):
+        raise ValueError("convert_with_residency: give vLLM's rows or its block table, not "
+                         f"{'both' if vllm_rows is not None else 'neither'}")
+    if vllm_rows is not None and vllm_rows.shape != logical_topk.shape:
         raise ValueError(f"convert_with_residency: vLLM rows {tuple(vllm_rows.shape)} do not "
                          f"match top-k {tuple(logical_topk.shape)}")
+    if vllm_table is not None and keep_vllm is not None:
+        raise ValueError("convert_with_residency: tokens that keep vLLM's rows need vLLM's "
+                         "rows, not its block table")
     ops = binding.hot_state.ops
     if layer_index == 0:
         token_rows = binding.step.token_state_rows(req_id_per_token[:num_tokens],
@@ -363,14 +378,21 @@ def convert_with_residency(
     if layer_index > 0:
         binding.wait_for_layer(layer_index)
     # One launch: tracked tokens take resolve's rows (translated to the kernel's row space),
-    # the others vLLM's, compacted to the front when asked.
+    # the others vLLM's (given, or computed from its block table), compacted when asked.
     layout = binding.layout
     target = layout.block_size if block_stride_rows is None else block_stride_rows
     rows = torch.empty_like(flat_rows)
     counts = (torch.empty(num_tokens, dtype=torch.int32, device=rows.device)
               if return_valid_counts else None)
-    ops.merge_rows(flat_rows, token_rows, vllm_rows.to(torch.int32).contiguous(),
-                   layout.block_stride_rows, target, rows, counts)
+    if vllm_table is None:
+        ops.merge_rows(flat_rows, token_rows, vllm_rows.to(torch.int32).contiguous(),
+                       layout.block_stride_rows, target, rows, counts)
+    else:
+        block_table, block_size = vllm_table
+        ops.merge_table_rows(flat_rows, token_rows, logical_topk.contiguous(),
+                             req_id_per_token[:num_tokens].contiguous(),
+                             block_table.contiguous(), int(block_size),
+                             layout.block_stride_rows, target, rows, counts)
     return (rows, counts) if return_valid_counts else rows
 
 
@@ -423,20 +445,23 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
     """Replacement body of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``.
 
     ``original`` is vLLM's method (bound). Unbound groups and all-FULL steps take it as is
-    (:func:`uses_residency_path`).
+    (:func:`uses_residency_path`). Otherwise vLLM's method does not run: it converts
+    ``attn_metadata``'s ``req_id_per_token``, ``block_table`` and ``block_size`` (on a side
+    stream, at the leader, for the group), which the final merge of
+    :func:`convert_with_residency` computes for FULL requests' tokens in its own pass, with
+    the same values (``ops.merge_table_rows``). Every layer of a bound group converts here
+    in such a step, so none reads the group's buffers that the method would have filled.
     """
     binding: IndexGroupResidency | None = getattr(group, BINDING_ATTR, None)
     if binding is None or not uses_residency_path(binding):
         return original(layer_index, logical_topk, attn_metadata,
                         block_stride_rows=block_stride_rows,
                         return_valid_counts=return_valid_counts)
-    vllm_rows = original(layer_index, logical_topk, attn_metadata,
-                         block_stride_rows=block_stride_rows, return_valid_counts=False)
     num_actual = int(getattr(attn_metadata, "num_actual_tokens", logical_topk.shape[0]))
     return convert_with_residency(
-        binding, layer_index, logical_topk, attn_metadata.req_id_per_token, num_actual,
-        vllm_rows, block_stride_rows=block_stride_rows,
-        return_valid_counts=return_valid_counts)
+        binding, layer_index, logical_topk, attn_metadata.req_id_per_token, num_actual, None,
+        block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts,
+        vllm_table=(attn_metadata.block_table, attn_metadata.block_size))
 
 
 _DIRECT_SIGNATURE: inspect.Signature | None = None
@@ -458,9 +483,11 @@ def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[.
 
     ``context`` is ``(index_group, index_in_group, attn_metadata)`` of the running layer.
     Unbound groups and steps without tracked requests call vLLM's function unchanged.
-    Otherwise vLLM's rows are computed uncompacted (they stay the answer for untracked
-    requests and for tokens vLLM maps to its prefill workspace), tracked requests' tokens get
-    :func:`convert_with_residency` rows, and the caller's ``return_valid_counts`` / ``out`` /
+    Otherwise tracked requests' tokens get :func:`convert_with_residency` rows and the others
+    vLLM's: with a prefill workspace vLLM's function computes them (uncompacted; they stay
+    the answer for the tokens it maps to the workspace too), without one the merge computes
+    them from the block table in its own pass (``ops.merge_table_rows``, the same values),
+    so vLLM's kernel does not run. The caller's ``return_valid_counts`` / ``out`` /
     ``valid_counts_out`` contract is honoured.
     """
     group, layer_index, attn_metadata = context
@@ -476,16 +503,21 @@ def routed_direct_conversion(context: tuple[Any, int, Any], original: Callable[.
                                   "idx_mapping (state-row block tables) is not supported")
     return_valid_counts = bool(a["return_valid_counts"])
     out, counts_out = a["out"], a["valid_counts_out"]
-    a.update(return_valid_counts=False, out=None, valid_counts_out=None)
-    vllm_rows = original(**a)
     topk = a["token_indices"]
-    keep = None
-    if a.get("HAS_PREFILL_WORKSPACE"):
-        keep = a["prefill_workspace_request_ids"][: topk.shape[0]] >= 0
     num_actual = int(getattr(attn_metadata, "num_actual_tokens", topk.shape[0]))
-    result = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual,
-                                    vllm_rows, block_stride_rows=a["BLOCK_STRIDE_ROWS"],
-                                    return_valid_counts=return_valid_counts, keep_vllm=keep)
+    common = dict(block_stride_rows=a["BLOCK_STRIDE_ROWS"],
+                  return_valid_counts=return_valid_counts)
+    if a.get("HAS_PREFILL_WORKSPACE"):
+        # vLLM's rows stay the answer for the tokens it maps to its prefill workspace.
+        a.update(return_valid_counts=False, out=None, valid_counts_out=None)
+        keep = a["prefill_workspace_request_ids"][: topk.shape[0]] >= 0
+        result = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual,
+                                        original(**a), keep_vllm=keep, **common)
+    else:
+        # Decode: the merge computes vLLM's rows itself; vLLM's kernel does not run.
+        result = convert_with_residency(binding, layer_index, topk, a["req_id"], num_actual,
+                                        None, vllm_table=(a["block_table"], a["BLOCK_SIZE"]),
+                                        **common)
     return finish_conversion(result, return_valid_counts, out, counts_out)
 
 

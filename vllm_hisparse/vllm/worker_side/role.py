@@ -232,11 +232,17 @@ class WorkerRole:
 
     def enable_hot_counts(self) -> RowHotCounts:
         """Count misses per state row and report them (rank 0) in ``hot_counts``: on with
-        ``adaptive_hot_region``; the simulator turns it on to measure fixed regions too.
+        ``adaptive_hot_region``; the simulator turns it on to measure fixed regions too (not
+        in timing runs: ``SimulationSpec.count_request_misses``).
         Only the first index group counts: one group samples a request's rate, and counting
         in every group would add several small kernels to each sparse layer."""
         if self._hot_counts is None:
             self._hot_counts = self.lanes[0].count_row_misses(self.num_state_rows)
+        return self._hot_counts
+
+    @property
+    def hot_counts(self) -> RowHotCounts | None:
+        """The per-row miss counters :meth:`enable_hot_counts` turned on, or None."""
         return self._hot_counts
 
     def bind_model_index_groups(self, forward_context: dict[str, Any]) -> int:
