@@ -257,19 +257,27 @@ void token_state_rows_py(uint64_t batch_rows, bool batch_rows_64, uint64_t step_
         "token_state_rows");
 }
 
-void merge_rows_py(uint64_t ours, uint64_t token_rows, uint64_t theirs, uint64_t out,
-                   uint64_t counts, int num_tokens, int k, int from_stride_rows,
-                   int to_stride_rows, uint64_t stream) {
+// The fields merge_rows and merge_table_rows share.
+MergeRowsParams merge_params(uint64_t ours, uint64_t token_rows, uint64_t out, uint64_t counts,
+                             int num_tokens, int k, int from_stride_rows, int to_stride_rows) {
   MergeRowsParams p{};
   p.ours = as_ptr<const int32_t>(ours);
   p.token_rows = as_ptr<const int32_t>(token_rows);
-  p.theirs = as_ptr<const int32_t>(theirs);
   p.out = as_ptr<int32_t>(out);
   p.counts = as_ptr<int32_t>(counts);
   p.num_tokens = num_tokens;
   p.k = k;
   p.from_stride_rows = from_stride_rows;
   p.to_stride_rows = to_stride_rows;
+  return p;
+}
+
+void merge_rows_py(uint64_t ours, uint64_t token_rows, uint64_t theirs, uint64_t out,
+                   uint64_t counts, int num_tokens, int k, int from_stride_rows,
+                   int to_stride_rows, uint64_t stream) {
+  MergeRowsParams p = merge_params(ours, token_rows, out, counts, num_tokens, k,
+                                   from_stride_rows, to_stride_rows);
+  p.theirs = as_ptr<const int32_t>(theirs);
   check(launch_merge_rows(p, as_stream(stream)), "merge_rows");
 }
 
@@ -278,9 +286,8 @@ void merge_table_rows_py(uint64_t ours, uint64_t token_rows, uint64_t topk, uint
                          long long table_stride, int block_size, uint64_t out, uint64_t counts,
                          int num_tokens, int k, int from_stride_rows, int to_stride_rows,
                          uint64_t stream) {
-  MergeRowsParams p{};
-  p.ours = as_ptr<const int32_t>(ours);
-  p.token_rows = as_ptr<const int32_t>(token_rows);
+  MergeRowsParams p = merge_params(ours, token_rows, out, counts, num_tokens, k,
+                                   from_stride_rows, to_stride_rows);
   p.topk = as_ptr<const int32_t>(topk);
   p.batch_rows = as_ptr<const int32_t>(batch_rows);
   p.block_table = as_ptr<const int32_t>(block_table);
@@ -288,12 +295,6 @@ void merge_table_rows_py(uint64_t ours, uint64_t token_rows, uint64_t topk, uint
   p.table_cols = table_cols;
   p.table_stride = table_stride;
   p.block_size = block_size;
-  p.out = as_ptr<int32_t>(out);
-  p.counts = as_ptr<int32_t>(counts);
-  p.num_tokens = num_tokens;
-  p.k = k;
-  p.from_stride_rows = from_stride_rows;
-  p.to_stride_rows = to_stride_rows;
   check(launch_merge_rows(p, as_stream(stream)), "merge_table_rows");
 }
 

@@ -98,39 +98,15 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
     return;
   }
 
-  if (p.k <= kTile) {
-    // One tile holds the row: each entry is read once, one scan places it.
-    const int first = threadIdx.x * kPerThread;
-    int32_t v[kPerThread];
-    int n_valid = 0;
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int j = first + e;
-      v[e] = j < p.k ? merged_value(p, tracked, table_row, base + j) : -1;
-      n_valid += (j < p.k && v[e] >= 0);
-    }
-    int row_total = 0;
-    int valid_before = block_exclusive_scan(n_valid, warp_sums, row_total);
-    if (threadIdx.x == 0) p.counts[t] = row_total;
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int j = first + e;
-      if (j >= p.k) break;
-      if (v[e] >= 0) {
-        p.out[base + valid_before] = v[e];
-        ++valid_before;
-      } else {
-        p.out[base + row_total + (j - valid_before)] = -1;
-      }
-    }
-    return;
-  }
-
-  int mine = 0;
-  for (int j = threadIdx.x; j < p.k; j += kThreads) mine += merged_value(p, tracked, table_row, base + j) >= 0;
+  // A row of one tile (K <= kTile, the models' top-k) is read once: its tile's scan total is
+  // the row total. A longer row takes a counting pass for it first.
+  const bool one_tile = p.k <= kTile;
   int row_total = 0;
-  block_exclusive_scan(mine, warp_sums, row_total);
-  if (threadIdx.x == 0) p.counts[t] = row_total;
+  if (!one_tile) {
+    int mine = 0;
+    for (int j = threadIdx.x; j < p.k; j += kThreads) mine += merged_value(p, tracked, table_row, base + j) >= 0;
+    block_exclusive_scan(mine, warp_sums, row_total);
+  }
 
   int valid_before_tile = 0;
   for (int tile = 0; tile < p.k; tile += kTile) {
@@ -145,6 +121,7 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
     }
     int tile_total = 0;
     int valid_before = valid_before_tile + block_exclusive_scan(n_valid, warp_sums, tile_total);
+    if (one_tile) row_total = tile_total;
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
       const int j = first + e;
@@ -158,6 +135,7 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
     }
     valid_before_tile += tile_total;
   }
+  if (threadIdx.x == 0) p.counts[t] = row_total;
 }
 
 }  // namespace

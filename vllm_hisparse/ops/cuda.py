@@ -411,9 +411,7 @@ def merge_rows(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, 
                tuning: KernelTuning = DEFAULT_TUNING) -> None:
     """One launch of :func:`vllm_hisparse.ops.reference.merge_rows` (one CTA per token)."""
     num_tokens, k = ours.shape
-    if num_tokens == 0 or k == 0:
-        if counts is not None and num_tokens:
-            counts.zero_()
+    if _empty_merge(num_tokens, k, counts):
         return
     device = ours.device
     with _on_device(device):
@@ -423,15 +421,22 @@ def merge_rows(ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, 
             int(to_stride_rows), torch.cuda.current_stream(device).cuda_stream)
 
 
+def _empty_merge(num_tokens: int, k: int, counts) -> bool:
+    """True (and every count 0) when a merge has no entry: nothing to launch."""
+    if num_tokens and k:
+        return False
+    if counts is not None and num_tokens:
+        counts.zero_()
+    return True
+
+
 def merge_table_rows(ours, token_rows, topk, batch_rows, block_table, block_size,
                      from_stride_rows, to_stride_rows, out, counts=None, *,
                      tuning: KernelTuning = DEFAULT_TUNING) -> None:
     """One launch of :func:`vllm_hisparse.ops.reference.merge_table_rows` (merge_rows'
     kernel in its table mode)."""
     num_tokens, k = ours.shape
-    if num_tokens == 0 or k == 0:
-        if counts is not None and num_tokens:
-            counts.zero_()
+    if _empty_merge(num_tokens, k, counts):
         return
     device = ours.device
     num_rows, num_pages = block_table.shape
