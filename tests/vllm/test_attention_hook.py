@@ -228,3 +228,23 @@ def test_decode_direct_conversion_computes_vllms_rows_without_vllms_kernel(retur
     vllm_rows = vllm_rows[0] if return_valid_counts else vllm_rows
     assert got[0].tolist() == vllm_rows[0].tolist() and got[2].tolist() == vllm_rows[2].tolist()
     assert got[1].tolist() != vllm_rows[1].tolist()
+
+
+def test_conversion_takes_vllms_rows_or_its_block_table_not_both():
+    state, binding, step, dev = setup()
+    step.begin(0, [1])
+    topk = torch.tensor([[1, 2, -1, -1]], dtype=torch.int32)
+    req = torch.tensor([0], dtype=torch.int32)
+    table = (torch.zeros((1, 2), dtype=torch.int32), BS)
+    kw = dict(block_stride_rows=S, return_valid_counts=False)
+    with pytest.raises(ValueError, match="not both"):
+        convert_with_residency(binding, 0, topk, req, 1, torch.full_like(topk, -1),
+                               vllm_table=table, **kw)
+    with pytest.raises(ValueError, match="not neither"):
+        convert_with_residency(binding, 0, topk, req, 1, None, **kw)
+    with pytest.raises(ValueError, match="need vLLM's rows"):
+        convert_with_residency(binding, 0, topk, req, 1, None, vllm_table=table,
+                               keep_vllm=torch.zeros(1, dtype=torch.bool), **kw)
+    # int64 batch rows (what the step view also takes) are converted, not refused
+    rows = convert_with_residency(binding, 0, topk, req.long(), 1, None, vllm_table=table, **kw)
+    assert rows.dtype == torch.int32 and rows.shape == topk.shape

@@ -390,7 +390,7 @@ def convert_with_residency(
     else:
         block_table, block_size = vllm_table
         ops.merge_table_rows(flat_rows, token_rows, logical_topk.contiguous(),
-                             req_id_per_token[:num_tokens].contiguous(),
+                             req_id_per_token[:num_tokens].to(torch.int32).contiguous(),
                              block_table.contiguous(), int(block_size),
                              layout.block_stride_rows, target, rows, counts)
     return (rows, counts) if return_valid_counts else rows
