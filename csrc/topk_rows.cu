@@ -162,9 +162,11 @@ cudaError_t launch_token_state_rows(const void* batch_rows, bool batch_rows_64,
 cudaError_t launch_merge_rows(const MergeRowsParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0 || p.k <= 0) return cudaSuccess;
   if (p.from_stride_rows <= 0 || p.to_stride_rows <= 0) return cudaErrorInvalidValue;
-  if (p.theirs == nullptr && (p.topk == nullptr || p.batch_rows == nullptr ||
-                              p.block_table == nullptr || p.block_size <= 0 ||
-                              p.table_rows < 0 || p.table_cols < 0)) {
+  // An empty block table may have no storage; the kernel never reads it then.
+  if (p.theirs == nullptr &&
+      (p.topk == nullptr || p.batch_rows == nullptr || p.block_size <= 0 || p.table_rows < 0 ||
+       p.table_cols < 0 ||
+       (p.block_table == nullptr && p.table_rows > 0 && p.table_cols > 0))) {
     return cudaErrorInvalidValue;
   }
   merge_rows_kernel<<<p.num_tokens, kThreads, 0, stream>>>(p);

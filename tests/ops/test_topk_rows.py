@@ -99,11 +99,16 @@ def test_reference_merge_table_rows_is_merge_of_vllms_rows(T, K, frm, to, compac
         assert counts.tolist() == want_counts
 
 
-def test_merge_table_rows_with_an_empty_table_is_all_padding_for_untracked_tokens():
-    ours, token_rows, topk, batch_rows, _ = table_case(6, 16, seed=5)
-    for table in (torch.zeros((0, 4), dtype=torch.int32), torch.zeros((3, 0), dtype=torch.int32)):
+@pytest.mark.parametrize("backend", ["reference",
+                                     pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_merge_table_rows_with_an_empty_table_is_all_padding_for_untracked_tokens(backend):
+    device = "cuda" if backend == "cuda" else "cpu"
+    ours, token_rows, topk, batch_rows, _ = (x.to(device) for x in table_case(6, 16, seed=5))
+    for shape in ((0, 4), (3, 0)):
+        table = torch.zeros(shape, dtype=torch.int32, device=device)
         out = torch.empty_like(ours)
-        reference.merge_table_rows(ours, token_rows, topk, batch_rows, table, 64, 64, 64, out)
+        ops.select(backend).merge_table_rows(ours, token_rows, topk, batch_rows, table, 64, 64,
+                                             64, out)
         untracked = token_rows < 0
         assert (out[untracked] == -1).all() and torch.equal(out[~untracked], ours[~untracked])
 
