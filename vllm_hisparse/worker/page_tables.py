@@ -26,9 +26,11 @@ class PageTables:
 
     def __init__(self, num_state_rows: int, max_pages: int, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self.residency = torch.full((num_state_rows, max_pages), -1, **i32)
-        self.host_blocks = torch.full((num_state_rows, max_pages), -1, **i32)
+        # One storage for both tables, so that a step's update is one write.
+        self._tables = torch.full((2, num_state_rows, max_pages), -1, dtype=torch.int32,
+                                  device=self.device)
+        self.residency = self._tables[0]
+        self.host_blocks = self._tables[1]
 
     def _stage(self, *columns: Sequence[int]) -> torch.Tensor:
         """int64 ``[len(columns), n]`` on the tables' device in one copy (pinned on CUDA)."""
@@ -42,27 +44,28 @@ class PageTables:
     def update(self, rows: Sequence[int], pages: Sequence[int], device_blocks: Sequence[int],
                host_blocks: Sequence[int]) -> None:
         """``residency[rows[i], pages[i]] = device_blocks[i]`` (-1 releases the page) and
-        ``host_blocks[rows[i], pages[i]] = host_blocks[i]``: one copy, two writes (this runs
+        ``host_blocks[rows[i], pages[i]] = host_blocks[i]``: one copy, one write (this runs
         every step: the int64 indices and the int32 values travel in one buffer, so that no
-        conversion kernel runs on the device)."""
+        conversion kernel runs on the device, and both tables are one tensor)."""
         n = len(rows)
         if not n:
             return
         lengths = [n, len(pages), len(device_blocks), len(host_blocks)]
         if set(lengths) != {n}:
             raise ValueError(f"PageTables: columns of lengths {lengths}")
-        staged = np.empty(24 * n, dtype=np.uint8)  # [rows, pages] int64, then [dev, host] int32
-        staged[:16 * n].view(np.int64)[:] = np.concatenate([np.asarray(rows, dtype=np.int64),
-                                                             np.asarray(pages, dtype=np.int64)])
-        staged[16 * n:].view(np.int32)[:] = np.concatenate(
-            [np.asarray(device_blocks, dtype=np.int32), np.asarray(host_blocks, dtype=np.int32)])
+        # int64 [3, 2n] (table, row, page), then int32 [2n] values; residency first.
+        staged = np.empty(56 * n, dtype=np.uint8)
+        index = staged[:48 * n].view(np.int64).reshape(3, 2 * n)
+        index[0, :n], index[0, n:] = 0, 1
+        index[1, :n] = index[1, n:] = rows
+        index[2, :n] = index[2, n:] = pages
+        values = staged[48 * n:].view(np.int32)
+        values[:n], values[n:] = device_blocks, host_blocks
         buf = torch.from_numpy(staged)
         if self.device.type == "cuda":
             buf = buf.pin_memory().to(self.device, non_blocking=True)
-        r, p = buf[:16 * n].view(torch.int64).view(2, n)
-        d, h = buf[16 * n:].view(torch.int32).view(2, n)
-        self.residency.index_put_((r, p), d)
-        self.host_blocks.index_put_((r, p), h)
+        which, r, p = buf[:48 * n].view(torch.int64).view(3, 2 * n)
+        self._tables.index_put_((which, r, p), buf[48 * n:].view(torch.int32))
 
     def set_pages(self, rows: Sequence[int], pages: Sequence[int],
                   device_blocks: Sequence[int]) -> None:
@@ -82,5 +85,4 @@ class PageTables:
         """Every page of ``rows`` back to none (requests finished, aborted or preempted)."""
         if len(rows):
             (r,) = self._stage(rows)
-            self.residency.index_fill_(0, r, -1)
-            self.host_blocks.index_fill_(0, r, -1)
+            self._tables.index_fill_(1, r, -1)
