@@ -443,7 +443,7 @@ def merge_table_rows(ours, token_rows, topk, batch_rows, block_table, block_size
     with _on_device(device):
         _module().merge_table_rows(
             ours.data_ptr(), token_rows.data_ptr(), topk.data_ptr(), batch_rows.data_ptr(),
-            block_table.data_ptr(), num_rows, num_pages, num_pages, int(block_size),
+            block_table.data_ptr(), num_rows, num_pages, block_table.stride(0), int(block_size),
             out.data_ptr(), 0 if counts is None else counts.data_ptr(), num_tokens, k,
             int(from_stride_rows), int(to_stride_rows),
             torch.cuda.current_stream(device).cuda_stream)

@@ -417,17 +417,18 @@ def merge_table_rows(ours: torch.Tensor, token_rows: torch.Tensor, topk: torch.T
 
 def table_rows(topk: torch.Tensor, batch_rows: torch.Tensor, block_table: torch.Tensor,
                block_size: int, stride_rows: int) -> torch.Tensor:
-    """int32 ``[T, K]``: the table-mode rows of :func:`merge_table_rows` for every token."""
+    """int32 ``[T, K]``: the table-mode rows of :func:`merge_table_rows` for every token
+    (vLLM's decode conversion, uncompacted)."""
     num_rows, num_pages = block_table.shape
+    if num_rows == 0 or num_pages == 0:
+        return torch.full(tuple(topk.shape), -1, dtype=torch.int32, device=topk.device)
     pos = topk.to(torch.int64)
     page = torch.div(pos, block_size, rounding_mode="floor")
     b = batch_rows.to(torch.int64)[:, None].expand_as(pos)
     ok = (pos >= 0) & (page < num_pages) & (b >= 0) & (b < num_rows)
-    if num_rows == 0 or num_pages == 0:
-        return torch.full_like(topk, -1)
     block = block_table.to(torch.int64)[b.clamp(0, num_rows - 1), page.clamp(0, num_pages - 1)]
-    rows = (block * stride_rows + pos - page * block_size) & 0xFFFFFFFF
-    rows = torch.where(rows >= 1 << 31, rows - (1 << 32), rows)  # int32 wrap-around
+    rows = block * stride_rows + pos - page * block_size
+    # int64 -> int32 keeps the low 32 bits: the wrap-around of vLLM's int32 arithmetic.
     return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
 
 

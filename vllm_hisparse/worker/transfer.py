@@ -164,8 +164,9 @@ class TransferEngine:
 
     def _launch(self, kind: TransferKind, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         index_device = self.device if self._cuda else torch.device("cpu")
-        src = torch.tensor(list(src_ids), dtype=torch.int32)
-        dst = torch.tensor(list(dst_ids), dtype=torch.int32)
+        # Both id lists in one tensor: on CUDA one pinned copy (a step's mirrors are small).
+        ids = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int32).reshape(2, -1)
+        src, dst = ids[0], ids[1]
         if kind is TransferKind.RESTORE:
             src_layers, dst_layers = self.host_layers, self.device_layers
         else:
@@ -180,8 +181,7 @@ class TransferEngine:
         if stream != torch.cuda.current_stream(self.device):
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what the forward wrote
         with torch.cuda.stream(stream):
-            # Both index lists in one pinned buffer, one copy: a step's mirrors are small.
-            ids = torch.stack([src, dst]).pin_memory().to(index_device, non_blocking=True)
+            ids = ids.pin_memory().to(index_device, non_blocking=True)
             src, dst = ids[0], ids[1]
             if kind is TransferKind.MIRROR:
                 self._ops.mirror_rows(src_layers, dst_layers, src, dst)

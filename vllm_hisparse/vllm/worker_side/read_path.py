@@ -402,15 +402,11 @@ def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch
     """Pure-torch twin of vLLM's ``triton_convert_req_index_to_global_index`` without
     compaction (``sparse_utils.py:493``): ``block_table[req, p // bs] * stride + p % bs``,
     -1 for ``p < 0`` or a page outside the table. For CPU tests and the CPU simulator,
-    where the Triton kernel cannot run."""
+    where the Triton kernel cannot run. The rows ``ops.merge_table_rows`` computes
+    (``reference.table_rows``)."""
     stride = block_size if block_stride_rows is None else block_stride_rows
-    topk = logical_topk.to(torch.int64)
-    req = req_id_per_token.to(torch.int64)[:, None].expand_as(topk)
-    page = torch.div(topk, block_size, rounding_mode="floor")
-    ok = (topk >= 0) & (page < block_table.shape[1])
-    block = block_table.to(torch.int64)[req.clamp(0), page.clamp(0, block_table.shape[1] - 1)]
-    rows = block * stride + topk % block_size
-    return torch.where(ok, rows, torch.full_like(rows, -1)).to(torch.int32)
+    return ops.reference.table_rows(logical_topk, req_id_per_token, block_table, block_size,
+                                    stride)
 
 
 def uses_residency_path(binding: IndexGroupResidency) -> bool:
