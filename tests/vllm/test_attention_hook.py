@@ -9,11 +9,11 @@ import torch
 
 from vllm_hisparse.vllm.worker_side.read_path import (
     IndexGroupResidency,
-    StepView,
     compact_valid_to_front,
     convert_with_residency,
     vllm_reference_conversion,
 )
+from vllm_hisparse.vllm.worker_side.step_view import StepView
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import HotState
 from vllm_hisparse.worker.synthetic import kv_rows

@@ -100,6 +100,18 @@ def test_forward_context_attn_metadata_accessor():
 
     assert "attn_metadata" in ForwardContext.__dataclass_fields__
     assert compat.forward_context_attn_metadata() is None  # no forward running
+    assert compat.current_forward_context() is None
+    from vllm.forward_context import (create_forward_context, override_forward_context,
+                                      set_forward_context)
+
+    # One object per forward (the step view's token rows key on it): set_forward_context
+    # makes a new one each time, and the accessor returns the one that is set.
+    assert "create_forward_context(" in inspect.getsource(set_forward_context)
+    assert "return ForwardContext(" in inspect.getsource(create_forward_context)
+    marker = object()
+    with override_forward_context(marker):
+        assert compat.current_forward_context() is marker
+    assert compat.current_forward_context() is None
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     src = inspect.getsource(GPUModelRunner)

@@ -14,9 +14,9 @@ from tests.vllm.test_worker_side import (  # noqa: F401 - model_dir is a fixture
     run_decode_loop,
 )
 from vllm_hisparse.vllm import compat, patches
-from vllm_hisparse.vllm.worker_side.read_path import (IndexGroupResidency, StepView,
-                                               convert_with_residency)
+from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency, convert_with_residency
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.step_view import StepView
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import HotState
 from vllm_hisparse.worker.synthetic import kv_rows

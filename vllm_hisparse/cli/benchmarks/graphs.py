@@ -34,10 +34,11 @@ import torch
 
 from vllm_hisparse.cli.args import CliParser, nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_json
-from vllm_hisparse.vllm.worker_side.read_path import (BINDING_ATTR, IndexGroupResidency, StepView,
-                                              compact_valid_to_front, hooked_conversion,
-                                              vllm_reference_conversion)
+from vllm_hisparse.vllm.worker_side.read_path import (BINDING_ATTR, IndexGroupResidency,
+                                                      compact_valid_to_front, hooked_conversion,
+                                                      vllm_reference_conversion)
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.step_view import StepView
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.host_pool import HostPool
 from vllm_hisparse.worker.hot_state import HotState

@@ -22,7 +22,10 @@ hybrid and oracle steps alternating (:mod:`.throughput_probe`). Around each laye
 conversion the step runs the layer's model-shaped work (:mod:`.model_layer`, every stand-in
 printed with the run). A layer's work does not depend on the number of layers, so a step of
 the real model is ``num_layers / sim_layers`` times the simulated one: tokens/s are given per
-GPU for the real model (ratios are unaffected).
+GPU for the real model. That scale multiplies what runs once per step too (the page-table
+writes and launches of ``start_load_kv`` and ``wait_for_save``); ``--sim-layers N M`` runs
+every case at both counts and fits the real step as ``per_step + num_layers × per_layer``
+instead (:mod:`.throughput_fit`; printed with both parts).
 
 ``--dbo-ceiling`` adds a third system to the connector run, the **two-micro-batch ceiling**
 (issue [16]): the oracle step with each layer's model-shaped work run once per half of the
@@ -56,14 +59,15 @@ from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_
 from vllm_hisparse.cli.benchmarks.connector import plan_requests
 from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
                                                       layer_flops_and_bytes, log_points)
+from vllm_hisparse.cli.benchmarks.throughput_fit import fit_step
 from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe, summarize
 from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.core.units import cdiv
 
 GPU_DEFAULTS = dict(geometries=["dsv32", "glm51", "glm52"], contexts=[4096, 32768, 131072],
-                    sim_layers=8, host_gib=200.0, top_k=2048, block_size=64, warmup_steps=2,
+                    sim_layers=[8], host_gib=200.0, top_k=2048, block_size=64, warmup_steps=2,
                     timed_steps=6, max_requests=256, min_point=8)
-CPU_DEFAULTS = dict(geometries=["dsv32", "glm52"], contexts=[512], sim_layers=4,
+CPU_DEFAULTS = dict(geometries=["dsv32", "glm52"], contexts=[512], sim_layers=[4],
                     host_gib=200.0, top_k=64, block_size=16, warmup_steps=1, timed_steps=2,
                     max_requests=16, min_point=2)
 #: A CPU smoke run's layer dimensions (the real ones would take minutes per step there).
@@ -121,9 +125,10 @@ def device_plan(spec) -> dict:
         engine.close()
 
 
-def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: str) -> dict:
-    """Requests per GPU of each system at the real layer count, and the simulated pools that
-    hold exactly those batches."""
+def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: str,
+                 sim_layers: int) -> dict:
+    """Requests per GPU of each system at the real layer count, and the pools of
+    ``sim_layers`` simulated layers that hold exactly those batches."""
     ns = argparse.Namespace(hbm_gib=shape.kv_gib, host_gib=a.host_gib, block_size=a.block_size,
                             max_requests=a.max_requests)
     real_spec = sim_spec(a, shape, shape.num_layers, context, 1, output_len, device)
@@ -131,7 +136,7 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
     real = plan_requests(device_plan(real_spec), ns, pages, 2 * a.top_k)
     n_full = real["full_requests"]
     n_hybrid = max(real["hybrid_requests"], n_full)  # no gain: the connector never demotes
-    sim = device_plan(sim_spec(a, shape, a.sim_layers, context, 1, output_len, device))
+    sim = device_plan(sim_spec(a, shape, sim_layers, context, 1, output_len, device))
     full_blocks = sim["num_groups"] * pages
     hybrid_blocks = (sim["num_indexer_groups"] * pages + sim["num_sparse_groups"]
                      * (cdiv(2 * a.top_k, a.block_size) + 3))
@@ -154,7 +159,7 @@ def timed_steps(a, kind: str) -> int:
     return 3 * cdiv(a.timed_steps, 2)
 
 
-def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
+def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers) -> dict:
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine
 
     timed = timed_steps(a, kind)
@@ -162,9 +167,10 @@ def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     # long enough that no request leaves before the probe sets the departures at the first
     # decode-only step (every request admitted, however long admission took)
     output_len = 4 * n + 64 + window * (2 + len(log_points(n, min(a.min_point, n))))
-    spec = sim_spec(a, shape, a.sim_layers, context, n, output_len, device, blocks)
-    trace = (None if a.trace_dir is None else
-             os.path.join(a.trace_dir, f"{shape.name.replace(' ', '_')}-{context}-{kind}.json"))
+    spec = sim_spec(a, shape, sim_layers, context, n, output_len, device, blocks)
+    layers = "" if sim_layers == a.sim_layers[0] else f"-{sim_layers}layers"
+    trace = (None if a.trace_dir is None else os.path.join(
+        a.trace_dir, f"{shape.name.replace(' ', '_')}-{context}-{kind}{layers}.json"))
     with_connector = kind != "full"
     probe = GraphStepProbe(work, a.warmup_steps, timed, min_point=a.min_point,
                            trace_path=trace,
@@ -181,7 +187,8 @@ def run_system(a, shape, context, kind, n, blocks, work, device) -> dict:
     for p in points:
         kinds = probe.connector_kinds if with_connector else ("full",)
         by_point[p] = {k: summarize(probe.steps, k, p) for k in kinds}
-    print(f"    {kind}: {n} requests, peak running {r.peak_running}, {r.preemptions} "
+    print(f"    {kind} ({sim_layers} layers): {n} requests, peak running {r.peak_running}, "
+          f"{r.preemptions} "
           f"preemptions, {r.steps} steps, {probe.graphs_captured} graphs, {wall:.0f} s",
           flush=True)
     return dict(kind=kind, requests=n, device_blocks=blocks, peak_running=r.peak_running,
@@ -194,10 +201,13 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     shape = LayerShape.named(key, **(TINY if device == "cpu" else {}),
                              **({} if a.ep_comm_us is None else {"ep_comm_us": a.ep_comm_us}))
     output_len = 64
-    plan = plan_batches(a, shape, context, output_len, device)
+    plans = [plan_batches(a, shape, context, output_len, device, layers)
+             for layers in a.sim_layers]
     if batch is not None:  # the realism check: a fixed full batch
-        plan.update(full_requests=batch, hybrid_requests=batch, sim_blocks=dict(
-            full=1 + batch * plan["sim_full_blocks_per_request"]))
+        for plan in plans:
+            plan.update(full_requests=batch, hybrid_requests=batch, sim_blocks=dict(
+                full=1 + batch * plan["sim_full_blocks_per_request"]))
+    plan = plans[0]
     n_full, n_hybrid = plan["full_requests"], plan["hybrid_requests"]
     print(f"  {shape.name} at {context} tokens: full {n_full}, hybrid {n_hybrid} requests per "
           f"GPU ({shape.kv_gib} GiB KV, {a.host_gib} GiB host)", flush=True)
@@ -209,12 +219,18 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     work = ModelLayerWork(shape, max_batch=top, context=context, top_k=a.top_k, kv_rows=[],
                           device=torch.device(device))
     case["runs"] = {}
-    for kind in systems:
-        n = n_full if kind == "full" else n_hybrid
-        case["runs"][kind] = run_system(a, shape, context, kind, n, plan["sim_blocks"][kind],
-                                        work, device)
-    case["scale"] = shape.num_layers / a.sim_layers
-    case["sim_layers"] = a.sim_layers
+    for i, (layers, p) in enumerate(zip(a.sim_layers, plans)):
+        runs = {}
+        for kind in systems:
+            n = n_full if kind == "full" else n_hybrid
+            runs[kind] = run_system(a, shape, context, kind, n, p["sim_blocks"][kind], work,
+                                    device, layers)
+        if i == 0:
+            case["runs"] = runs
+        else:  # the second layer count: the real step is fitted through both (curve)
+            case["fit"] = dict(sim_layers=layers, sim_blocks=p["sim_blocks"], runs=runs)
+    case["scale"] = shape.num_layers / a.sim_layers[0]
+    case["sim_layers"] = a.sim_layers[0]
     case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
     ceiling = [dict(concurrency=r["concurrency"], **r["dbo_ceiling"],
                     dbo_ceiling_over_hybrid=r.get("dbo_ceiling_over_hybrid"))
@@ -227,25 +243,53 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     return case
 
 
+def _points(runs: dict) -> tuple[dict, dict]:
+    """(full, hybrid) points of one set of runs, int keys (str once read back from --json)."""
+    return tuple({int(k): v for k, v in runs.get(kind, {}).get("points", {}).items()}
+                 for kind in ("full", "hybrid"))
+
+
+def _systems(full: dict, hyb: dict, c: int, n_full: int) -> dict[str, dict]:
+    """Each system's summary at concurrency ``c`` (full: its own batch past it)."""
+    f = full.get(c, {}).get("full") or full.get(n_full, {}).get("full", {})
+    at = hyb.get(c, {})
+    return dict(full=f, hybrid=at.get("hybrid", {}), oracle=at.get("oracle", {}),
+                dbo_ceiling=at.get("dbo_ceiling", {}))
+
+
 def curve(case: dict) -> list[dict]:
-    """Tokens/s per GPU (real layer count) of each system at each concurrency."""
+    """Tokens/s per GPU (real layer count) of each system at each concurrency: the simulated
+    step scaled by ``num_layers / sim_layers``, or with a second layer count (``fit``) the
+    line through both (:func:`.throughput_fit.fit_step`; ``per_step_ms`` and
+    ``per_layer_ms`` then come with each system)."""
     runs, scale = case.get("runs", {}), case.get("scale", 1.0)
-    # (int keys in a run, str keys once read back from --json)
-    full = {int(k): v for k, v in runs.get("full", {}).get("points", {}).items()}
-    hyb = {int(k): v for k, v in runs.get("hybrid", {}).get("points", {}).items()}
+    full, hyb = _points(runs)
+    fit = case.get("fit")
+    fit_full, fit_hyb = _points(fit["runs"]) if fit else ({}, {})
     n_full = max(full, default=case["full_requests"])  # the batch the full run reached
     rows = []
     for c in sorted(set(full) | set(hyb), reverse=True):
-        f = full.get(c, {}).get("full") or full.get(n_full, {}).get("full", {})
-        h, o = hyb.get(c, {}).get("hybrid", {}), hyb.get(c, {}).get("oracle", {})
-        d = hyb.get(c, {}).get("dbo_ceiling", {})
         row = dict(concurrency=c, full_saturated=c > n_full)
-        for name, s in (("full", f), ("hybrid", h), ("oracle", o), ("dbo_ceiling", d)):
-            if s:
-                row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
-                                 range=[t / scale for t in s["tokens_per_s_range"]],
-                                 step_ms=s["step_ms_median"], gpu_ms=s["gpu_ms_median"],
-                                 host_ms=s["host_ms_median"], miss_rate=s.get("miss_rate"))
+        second = _systems(fit_full, fit_hyb, c, n_full)  # full: the same batch, or no fit
+        for name, s in _systems(full, hyb, c, n_full).items():
+            if not s:
+                continue
+            batch = n_full if name == "full" and c > n_full else c
+            row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
+                             range=[t / scale for t in s["tokens_per_s_range"]],
+                             real_step_ms=s["step_ms_median"] * scale,
+                             step_ms=s["step_ms_median"], gpu_ms=s["gpu_ms_median"],
+                             host_ms=s["host_ms_median"], miss_rate=s.get("miss_rate"))
+            if fit and second.get(name):
+                try:
+                    f = fit_step(s, second[name], (case["sim_layers"], fit["sim_layers"]),
+                                 case["shape"]["num_layers"], batch)
+                except ValueError as exc:  # noise larger than the layers' time: said, scaled
+                    row[name]["fit_error"] = str(exc)
+                    continue
+                row[name].update(tokens_per_s=f["tokens_per_s"], range=f["tokens_per_s_range"],
+                                 real_step_ms=f["step_ms"], per_step_ms=f["per_step_ms"],
+                                 per_layer_ms=f["per_layer_ms"])
         if "full" in row and "hybrid" in row:
             row["hybrid_over_full"] = row["hybrid"]["tokens_per_s"] / row["full"]["tokens_per_s"]
         if "oracle" in row and "hybrid" in row:
@@ -308,6 +352,18 @@ def print_case(case: dict) -> None:
               + f"| {'–' if miss is None else f'{100 * miss:.1f} %'} "
               f"| {' / '.join(ms(n, 'gpu_ms') for n in names)} "
               f"| {' / '.join(ms(n, 'host_ms') for n in names)} |")
+    fit = case.get("fit")
+    if fit and rows:
+        top = rows[0]
+        parts = "; ".join(f"{n} {top[n]['per_step_ms']:.3f} + {top[n]['per_layer_ms']:.3f} x L"
+                          for n in names if "per_layer_ms" in top.get(n, {}))
+        print(f"  fit through {case['sim_layers']} and {fit['sim_layers']} simulated layers at "
+              f"{top['concurrency']} requests (ms per step = per step + per layer x L): {parts}; "
+              f"the real step at L = {case['shape']['num_layers']}: "
+              + ", ".join(f"{n} {top[n]['real_step_ms']:.2f} ms" for n in names if n in top))
+        for n in names:
+            if "fit_error" in top.get(n, {}):
+                print(f"  {n}: no fit ({top[n]['fit_error']}); its step is scaled")
     for kind, run in case.get("runs", {}).items():
         split = run.get("split") or {}
         if split.get("alone_ms"):
@@ -359,8 +415,10 @@ def main(argv=None) -> int:
     p = CliParser(prog="vllm-hisparse bench throughput", description=__doc__.splitlines()[0])
     p.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES))
     p.add_argument("--contexts", nargs="+", type=positive_int, help="prompt tokens per request")
-    p.add_argument("--sim-layers", type=positive_int,
-                   help="layers the engine runs (a whole number of index groups)")
+    p.add_argument("--sim-layers", type=positive_int, nargs="+", metavar="N",
+                   help="layers the engine runs (a whole number of index groups); two counts "
+                   "N < M: every case runs at both and the real model's step is the line "
+                   "through them (per step + per layer), not N layers scaled")
     p.add_argument("--host-gib", type=positive_float, help="pinned host memory per GPU")
     p.add_argument("--top-k", type=positive_int)
     p.add_argument("--block-size", type=positive_int)
@@ -398,11 +456,15 @@ def main(argv=None) -> int:
     for name, value in (GPU_DEFAULTS if device == "cuda" else CPU_DEFAULTS).items():
         if getattr(a, name, None) is None:
             setattr(a, name, value)
+    if len(a.sim_layers) > 2 or sorted(set(a.sim_layers)) != a.sim_layers:
+        p.error(f"--sim-layers takes one count or two increasing ones, got "
+                f"{' '.join(map(str, a.sim_layers))}")
     for key in a.geometries:
         per = GEOMETRIES[key]["layers_per_indexer"]
-        if a.sim_layers % per:
-            p.error(f"--sim-layers={a.sim_layers} must be a whole number of {key}'s index "
-                    f"groups ({per} layers)")
+        for layers in a.sim_layers:
+            if layers % per:
+                p.error(f"--sim-layers={layers} must be a whole number of {key}'s index "
+                        f"groups ({per} layers)")
     if device == "cpu":
         print("vllm-hisparse bench throughput: no CUDA device: a CPU smoke run with tiny shapes "
               "and eager steps (the figures mean nothing)", file=sys.stderr)
@@ -440,9 +502,9 @@ def main(argv=None) -> int:
               + (f" {h.get('dbo_ceiling_over_hybrid', nan):.2f} |" if dbo else ""))
     for c in cases:
         if c.get("realism") and c.get("runs"):
-            s = c["runs"]["full"]["points"].get(REALISM["batch"], {}).get("full", {})
-            if s:
-                ms = s["step_ms_median"] * c["scale"]
+            row = next((r for r in curve(c) if r["concurrency"] == REALISM["batch"]), {})
+            if "full" in row:
+                ms = row["full"]["real_step_ms"]
                 print(f"\nrealism: full residency, {REALISM['batch']} requests x "
                       f"{REALISM['context']} tokens: {ms:.1f} ms per step of the "
                       f"{c['shape']['num_layers']}-layer model here, against "

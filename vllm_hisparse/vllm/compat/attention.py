@@ -1,6 +1,6 @@
 """The sparse-MLA attention read path: the index group and its top-k conversion, the indexer's
 decode top-k, the backends' direct conversion sites, a layer's index group, and the forward
-context's attention metadata. Used by the worker role (worker_side/role.py,
+context and its attention metadata. Used by the worker role (worker_side/role.py,
 worker_side/read_path.py) and patches/; existence and signature checks in
 tests/vllm/test_compat_worker.py."""
 
@@ -13,7 +13,8 @@ from vllm.config import VllmConfig
 
 __all__ = ["attention_block_table", "direct_conversion_at", "direct_conversion_function",
            "DIRECT_CONVERSION_MODULE", "direct_conversion_modules", "DIRECT_CONVERSION_NAME",
-           "DIRECT_CONVERSION_SITES", "forward_context_attn_metadata",
+           "current_forward_context", "DIRECT_CONVERSION_SITES",
+           "forward_context_attn_metadata",
            "in_tree_hisparse_index_group_class", "indexer_topk_class", "layer_index_group",
            "sparse_mla_index_group_class", "static_forward_context"]
 
@@ -123,6 +124,14 @@ def forward_context_attn_metadata() -> Any:
     if not is_forward_context_available():
         return None
     return getattr(get_forward_context(), "attn_metadata", None)
+
+
+def current_forward_context() -> Any:
+    """vLLM's ``ForwardContext`` of the forward running now (``set_forward_context`` makes a
+    new one per forward: a step's, a draft model's, a capture's), or None outside one."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return get_forward_context() if is_forward_context_available() else None
 
 
 def direct_conversion_modules(*, with_definition: bool = False) -> list[Any]:

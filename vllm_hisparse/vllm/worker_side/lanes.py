@@ -26,8 +26,9 @@ import torch
 from vllm_hisparse.core.commands import StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
-from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency, StepView
+from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.step_view import StepView
 from vllm_hisparse.worker import HotState, StepExecutor, TransferEngine
 from vllm_hisparse.worker.device_rows import DeviceRowLayout, flat_row_view
 from vllm_hisparse.worker.hot_counts import RowHotCounts

@@ -73,6 +73,7 @@ import torch
 
 from vllm_hisparse import ops
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
+from vllm_hisparse.vllm.worker_side.step_view import StepView, capturing
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
 from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_LEADER_CTAS_PER_SM,
                                             DEFAULT_SIDE_MAX_CTAS,
@@ -80,105 +81,6 @@ from vllm_hisparse.worker.hot_state import (DEFAULT_GATHER_MODE, DEFAULT_LEADER_
 
 #: Attribute under which a vLLM index group object carries its binding.
 BINDING_ATTR = "_vllm_hisparse_residency"
-
-
-class StepView:
-    """What the attention hook needs to know about the current step (one per worker).
-
-    The per-step values the resolver reads live in one fixed int32 device buffer, so a
-    CUDA graph captured once reads each step's values: ``[0]`` is the number of real tokens of
-    the step (tokens at or past it are padding), ``[1 + b]`` the state row of batch row ``b``
-    when its request is tracked (not FULL), else -1. Outside a step the buffer is all -1
-    (**inert**: every token is padding).
-
-    Args:
-        max_batch_rows: size of the batch-row table (vLLM ``max_num_seqs``).
-        device: where the table lives (the KV device).
-        max_num_tokens: tokens of the largest batch (vLLM ``max_num_batched_tokens``); sizes
-            the token-index buffer (it grows outside a capture if a batch is larger).
-    """
-
-    def __init__(self, max_batch_rows: int, device: torch.device | str,
-                 max_num_tokens: int = 1):
-        self.max_batch_rows = max_batch_rows
-        self.device = torch.device(device)
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self._table = torch.full((1 + max_batch_rows,), -1, **i32)
-        #: int32 [1]: the step's real token count; -1 while inert.
-        self.num_real_tokens = self._table[:1]
-        #: int32 [max_batch_rows]: state row of each batch row whose request is not FULL,
-        #: -1 for FULL requests, padding and unused rows.
-        self.batch_state_rows = self._table[1:]
-        self._token_index = torch.arange(max(1, max_num_tokens), **i32)
-        self._inert = True
-        self.step_id = -1
-        #: start_load_kv ran and wait_for_save did not yet.
-        self.ready = False
-        #: vLLM bound a step's connector metadata (its forward is next) and did not clear it.
-        self.bound = False
-        self.uses_residency = False
-
-    def begin(self, step_id: int, batch_state_rows: Sequence[int] | None,
-              num_real_tokens: int | None = None) -> None:
-        """Start a step. ``batch_state_rows[i]`` is the state row of batch row ``i`` when its
-        request is not FULL, else -1; ``None`` = every request of the batch is FULL.
-        ``num_real_tokens``: the batch's tokens before padding (None: not known, only
-        ``num_actual_tokens`` of the attention metadata bounds them)."""
-        self.step_id = step_id
-        self.ready = True
-        self.uses_residency = batch_state_rows is not None
-        if batch_state_rows is None:
-            self._make_inert()
-            return
-        n = len(batch_state_rows)
-        if n > self.max_batch_rows:
-            raise ValueError(f"StepView: batch of {n} requests exceeds max_num_seqs = "
-                             f"{self.max_batch_rows}")
-        host = torch.full((1 + self.max_batch_rows,), -1, dtype=torch.int32)
-        host[0] = torch.iinfo(torch.int32).max if num_real_tokens is None else num_real_tokens
-        host[1:n + 1] = torch.as_tensor(list(batch_state_rows), dtype=torch.int32)
-        self._table.copy_(host, non_blocking=True)  # one copy, before the forward (or replay)
-        self._inert = False
-
-    def end(self) -> None:
-        """Close the step: the buffer goes back to inert, in stream order after the forward."""
-        self.ready = False
-        self._make_inert()
-
-    def _make_inert(self) -> None:
-        if not self._inert:
-            self._table.fill_(-1)
-            self._inert = True
-
-    def token_index(self, num_tokens: int) -> torch.Tensor:
-        """int32 ``[num_tokens]`` = 0, 1, ... (a fixed buffer; grown outside a capture)."""
-        if num_tokens > self._token_index.shape[0]:
-            if _capturing():
-                raise RuntimeError(f"residency hook: a CUDA graph captures {num_tokens} tokens, "
-                                   f"more than max_num_batched_tokens = "
-                                   f"{self._token_index.shape[0]}")
-            self._token_index = torch.arange(num_tokens, dtype=torch.int32, device=self.device)
-        return self._token_index[:num_tokens]
-
-    def token_state_rows(self, req_id_per_token: torch.Tensor, num_actual_tokens: int | None,
-                         ops: Any) -> torch.Tensor:
-        """int32 ``[T]``: state row of each token of a non-FULL request; -1 for tokens of FULL
-        requests and padding tokens (index at or past the step's real token count, or past
-        ``num_actual_tokens`` when given, outside a capture). One ``ops.token_state_rows``
-        launch of the backend ``ops``: capturable, and a replay reads the values
-        :meth:`begin` wrote for its step (a capture would freeze ``num_actual_tokens``; the
-        table does not)."""
-        batch_rows = req_id_per_token.contiguous()
-        if batch_rows.dtype not in (torch.int32, torch.int64):
-            batch_rows = batch_rows.to(torch.int32)
-        out = torch.empty(batch_rows.shape[0], dtype=torch.int32, device=batch_rows.device)
-        limit = None if num_actual_tokens is None or _capturing() else int(num_actual_tokens)
-        ops.token_state_rows(batch_rows, self._table[:1 + self.max_batch_rows], out, limit)
-        return out
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 @dataclasses.dataclass
@@ -369,7 +271,7 @@ def convert_with_residency(
     ops = binding.hot_state.ops
     if layer_index == 0:
         token_rows = binding.step.token_state_rows(req_id_per_token[:num_tokens],
-                                                   num_actual_tokens, ops)
+                                                   num_actual_tokens, ops, consumer=binding)
         if keep_vllm is not None:
             token_rows = torch.where(keep_vllm[:num_tokens].to(torch.bool),
                                      torch.full_like(token_rows, -1), token_rows)
@@ -426,7 +328,7 @@ def uses_residency_path(binding: IndexGroupResidency) -> bool:
     """
     step = binding.step
     if step.ready:
-        return step.uses_residency or _capturing()
+        return step.uses_residency or capturing()
     if step.bound:
         raise RuntimeError(
             "HiSparseResidencyConnector: attention ran before the step's residency command was "

@@ -53,10 +53,10 @@ from vllm_hisparse.vllm.worker_side.prefill_guard import PrefillGuard
 from vllm_hisparse.vllm.worker_side.prefix_loads import PrefixLoads
 from vllm_hisparse.vllm.worker_side.read_path import (
     IndexGroupResidency,
-    StepView,
     hooked_conversion,
     routed_direct_conversion,
 )
+from vllm_hisparse.vllm.worker_side.step_view import StepView
 from vllm_hisparse.vllm.worker_side.trace_recording import TraceRecording
 from vllm_hisparse.vllm.worker_side.tracked import TrackedRequests
 from vllm_hisparse.worker import HostPool
@@ -170,7 +170,8 @@ class WorkerRole:
         indexer_segment = self._bind_host_pool(groups, num_layers, row_bytes, device)
         self.step_view = StepView(
             self.max_num_seqs, device,
-            max_num_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens)
+            max_num_tokens=self.vllm_config.scheduler_config.max_num_batched_tokens,
+            current_forward=compat.current_forward_context)
         self._build_lanes(groups)
         self.prefill_guard = PrefillGuard(self.lanes, self.config.max_decode_query_len)
         if self.trace is not None:
