@@ -188,9 +188,8 @@ def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers) -> 
         kinds = probe.connector_kinds if with_connector else ("full",)
         by_point[p] = {k: summarize(probe.steps, k, p) for k in kinds}
     print(f"    {kind} ({sim_layers} layers): {n} requests, peak running {r.peak_running}, "
-          f"{r.preemptions} "
-          f"preemptions, {r.steps} steps, {probe.graphs_captured} graphs, {wall:.0f} s",
-          flush=True)
+          f"{r.preemptions} preemptions, {r.steps} steps, {probe.graphs_captured} graphs, "
+          f"{wall:.0f} s", flush=True)
     return dict(kind=kind, requests=n, device_blocks=blocks, peak_running=r.peak_running,
                 preemptions=r.preemptions, engine_steps=r.steps, wall_s=wall,
                 points=by_point, split=probe.split)

@@ -74,7 +74,9 @@ class StepView:
         if n > self.max_batch_rows:
             raise ValueError(f"StepView: batch of {n} requests exceeds max_num_seqs = "
                              f"{self.max_batch_rows}")
-        host = torch.full((1 + self.max_batch_rows,), -1, dtype=torch.int32)
+        # pinned on CUDA: a pageable source may make the driver wait for the stream
+        host = torch.full((1 + self.max_batch_rows,), -1, dtype=torch.int32,
+                          pin_memory=self.device.type == "cuda")
         host[0] = torch.iinfo(torch.int32).max if num_real_tokens is None else num_real_tokens
         host[1:n + 1] = torch.as_tensor(list(batch_state_rows), dtype=torch.int32)
         self._table.copy_(host, non_blocking=True)  # one copy, before the forward (or replay)
