@@ -10,7 +10,9 @@
 // of the valid counts gives every entry its destination: a valid entry goes to (valid entries
 // before it), an invalid one to (row total) + (invalid entries before it). Every output entry
 // is written exactly once. A row of one tile (K <= 2048, the models' top-k) is read once and
-// its scan total is the row total; a longer row takes a first counting pass for it.
+// its scan total is the row total; a longer row takes a first counting pass for it. Each
+// thread reads its entries' both candidates before it knows the token's kind, so the loads
+// of a merge form a chain of two (candidates, token and batch row; then the block table).
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -38,24 +40,45 @@ __global__ void token_state_rows_kernel(const BatchRow* __restrict__ batch_rows,
   out[t] = row;
 }
 
-// `table_row`: the token's block-table row in table mode (nullptr: none, or not table mode).
+// Both candidates of this thread's kPerThread entries `first + e * kStride` (resolve's row
+// and vLLM's row, or in table mode its position), -1 past the row. They are read before the
+// token's kind is known, together with its state row and batch row: a merge then waits on
+// two dependent loads (these, then the block table in table mode), not four.
+template <int kStride>
+__device__ __forceinline__ void load_candidates(const MergeRowsParams& p, long long base, int first,
+                                                int32_t (&ours)[kPerThread],
+                                                int32_t (&other)[kPerThread]) {
+  const int32_t* second = p.theirs != nullptr ? p.theirs : p.topk;
+#pragma unroll
+  for (int e = 0; e < kPerThread; ++e) {
+    const int j = first + e * kStride;
+    ours[e] = j < p.k ? p.ours[base + j] : -1;
+    other[e] = j < p.k ? second[base + j] : -1;
+  }
+}
+
+// One entry: resolve's row translated to the target space for a tracked token, else vLLM's
+// row (given, or from the token's block-table row `table_row` in table mode: nullptr when
+// the batch row is outside the table).
 __device__ __forceinline__ int32_t merged_value(const MergeRowsParams& p, bool tracked,
-                                                const int32_t* table_row, long long idx) {
+                                                const int32_t* table_row, int32_t ours,
+                                                int32_t other) {
   if (!tracked) {
-    if (p.theirs != nullptr) return p.theirs[idx];
-    const int32_t pos = p.topk[idx];
+    if (p.theirs != nullptr) return other;
+    const int32_t pos = other;
     if (pos < 0 || table_row == nullptr) return -1;
-    const int32_t page = pos / p.block_size;
+    // A power-of-two block size (vLLM's: 64) divides by a shift, as vLLM's constexpr does.
+    const int32_t bs = p.block_size;
+    const int32_t page = (bs & (bs - 1)) == 0 ? pos >> (__ffs(bs) - 1) : pos / bs;
     if (page >= p.table_cols) return -1;
     // 32-bit wrap-around, as vLLM's int32 Triton arithmetic.
     return static_cast<int32_t>(static_cast<uint32_t>(table_row[page]) *
                                     static_cast<uint32_t>(p.to_stride_rows) +
-                                static_cast<uint32_t>(pos - page * p.block_size));
+                                static_cast<uint32_t>(pos - page * bs));
   }
-  const int32_t r = p.ours[idx];
-  if (r < 0 || p.from_stride_rows == p.to_stride_rows) return r;
-  const int32_t block = r / p.from_stride_rows;
-  return block * p.to_stride_rows + (r - block * p.from_stride_rows);
+  if (ours < 0 || p.from_stride_rows == p.to_stride_rows) return ours;
+  const int32_t block = ours / p.from_stride_rows;
+  return block * p.to_stride_rows + (ours - block * p.from_stride_rows);
 }
 
 // Exclusive prefix of `v` over the CTA (thread order) and the CTA's total.
@@ -85,16 +108,32 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
 __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_constant__ MergeRowsParams p) {
   __shared__ int warp_sums[kWarps];
   const int t = blockIdx.x;
-  const bool tracked = p.token_rows[t] >= 0;
   const long long base = static_cast<long long>(t) * p.k;
-  const int32_t* table_row = nullptr;
-  if (!tracked && p.theirs == nullptr) {
-    const int32_t b = p.batch_rows[t];
-    if (b >= 0 && b < p.table_rows) table_row = p.block_table + static_cast<long long>(b) * p.table_stride;
+  const bool compact = p.counts != nullptr;
+  // Issued together: the token's state row and batch row, and its first tile's candidates
+  // (without counts entry j stays at j, so a tile is strided over the threads: coalesced).
+  const int32_t token_row = p.token_rows[t];
+  const int32_t batch_row = p.theirs == nullptr ? p.batch_rows[t] : -1;
+  int32_t ours[kPerThread], other[kPerThread];
+  if (compact) {
+    load_candidates<1>(p, base, threadIdx.x * kPerThread, ours, other);
+  } else {
+    load_candidates<kThreads>(p, base, threadIdx.x, ours, other);
   }
+  const bool tracked = token_row >= 0;
+  const int32_t* table_row = nullptr;
+  if (!tracked && p.theirs == nullptr && batch_row >= 0 && batch_row < p.table_rows)
+    table_row = p.block_table + static_cast<long long>(batch_row) * p.table_stride;
 
-  if (p.counts == nullptr) {
-    for (int j = threadIdx.x; j < p.k; j += kThreads) p.out[base + j] = merged_value(p, tracked, table_row, base + j);
+  if (!compact) {
+    for (int tile = 0; tile < p.k; tile += kTile) {
+      if (tile > 0) load_candidates<kThreads>(p, base, tile + threadIdx.x, ours, other);
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int j = tile + threadIdx.x + e * kThreads;
+        if (j < p.k) p.out[base + j] = merged_value(p, tracked, table_row, ours[e], other[e]);
+      }
+    }
     return;
   }
 
@@ -104,19 +143,27 @@ __global__ void __launch_bounds__(kThreads) merge_rows_kernel(const __grid_const
   int row_total = 0;
   if (!one_tile) {
     int mine = 0;
-    for (int j = threadIdx.x; j < p.k; j += kThreads) mine += merged_value(p, tracked, table_row, base + j) >= 0;
+    for (int tile = 0; tile < p.k; tile += kTile) {
+      const int first = tile + threadIdx.x * kPerThread;
+      int32_t o[kPerThread], x[kPerThread];
+      load_candidates<1>(p, base, first, o, x);
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e)
+        mine += first + e < p.k && merged_value(p, tracked, table_row, o[e], x[e]) >= 0;
+    }
     block_exclusive_scan(mine, warp_sums, row_total);
   }
 
   int valid_before_tile = 0;
   for (int tile = 0; tile < p.k; tile += kTile) {
     const int first = tile + threadIdx.x * kPerThread;
+    if (tile > 0) load_candidates<1>(p, base, first, ours, other);
     int32_t v[kPerThread];
     int n_valid = 0;
 #pragma unroll
     for (int e = 0; e < kPerThread; ++e) {
       const int j = first + e;
-      v[e] = j < p.k ? merged_value(p, tracked, table_row, base + j) : -1;
+      v[e] = j < p.k ? merged_value(p, tracked, table_row, ours[e], other[e]) : -1;
       n_valid += (j < p.k && v[e] >= 0);
     }
     int tile_total = 0;

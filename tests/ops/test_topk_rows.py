@@ -225,3 +225,21 @@ def test_cuda_merge_table_rows_equals_the_reference(T, K, frm, to, compact, shar
     assert torch.equal(out.cpu(), want)
     if compact:
         assert torch.equal(counts.cpu(), want_counts)
+
+
+@pytest.mark.parametrize("backend", ["reference",
+                                     pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+@pytest.mark.parametrize("bs", [1, 16, 48, 100])
+@pytest.mark.parametrize("T,K", [(17, 2048), (5, 2049)])
+def test_merge_table_rows_with_any_block_size(backend, bs, T, K):
+    """The kernel divides a position by a power-of-two block size with a shift and by any
+    other with a division: both equal the entry-by-entry definition."""
+    device = "cuda" if backend == "cuda" else "cpu"
+    ours, token_rows, topk, batch_rows, table = table_case(T, K, seed=bs + T, bs=bs)
+    theirs = plain_table_rows(topk, batch_rows, table, bs, 64)
+    want, want_counts = plain_merge(ours, token_rows.tolist(), theirs, 64, 64, True)
+    d = [x.to(device) for x in (ours, token_rows, topk, batch_rows, table)]
+    out = torch.full_like(d[0], 12345)
+    counts = torch.full((T,), 12345, dtype=torch.int32, device=device)
+    ops.select(backend).merge_table_rows(*d, bs, 64, 64, out, counts)
+    assert out.cpu().tolist() == want and counts.cpu().tolist() == want_counts
