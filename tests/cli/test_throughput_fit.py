@@ -1,51 +1,87 @@
-"""``bench throughput --sim-layers N M``: the real step as the line through two layer counts."""
+"""``bench throughput``'s real step: GPU time scaled by the layers (or fitted through two
+layer counts), host time by the lanes, the step the larger of the two."""
 
 import json
 
 import pytest
 
 from vllm_hisparse.cli.benchmarks import throughput
-from vllm_hisparse.cli.benchmarks.throughput_fit import fit_step
+from vllm_hisparse.cli.benchmarks.throughput_fit import real_step
 
 
-def summary(median, low=None, high=None, batch=10):
-    low = median if low is None else low
-    high = median if high is None else high
-    return dict(step_ms_median=median, step_ms_min=low, step_ms_max=high,
-                gpu_ms_median=median, host_ms_median=median / 10,
-                tokens_per_s=batch / (median / 1e3),
-                tokens_per_s_range=[batch / (high / 1e3), batch / (low / 1e3)])
+def summary(gpu, host=0.5, spread=0.0, batch=10):
+    """A summarize() record: GPU and host medians, each with +- ``spread`` ms around it."""
+    out = dict(timed_steps=3, host_waited=0)
+    for name, t in (("gpu", gpu), ("host", host)):
+        out.update({f"{name}_ms_median": t, f"{name}_ms_min": t - spread,
+                    f"{name}_ms_max": t + spread})
+    step = max(gpu, host)
+    out.update(step_ms_median=step, step_ms_min=step - spread, step_ms_max=step + spread,
+               tokens_per_s=batch / (step / 1e3),
+               tokens_per_s_range=[batch / ((step + spread) / 1e3),
+                                   batch / ((step - spread) / 1e3)])
+    return out
+
+
+def fitted(first, second, num_layers=78, batch=20, host_scale=1.0):
+    return real_step(first, batch, scale=num_layers / 8, host_scale=host_scale, second=second,
+                     layers=(8, 16), num_layers=num_layers)
 
 
 def test_the_fit_separates_the_per_step_part_from_the_layers():
     # 1 ms per step + 0.5 ms per layer: 5 ms at 8 layers, 9 at 16, 40 at 78
-    f = fit_step(summary(5.0), summary(9.0), (8, 16), 78, batch=20)
+    f = fitted(summary(5.0), summary(9.0))
     assert f["per_step_ms"] == pytest.approx(1.0) and f["per_layer_ms"] == pytest.approx(0.5)
-    assert f["step_ms"] == pytest.approx(40.0)
+    assert f["step_ms"] == pytest.approx(40.0) and f["gpu_ms"] == pytest.approx(40.0)
     assert f["tokens_per_s"] == pytest.approx(20 / 0.040)
-    # scaling the 8-layer step would have said 48.75 ms: the per-step ms counted 78 / 8 times
-    assert 5.0 * 78 / 8 == pytest.approx(48.75)
+    # scaling the 8-layer step says 48.75 ms: the per-step ms counted 78 / 8 times
+    scaled = real_step(summary(5.0), 20, scale=78 / 8)
+    assert scaled["step_ms"] == pytest.approx(48.75)
 
 
-def test_the_fits_range_bounds_every_line_through_the_two_ranges():
-    first, second = summary(5.0, 4.9, 5.2), summary(9.0, 8.8, 9.1)
-    f = fit_step(first, second, (8, 16), 78, batch=20)
+def test_host_time_follows_the_lanes_not_the_layers():
+    """A host-bound simulated step (host 6 ms against GPU 5) is GPU-bound at 78 layers: its
+    host time grows with the lanes (5 / 4), not 78 / 8 times."""
+    s = summary(5.0, host=6.0)
+    real = real_step(s, 20, scale=78 / 8, host_scale=5 / 4)
+    assert real["host_ms"] == pytest.approx(7.5) and real["step_ms"] == pytest.approx(48.75)
+    # a host slower than the scaled GPU decides the step
+    slow = real_step(summary(1.0, host=20.0), 20, scale=78 / 8, host_scale=5 / 4)
+    assert slow["step_ms"] == pytest.approx(25.0)
+    # with a fit the host line is taken too, then the lanes
+    f = fitted(summary(1.0, host=20.0), summary(1.5, host=20.0), host_scale=5 / 4)
+    assert f["host_per_layer_ms"] == pytest.approx(0.0) and f["step_ms"] == pytest.approx(25.0)
+
+
+def test_the_range_bounds_every_line_through_the_two_ranges():
+    first, second = summary(5.0, spread=0.1), summary(9.0, spread=0.2)
+    f = fitted(first, second)
     slowest, fastest = (20e3 / t for t in f["tokens_per_s_range"])
-    lines = [fit_step(summary(a), summary(b), (8, 16), 78, 20)["step_ms"]
-             for a in (4.9, 5.0, 5.2) for b in (8.8, 9.0, 9.1)]
+    lines = [fitted(summary(a), summary(b))["step_ms"]
+             for a in (4.9, 5.0, 5.1) for b in (8.8, 9.0, 9.2)]
     assert fastest == pytest.approx(min(lines)) and slowest == pytest.approx(max(lines))
     assert fastest < f["step_ms"] < slowest
     # between the two counts both weights are positive: the bound pairs like with like
-    mid = fit_step(first, second, (8, 16), 12, batch=20)
+    mid = fitted(first, second, num_layers=12)
     slowest, fastest = (20e3 / t for t in mid["tokens_per_s_range"])
-    assert fastest == pytest.approx((4.9 + 8.8) / 2) and slowest == pytest.approx((5.2 + 9.1) / 2)
+    assert fastest == pytest.approx((4.9 + 8.8) / 2) and slowest == pytest.approx((5.1 + 9.2) / 2)
 
 
 def test_the_fit_refuses_bad_counts_and_a_line_below_zero():
     with pytest.raises(ValueError, match="0 < N < M"):
-        fit_step(summary(5.0), summary(9.0), (16, 8), 78, 20)
-    with pytest.raises(ValueError, match="gives a step of"):
-        fit_step(summary(9.0), summary(5.0), (8, 16), 78, 20)  # shorter with more layers
+        real_step(summary(5.0), 20, scale=1, second=summary(9.0), layers=(16, 8), num_layers=78)
+    with pytest.raises(ValueError, match="gives a GPU time of"):
+        fitted(summary(9.0), summary(5.0))  # shorter with more layers
+
+
+def test_a_summary_without_gpu_and_host_ranges_is_read_as_it_was_scaled():
+    """Results written before the ranges were kept: the step's own median, scaled."""
+    old = {k: v for k, v in summary(5.0, host=6.0, spread=0.1).items()
+           if not k.startswith(("gpu_ms_", "host_ms_m"))}
+    old.update(gpu_ms_median=5.0, host_ms_median=6.0)
+    real = real_step(old, 20, scale=78 / 8, host_scale=5 / 4)
+    assert real["step_ms"] == pytest.approx(6.0 * 78 / 8)
+    assert real["tokens_per_s_range"][0] == pytest.approx(20 / (6.1 * 78 / 8 / 1e3))
 
 
 def case_with_fit():
@@ -59,27 +95,28 @@ def case_with_fit():
     runs = points(5.0, {8: 6.0, 4: 5.5})
     fit_runs = points(9.0, {8: 11.0})  # the second run never reached 4 hybrid requests
     return dict(shape=dict(num_layers=78, name="m"), full_requests=4, hybrid_requests=8,
-                scale=78 / 8, sim_layers=8, runs=runs, fit=dict(sim_layers=16, runs=fit_runs))
+                scale=78 / 8, host_scale=1.25, sim_layers=8, runs=runs,
+                fit=dict(sim_layers=16, runs=fit_runs))
 
 
 def test_curve_uses_the_fit_where_both_counts_have_the_point():
     rows = {r["concurrency"]: r for r in throughput.curve(case_with_fit())}
     top = rows[8]
-    full = fit_step(summary(5.0, batch=4), summary(9.0, batch=4), (8, 16), 78, 4)
-    hybrid = fit_step(summary(6.0, batch=8), summary(11.0, batch=8), (8, 16), 78, 8)
+    full = fitted(summary(5.0, batch=4), summary(9.0, batch=4), batch=4, host_scale=1.25)
+    hybrid = fitted(summary(6.0, batch=8), summary(11.0, batch=8), batch=8, host_scale=1.25)
     assert top["full"]["real_step_ms"] == pytest.approx(full["step_ms"])
     assert top["hybrid"]["per_layer_ms"] == pytest.approx(hybrid["per_layer_ms"])
     assert top["hybrid_over_full"] == pytest.approx(hybrid["tokens_per_s"] / full["tokens_per_s"])
-    # a point only the first count has: the scaled step, no parts
+    # a point only the first count has: scaled, no parts
     assert rows[4]["hybrid"]["real_step_ms"] == pytest.approx(5.5 * 78 / 8)
     assert "per_layer_ms" not in rows[4]["hybrid"]
     # a line that falls below zero at the real count is said, and the step scaled
     broken = case_with_fit()
     broken["fit"]["runs"]["hybrid"]["points"]["8"]["hybrid"] = summary(1.0, batch=8)
     top = throughput.curve(broken)[0]
-    assert "gives a step of" in top["hybrid"]["fit_error"]
+    assert "gives a GPU time of" in top["hybrid"]["fit_error"]
     assert top["hybrid"]["real_step_ms"] == pytest.approx(6.0 * 78 / 8)
-    # without the second count: every figure scaled, as before
+    # without the second count: every figure scaled
     plain = case_with_fit()
     del plain["fit"]
     top = throughput.curve(plain)[0]
@@ -93,7 +130,7 @@ def test_sim_layers_takes_one_or_two_increasing_counts(counts, capsys):
     assert "one count or two increasing ones" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # ~40 s: the CPU smoke run at two layer counts
+@pytest.mark.slow  # ~20 s: the CPU smoke run at two layer counts
 def test_cpu_smoke_run_at_two_layer_counts(tmp_path, capsys):
     out = tmp_path / "t.json"
     rc = throughput.main(["--geometries", "dsv32", "--sim-layers", "2", "4", "--max-requests",
@@ -101,10 +138,12 @@ def test_cpu_smoke_run_at_two_layer_counts(tmp_path, capsys):
     assert rc == 0
     (case,) = json.loads(out.read_text())["cases"]
     assert case["sim_layers"] == 2 and case["fit"]["sim_layers"] == 4
+    assert case["host_scale"] > 0
     top = throughput.curve(case)[0]
     c = top["concurrency"]
     first = case["runs"]["hybrid"]["points"][str(c)]["hybrid"]
     second = case["fit"]["runs"]["hybrid"]["points"][str(c)]["hybrid"]
-    want = fit_step(first, second, (2, 4), case["shape"]["num_layers"], c)
+    want = real_step(first, c, scale=case["scale"], host_scale=case["host_scale"], second=second,
+                     layers=(2, 4), num_layers=case["shape"]["num_layers"])
     assert top["hybrid"]["real_step_ms"] == pytest.approx(want["step_ms"])
     assert "fit through 2 and 4 simulated layers" in capsys.readouterr().out

@@ -20,12 +20,14 @@ to 8). At each point the decode step is captured as a CUDA graph and replayed (v
 ``FULL_AND_PIECEWISE`` decode); ``--timed-steps`` steps are timed after ``--warmup-steps``,
 hybrid and oracle steps alternating (:mod:`.throughput_probe`). Around each layer's top-k
 conversion the step runs the layer's model-shaped work (:mod:`.model_layer`, every stand-in
-printed with the run). A layer's work does not depend on the number of layers, so a step of
-the real model is ``num_layers / sim_layers`` times the simulated one: tokens/s are given per
-GPU for the real model. That scale multiplies what runs once per step too (the page-table
-writes and launches of ``start_load_kv`` and ``wait_for_save``); ``--sim-layers N M`` runs
-every case at both counts and fits the real step as ``per_step + num_layers × per_layer``
-instead (:mod:`.throughput_fit`; printed with both parts).
+printed with the run). A layer's work does not depend on the number of layers, so the real
+model's GPU time is ``num_layers / sim_layers`` times the simulated one; its host time (the
+connector's issue around the replayed graph) follows the KV cache groups, not the layers;
+its step is the larger of the two (:mod:`.throughput_fit`). Tokens/s are given per GPU for
+the real model. The GPU scale multiplies what runs once per step too (page-table writes,
+launches of the mirror and the spills): ``--sim-layers N M`` runs every case at both counts
+and fits the GPU time as ``per_step + num_layers × per_layer`` instead (printed with both
+parts).
 
 ``--dbo-ceiling`` adds a third system to the connector run, the **two-micro-batch ceiling**
 (issue [16]): the oracle step with each layer's model-shaped work run once per half of the
@@ -59,7 +61,7 @@ from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_
 from vllm_hisparse.cli.benchmarks.connector import plan_requests
 from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
                                                       layer_flops_and_bytes, log_points)
-from vllm_hisparse.cli.benchmarks.throughput_fit import fit_step
+from vllm_hisparse.cli.benchmarks.throughput_fit import real_step
 from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe, summarize
 from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.core.units import cdiv
@@ -133,7 +135,8 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
                             max_requests=a.max_requests)
     real_spec = sim_spec(a, shape, shape.num_layers, context, 1, output_len, device)
     pages = cdiv(real_spec.max_model_len, a.block_size)
-    real = plan_requests(device_plan(real_spec), ns, pages, 2 * a.top_k)
+    real_device = device_plan(real_spec)
+    real = plan_requests(real_device, ns, pages, 2 * a.top_k)
     n_full = real["full_requests"]
     n_hybrid = max(real["hybrid_requests"], n_full)  # no gain: the connector never demotes
     sim = device_plan(sim_spec(a, shape, sim_layers, context, 1, output_len, device))
@@ -147,7 +150,9 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
                    1 + full_blocks + (n_hybrid - 1) * hybrid_blocks)).items()}
     return dict(real_plan=real, full_requests=n_full, hybrid_requests=n_hybrid,
                 sim_blocks=pools, sim_full_blocks_per_request=full_blocks,
-                sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages)
+                sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages,
+                # the host's issue time follows the lanes (sparse groups), not the layers
+                host_scale=real_device["num_sparse_groups"] / sim["num_sparse_groups"])
 
 
 def timed_steps(a, kind: str) -> int:
@@ -257,10 +262,10 @@ def _systems(full: dict, hyb: dict, c: int, n_full: int) -> dict[str, dict]:
 
 
 def curve(case: dict) -> list[dict]:
-    """Tokens/s per GPU (real layer count) of each system at each concurrency: the simulated
-    step scaled by ``num_layers / sim_layers``, or with a second layer count (``fit``) the
-    line through both (:func:`.throughput_fit.fit_step`; ``per_step_ms`` and
-    ``per_layer_ms`` then come with each system)."""
+    """Tokens/s per GPU (real layer count) of each system at each concurrency: the real step
+    from the simulated one (:func:`.throughput_fit.real_step`: GPU time scaled by
+    ``num_layers / sim_layers``, or with a second layer count, ``fit``, the line through both;
+    host time scaled by the lanes; the larger of the two)."""
     runs, scale = case.get("runs", {}), case.get("scale", 1.0)
     full, hyb = _points(runs)
     fit = case.get("fit")
@@ -274,21 +279,24 @@ def curve(case: dict) -> list[dict]:
             if not s:
                 continue
             batch = n_full if name == "full" and c > n_full else c
-            row[name] = dict(tokens_per_s=s["tokens_per_s"] / scale,
-                             range=[t / scale for t in s["tokens_per_s_range"]],
-                             real_step_ms=s["step_ms_median"] * scale,
-                             step_ms=s["step_ms_median"], gpu_ms=s["gpu_ms_median"],
-                             host_ms=s["host_ms_median"], miss_rate=s.get("miss_rate"))
-            if fit and second.get(name):
-                try:
-                    f = fit_step(s, second[name], (case["sim_layers"], fit["sim_layers"]),
-                                 case["shape"]["num_layers"], batch)
-                except ValueError as exc:  # noise larger than the layers' time: said, scaled
-                    row[name]["fit_error"] = str(exc)
-                    continue
-                row[name].update(tokens_per_s=f["tokens_per_s"], range=f["tokens_per_s_range"],
-                                 real_step_ms=f["step_ms"], per_step_ms=f["per_step_ms"],
-                                 per_layer_ms=f["per_layer_ms"])
+            scaled = dict(scale=scale, host_scale=case.get("host_scale", 1.0))
+            fitted = (dict(second=second[name], num_layers=case["shape"]["num_layers"],
+                           layers=(case["sim_layers"], fit["sim_layers"]))
+                      if fit and second.get(name) else {})
+            try:
+                real, fit_error = real_step(s, batch, **scaled, **fitted), None
+            except ValueError as exc:  # noise larger than the layers' time: said, scaled
+                real, fit_error = real_step(s, batch, **scaled), str(exc)
+            row[name] = dict(tokens_per_s=real["tokens_per_s"], range=real["tokens_per_s_range"],
+                             real_step_ms=real["step_ms"], real_gpu_ms=real["gpu_ms"],
+                             real_host_ms=real["host_ms"], step_ms=s["step_ms_median"],
+                             gpu_ms=s["gpu_ms_median"], host_ms=s["host_ms_median"],
+                             miss_rate=s.get("miss_rate"))
+            for k in ("per_step_ms", "per_layer_ms", "host_per_layer_ms"):
+                if k in real:
+                    row[name][k] = real[k]
+            if fit_error:
+                row[name]["fit_error"] = fit_error
         if "full" in row and "hybrid" in row:
             row["hybrid_over_full"] = row["hybrid"]["tokens_per_s"] / row["full"]["tokens_per_s"]
         if "oracle" in row and "hybrid" in row:
@@ -354,12 +362,14 @@ def print_case(case: dict) -> None:
     fit = case.get("fit")
     if fit and rows:
         top = rows[0]
-        parts = "; ".join(f"{n} {top[n]['per_step_ms']:.3f} + {top[n]['per_layer_ms']:.3f} x L"
+        parts = "; ".join(f"{n} {top[n]['per_step_ms']:.3f} + {top[n]['per_layer_ms']:.3f} x L "
+                          f"(host {top[n]['host_per_layer_ms']:+.3f} x L)"
                           for n in names if "per_layer_ms" in top.get(n, {}))
         print(f"  fit through {case['sim_layers']} and {fit['sim_layers']} simulated layers at "
-              f"{top['concurrency']} requests (ms per step = per step + per layer x L): {parts}; "
-              f"the real step at L = {case['shape']['num_layers']}: "
-              + ", ".join(f"{n} {top[n]['real_step_ms']:.2f} ms" for n in names if n in top))
+              f"{top['concurrency']} requests (GPU ms per step = per step + per layer x L): "
+              f"{parts}; the real step at L = {case['shape']['num_layers']} (GPU / host ms): "
+              + ", ".join(f"{n} {top[n]['real_gpu_ms']:.2f} / {top[n]['real_host_ms']:.2f}"
+                          for n in names if n in top))
         for n in names:
             if "fit_error" in top.get(n, {}):
                 print(f"  {n}: no fit ({top[n]['fit_error']}); its step is scaled")

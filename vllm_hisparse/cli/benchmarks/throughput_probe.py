@@ -369,9 +369,11 @@ def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
     ms = [s.ms for s in chosen]
     out = dict(timed_steps=len(chosen), step_ms_median=statistics.median(ms),
                step_ms_min=min(ms), step_ms_max=max(ms),
-               gpu_ms_median=statistics.median(s.gpu_ms for s in chosen),
-               host_ms_median=statistics.median(s.host_ms for s in chosen),
                host_waited=sum(s.host_waited for s in chosen))
+    for name in ("gpu", "host"):  # apart: the real model scales them differently
+        times = [getattr(s, f"{name}_ms") for s in chosen]
+        out.update({f"{name}_ms_median": statistics.median(times), f"{name}_ms_min": min(times),
+                    f"{name}_ms_max": max(times)})
     out["tokens_per_s"] = batch / (out["step_ms_median"] / 1e3)
     out["tokens_per_s_range"] = [batch / (max(ms) / 1e3), batch / (min(ms) / 1e3)]
     sel = sum(s.selections for s in chosen)
