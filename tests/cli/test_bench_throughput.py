@@ -242,3 +242,15 @@ def test_cpu_smoke_run_with_the_dbo_ceiling(tmp_path, capsys, monkeypatch):
         assert (n, (n + 1) // 2) in mlp_calls  # the second half's MLP
     printed = capsys.readouterr().out
     assert "dbo ceiling tok/s" in printed and "dbo ceiling / hybrid" in printed
+
+
+@pytest.mark.slow  # ~10 s: one full and one hybrid run
+def test_a_pool_of_one_full_request_holds_the_runs_longest_request(tmp_path):
+    """At 2K tokens the tiny KV budget plans one full request; the run decodes more than the
+    plan's 64 tokens, so a pool of exactly the plan was short of vLLM's one-request check."""
+    out = tmp_path / "t.json"
+    assert throughput.main(["--geometries", "dsv32", "--contexts", "2048", "--max-requests",
+                            "32", "--timed-steps", "2", "--json", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["full_requests"] == 1 and case["runs"]["full"]["peak_running"] == 1
+    assert throughput.pool_blocks(99) == 101

@@ -127,6 +127,12 @@ def device_plan(spec) -> dict:
         engine.close()
 
 
+def pool_blocks(needed: int) -> int:
+    """A pool that admits ``needed`` blocks of requests: vLLM admits a waiting request only
+    above its watermark (1 % of the pool)."""
+    return math.ceil(needed / (1 - WATERMARK)) + 1
+
+
 def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: str,
                  sim_layers: int) -> dict:
     """Requests per GPU of each system at the real layer count, and the pools of
@@ -143,14 +149,14 @@ def plan_batches(a, shape: LayerShape, context: int, output_len: int, device: st
     full_blocks = sim["num_groups"] * pages
     hybrid_blocks = (sim["num_indexer_groups"] * pages + sim["num_sparse_groups"]
                      * (cdiv(2 * a.top_k, a.block_size) + 3))
-    # vLLM admits a waiting request only above its watermark (1 % of the pool): room for it
-    pools = {k: math.ceil(v / (1 - WATERMARK)) + 1 for k, v in dict(
+    pools = {k: pool_blocks(v) for k, v in dict(
         full=1 + n_full * full_blocks,
         hybrid=max(1 + n_full * full_blocks,
                    1 + full_blocks + (n_hybrid - 1) * hybrid_blocks)).items()}
     return dict(real_plan=real, full_requests=n_full, hybrid_requests=n_hybrid,
                 sim_blocks=pools, sim_full_blocks_per_request=full_blocks,
                 sim_hybrid_blocks_per_request=hybrid_blocks, pages=pages,
+                sim_groups=sim["num_groups"],
                 # the host's issue time follows the lanes (sparse groups), not the layers
                 host_scale=real_device["num_sparse_groups"] / sim["num_sparse_groups"])
 
@@ -164,7 +170,8 @@ def timed_steps(a, kind: str) -> int:
     return 3 * cdiv(a.timed_steps, 2)
 
 
-def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers) -> dict:
+def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers,
+               groups: int) -> dict:
     from vllm_hisparse.vllm.simulation.engine import SimulationEngine
 
     timed = timed_steps(a, kind)
@@ -172,6 +179,9 @@ def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers) -> 
     # long enough that no request leaves before the probe sets the departures at the first
     # decode-only step (every request admitted, however long admission took)
     output_len = 4 * n + 64 + window * (2 + len(log_points(n, min(a.min_point, n))))
+    # vLLM starts only if one request of the run's longest length fits the pool (the plan
+    # counts 64 output tokens: a pool of one or two requests can be a few pages short)
+    blocks = max(blocks, pool_blocks(1 + groups * cdiv(context + output_len, a.block_size)))
     spec = sim_spec(a, shape, sim_layers, context, n, output_len, device, blocks)
     layers = "" if sim_layers == a.sim_layers[0] else f"-{sim_layers}layers"
     trace = (None if a.trace_dir is None else os.path.join(
@@ -228,7 +238,7 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
         for kind in systems:
             n = n_full if kind == "full" else n_hybrid
             runs[kind] = run_system(a, shape, context, kind, n, p["sim_blocks"][kind], work,
-                                    device, layers)
+                                    device, layers, p["sim_groups"])
         if i == 0:
             case["runs"] = runs
         else:  # the second layer count: the real step is fitted through both (curve)
