@@ -120,11 +120,12 @@ class StepView:
         batch_rows = req_id_per_token.contiguous()
         if batch_rows.dtype not in (torch.int32, torch.int64):
             batch_rows = batch_rows.to(torch.int32)
-        limit = None if num_actual_tokens is None or capturing() else int(num_actual_tokens)
+        now_capturing = capturing()
+        limit = None if num_actual_tokens is None or now_capturing else int(num_actual_tokens)
         key = (req_id_per_token.data_ptr(), tuple(req_id_per_token.shape),
                req_id_per_token.stride(), req_id_per_token.dtype, req_id_per_token.device,
                limit, getattr(ops, "name", id(ops)))
-        cached = self._token_rows.take(key, consumer)
+        cached = self._token_rows.take(key, consumer, now_capturing)
         if cached is not None:
             return cached
         out = torch.empty(batch_rows.shape[0], dtype=torch.int32, device=batch_rows.device)
@@ -157,9 +158,10 @@ class _ForwardTokenRows:
         self._entries.clear()
         self._forward = None
 
-    def take(self, key: tuple, consumer: object | None) -> torch.Tensor | None:
-        """The rows computed for ``key`` in this forward, or None (then :meth:`put` them)."""
-        now_capturing = capturing()
+    def take(self, key: tuple, consumer: object | None,
+             now_capturing: bool) -> torch.Tensor | None:
+        """The rows computed for ``key`` in this forward, or None (then :meth:`put` them);
+        ``now_capturing``: whether a CUDA graph capture is running."""
         forward = None if self._current_forward is None else self._current_forward()
         if now_capturing != self._capturing or forward is not self._forward:
             self.clear()
