@@ -143,7 +143,14 @@ def test_cpu_smoke_run_at_two_layer_counts(tmp_path, capsys):
     c = top["concurrency"]
     first = case["runs"]["hybrid"]["points"][str(c)]["hybrid"]
     second = case["fit"]["runs"]["hybrid"]["points"][str(c)]["hybrid"]
-    want = real_step(first, c, scale=case["scale"], host_scale=case["host_scale"], second=second,
-                     layers=(2, 4), num_layers=case["shape"]["num_layers"])
+    scaled = dict(scale=case["scale"], host_scale=case["host_scale"])
+    try:  # eager CPU steps are noisy: the 4-layer one may be the faster, and the fit refused
+        want = real_step(first, c, **scaled, second=second, layers=(2, 4),
+                         num_layers=case["shape"]["num_layers"])
+    except ValueError as exc:
+        assert top["hybrid"]["fit_error"] == str(exc)
+        want = real_step(first, c, **scaled)
+    else:
+        assert "fit_error" not in top["hybrid"]
     assert top["hybrid"]["real_step_ms"] == pytest.approx(want["step_ms"])
     assert "fit through 2 and 4 simulated layers" in capsys.readouterr().out
