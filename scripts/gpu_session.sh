@@ -11,6 +11,8 @@
 #   STEPS=throughput THROUGHPUT_ARGS="--geometries dsv32 glm51 --contexts 32768 --dbo-ceiling" ...
 #     # THROUGHPUT_ARGS goes to bench throughput as is; --dbo-ceiling adds the two-micro-batch
 #     # ceiling (issue [16]) to each connector run (docs/benchmarks.md, "Throughput")
+#   STEPS=throughput THROUGHPUT_ARGS="--contexts 4096 --sim-layers 8 16 --no-realism" ...
+#     # every case at 8 and 16 layers: the real step's GPU time fitted per step + per layer
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
