@@ -148,6 +148,8 @@ def _merge_rows(backend: str, tuning: KernelTuning, ours, token_rows, theirs, fr
     (reference if kernels is None else kernels).merge_rows(
         ours, token_rows, theirs, from_stride_rows, to_stride_rows, out, counts,
         **({} if kernels is None else {"tuning": tuning}))
+
+
 def _merge_table_rows(backend: str, tuning: KernelTuning, ours, token_rows, topk, batch_rows,
                       block_table, block_size, from_stride_rows, to_stride_rows, out,
                       counts=None) -> None:

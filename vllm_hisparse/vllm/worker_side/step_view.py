@@ -117,9 +117,6 @@ class StepView:
         leader's launch serves the others (DeepSeek-V3.2 and GLM-5.1 have an index group per
         layer: one launch per forward instead of one per layer). :class:`_ForwardTokenRows`
         says when a forward ends. The result is read, never written, by its consumers."""
-        batch_rows = req_id_per_token.contiguous()
-        if batch_rows.dtype not in (torch.int32, torch.int64):
-            batch_rows = batch_rows.to(torch.int32)
         now_capturing = capturing()
         limit = None if num_actual_tokens is None or now_capturing else int(num_actual_tokens)
         key = (req_id_per_token.data_ptr(), tuple(req_id_per_token.shape),
@@ -128,6 +125,9 @@ class StepView:
         cached = self._token_rows.take(key, consumer, now_capturing)
         if cached is not None:
             return cached
+        batch_rows = req_id_per_token.contiguous()
+        if batch_rows.dtype not in (torch.int32, torch.int64):
+            batch_rows = batch_rows.to(torch.int32)
         out = torch.empty(batch_rows.shape[0], dtype=torch.int32, device=batch_rows.device)
         ops.token_state_rows(batch_rows, self._table[:1 + self.max_batch_rows], out, limit)
         self._token_rows.put(key, consumer, out, req_id_per_token)
