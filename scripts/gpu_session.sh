@@ -13,6 +13,8 @@
 #     # ceiling (issue [16]) to each connector run (docs/benchmarks.md, "Throughput")
 #   STEPS=throughput THROUGHPUT_ARGS="--contexts 4096 --sim-layers 8 16 --no-realism" ...
 #     # every case at 8 and 16 layers: the real step's GPU time fitted per step + per layer
+#   STEPS=throughput THROUGHPUT_ARGS="--contexts 4096 --no-realism --inline-conversion" ...
+#     # the connector's leaders convert on the compute stream (the overlap_conversion A/B)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -101,10 +103,11 @@ if has worker; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_worker.log" | head -n 20 | tee -a "$SUMMARY"
   # decode steps through the attention hook captured in CUDA graphs (imports no vLLM; the
   # tests/vllm conftest does, hence --noconftest)
-  timeout 120 $PY -m pytest --noconftest -m gpu tests/vllm/test_cuda_graph_steps.py -q \
-    -p no:cacheprovider -rfE > "$OUT/pytest_graphs.log" 2>&1
+  timeout 150 $PY -m pytest --noconftest -m gpu tests/vllm/test_cuda_graph_steps.py \
+    tests/vllm/test_shared_conversion.py -q -p no:cacheprovider -rfE \
+    > "$OUT/pytest_graphs.log" 2>&1
   rc=$?
-  note "pytest -m gpu tests/vllm/test_cuda_graph_steps.py rc=$rc: $(tail -n 1 "$OUT/pytest_graphs.log")"
+  note "pytest -m gpu test_cuda_graph_steps + test_shared_conversion rc=$rc: $(tail -n 1 "$OUT/pytest_graphs.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_graphs.log" | head -n 20 | tee -a "$SUMMARY"
 fi
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from vllm_hisparse.cli.benchmarks import throughput
-from vllm_hisparse.cli.benchmarks.model_layer import (LayerShape, ModelLayerWork, log_points,
-                                                      split_batch, tokens_per_expert)
+from vllm_hisparse.cli.benchmarks.model_layer import (PRE_ATTENTION_GEMM, LayerShape,
+                                                      ModelLayerWork, log_points, split_batch,
+                                                      tokens_per_expert)
 from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe
 
 
@@ -50,6 +51,12 @@ def test_layer_work_runs_every_stand_in_on_cpu():
     rows = torch.randint(-1, 4096, (4, 32), dtype=torch.int32)
     work.indexer(0, 3)
     assert work.topk_indices[:3].max() < 256
+    work.new_kv[0].random_(0, 255)
+    work.before_attention(0, 3)  # the KV write and the absorbed query projection
+    assert torch.equal(work.new_kv[1, :3], work.new_kv[0, :3]) and not work.new_kv[1, 3].any()
+    j = [name for name, _, _ in work.gemm_shapes].index(PRE_ATTENTION_GEMM)
+    _, i, o = work.gemm_shapes[j]
+    assert torch.equal(work.act_out[:3, :o], work.act_in[:3, :i] @ work.sets[0][0][j])
     work.attention(0, rows, 3)
     flat = rows[:3].reshape(-1).clamp_min(0).long()
     assert torch.equal(work.reads[:flat.numel()], kv[0][flat])
@@ -92,7 +99,7 @@ def test_device_plan_counts_one_backing_allocation():
 
     a = argparse.Namespace(block_size=64, top_k=2048, host_layout="layer",
                            hot_region_eviction=None, adaptive_hot_region=False,
-                           gather_ctas_per_sm=None)
+                           gather_ctas_per_sm=None, inline_conversion=False)
     spec = throughput.sim_spec(a, LayerShape.named("dsv32"), 61, 32768, 1, 64, "cpu")
     assert spec.connector_extra == {"host_layout": "layer"}  # --host-layout's plumbing
     plan = throughput.device_plan(spec)
@@ -101,7 +108,8 @@ def test_device_plan_counts_one_backing_allocation():
 
 
 def test_residency_options_reach_the_connector_extra_config():
-    """--hot-region-eviction / --adaptive-hot-region / --gather-ctas-per-sm become the
+    """--hot-region-eviction / --adaptive-hot-region / --gather-ctas-per-sm /
+    --inline-conversion become the
     connector's extra-config keys (as simulate passes them); an eviction given runs the scored
     drift for lru and score."""
     import argparse
@@ -109,7 +117,7 @@ def test_residency_options_reach_the_connector_extra_config():
     def spec(**options):
         a = argparse.Namespace(block_size=64, top_k=2048, host_layout="auto",
                                hot_region_eviction=None, adaptive_hot_region=False,
-                               gather_ctas_per_sm=None)
+                               gather_ctas_per_sm=None, inline_conversion=False)
         vars(a).update(options)
         return throughput.sim_spec(a, LayerShape.named("dsv32"), 2, 4096, 1, 64, "cpu")
 
@@ -118,6 +126,8 @@ def test_residency_options_reach_the_connector_extra_config():
     assert spec(host_layout="layer").connector_extra == {"host_layout": "layer"}
     assert spec(gather_ctas_per_sm=1).connector_extra == {"host_layout": "auto",
                                                           "gather_ctas_per_sm": 1}
+    assert spec(inline_conversion=True).connector_extra == {"host_layout": "auto",
+                                                            "overlap_conversion": False}
     for eviction in ("lru", "score"):
         s = spec(hot_region_eviction=eviction, adaptive_hot_region=True)
         assert s.connector_extra == {"host_layout": "auto", "adaptive_hot_region": True,
@@ -160,6 +170,7 @@ def test_layer_work_over_halves_is_the_whole_batch_read_twice():
             buf.zero_()
         for first, stop in spans:
             work.indexer(0, stop, first)
+            work.before_attention(0, stop, first)
             work.attention(0, rows, stop, first)
             work.mlp(0, stop, first)
         return [t[:5].clone() for t in (work.logits, work.topk_indices)] + [

@@ -120,3 +120,37 @@ def test_forward_context_attn_metadata_accessor():
 
     assert "block_table" in SparseMLACommonMetadata.__dataclass_fields__
     assert compat.NULL_BLOCK_ID == 0
+
+
+def test_index_group_conversion_stream_follows_vllms_conversion():
+    """vLLM's group conversion starts on the group's side stream from ``logical_topk_ready``
+    (recorded after the indexer) when the group has an indexer and the forward is not
+    piecewise, else from the compute stream; ``index_group_conversion_stream`` answers the
+    same, and nothing on CPU."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla import index_group
+
+    cls = compat.sparse_mla_index_group_class()
+    src = inspect.getsource(cls._convert_once)
+    assert "self.side_stream.wait_event(self.logical_topk_ready)" in src
+    assert "if self.has_indexer and not in_piecewise_cudagraph():" in src
+    assert "compute_stream.wait_event(self.physical_topk_ready)" in src
+    record = inspect.getsource(cls.set_logical_topk_ready)
+    assert "self.logical_topk_ready.record(current_stream())" in record
+    fields = {f.name for f in dataclasses.fields(cls)}
+    assert {"side_stream", "logical_topk_ready", "has_indexer"} <= fields
+    assert index_group.in_piecewise_cudagraph() is False  # no forward context
+    buf = torch.zeros((2, 4), dtype=torch.int32)
+    cpu = cls(logical_topk_indices=buf, physical_topk_indices=buf.clone(),
+              valid_topk_counts=torch.zeros(2, dtype=torch.int32),
+              side_stream=torch.Stream(device="cpu"), logical_topk_ready=None,
+              physical_topk_ready=None, has_indexer=False)
+    assert compat.index_group_conversion_stream(cpu) is None
+    compat.record_logical_topk_ready(cpu, 0)  # no indexer: records nothing (no event here)
+    cuda_like = dataclasses.replace(cpu, has_indexer=True, logical_topk_ready=object())
+    cuda_like.side_stream = type("S", (), {"device": torch.device("cuda", 0)})()
+    stream, topk_ready = compat.index_group_conversion_stream(cuda_like)
+    assert stream is cuda_like.side_stream and topk_ready() is cuda_like.logical_topk_ready
+    cuda_like.has_indexer = False
+    assert topk_ready() is None

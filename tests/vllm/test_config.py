@@ -67,6 +67,7 @@ def test_defaults(machine):
     assert config.ops_backend == "auto"
     assert config.record_trace is None
     assert config.index_share_prefetch is True
+    assert config.overlap_conversion is True
     assert config.prefetch_max_ctas == 16
     assert config.gather_ctas_per_sm == DEFAULT_LEADER_CTAS_PER_SM
     assert config.hot_region_eviction == "lru"
@@ -85,11 +86,15 @@ def test_all_keys_accepted():
     config = parse(
         {"host_pool_gib": 1.5, "device_buffer_size": 8192, "eager_host_mirror": False,
          "ops_backend": "reference", "record_trace": None, "index_share_prefetch": False,
-         "prefetch_max_ctas": 0}
+         "prefetch_max_ctas": 0, "overlap_conversion": False}
     )
     assert (config.device_buffer_size, config.eager_host_mirror, config.ops_backend) == (
         8192, False, "reference")
     assert (config.index_share_prefetch, config.prefetch_max_ctas) == (False, 0)
+    assert config.overlap_conversion is False
+    with pytest.raises(HiSparseConfigError, match=r"overlap_conversion='yes' is invalid; "
+                                                  r"accepted: true or false"):
+        parse({"host_pool_gib": 1, "overlap_conversion": "yes"})
 
 
 def test_record_trace_path(tmp_path):

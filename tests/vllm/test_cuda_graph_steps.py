@@ -133,15 +133,19 @@ def capture(rig: HookedDecodeStep) -> "torch.cuda.CUDAGraph":
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group_layers,scores", [(2, False), (1, False), (2, True)],
-                         ids=["groups-of-2", "groups-of-1", "score-eviction"])
-def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers, scores):
+@pytest.mark.parametrize("group_layers,scores,inline", [
+    (2, False, False), (1, False, False), (2, True, False), (2, False, True)],
+    ids=["groups-of-2", "groups-of-1", "score-eviction", "inline-conversion"])
+def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers, scores, inline):
     """Eager steps, then the same steps as one graph captured outside any step (after the
     warm-up) and replayed: identical rows every step, every read row the ground truth,
     identical hot state and counters at the end; a step (inputs, view, replay) allocates
-    nothing. With score eviction the slot classes are computed inside the graph too."""
+    nothing. With score eviction the slot classes are computed inside the graph too. The
+    leaders convert on their groups' side streams (or inline): the side streams are joined
+    inside the graph."""
     spec = dataclasses.replace(GPU_SPEC, index_group_layers=group_layers, score_eviction=scores,
-                               hot_rows=GPU_SPEC.hot_rows // 2 if scores else GPU_SPEC.hot_rows)
+                               hot_rows=GPU_SPEC.hot_rows // 2 if scores else GPU_SPEC.hot_rows,
+                               inline_conversion=inline)
     rig = HookedDecodeStep(spec, "cuda")
     try:
         eager, _ = rig.run("eager", check=True)
@@ -156,6 +160,9 @@ def test_graph_replay_resolves_exactly_what_eager_steps_resolve(group_layers, sc
         if scores:  # the classes were used: some slot is above class 0
             assert all(int(s.slot_class.max()) > 0 for s in rig.states)
         assert all(s.side_work is None for s in rig.states)  # joined inside the graph
+        assert all((b.conversion is None) == inline for b in rig.bindings)
+        if not inline:
+            assert all(b.conversion.conversions > 0 for b in rig.bindings)
         replay = capture(rig)
         allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
         for step in range(3):

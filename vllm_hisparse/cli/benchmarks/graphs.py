@@ -8,7 +8,9 @@ A decode step as vLLM's FULL-graph path runs it (``cudagraph_mode`` ``FULL_AND_P
 vLLM's default): a batch padded to the graph's size (padding tokens map to batch row 0, as
 vLLM maps them), and per layer the index group's top-k conversion through the residency hook
 (``read_path.hooked_conversion``, on a stand-in index group whose own conversion is the
-pure-torch twin of vLLM's), compaction included, then a stand-in sparse attention read of the
+pure-torch twin of vLLM's; on CUDA each leader converts on the group's own side stream from
+an event recorded where its indexer would end, unless ``--inline-conversion``), compaction
+included, then a stand-in sparse attention read of the
 K rows of every token. Every input lives in a fixed buffer; each step writes its values there
 and opens the worker's :class:`StepView` (``begin``), as ``start_load_kv`` does. Requests keep
 an eighth of their pages resident (plus the tail); every ``--full-every``-th request is FULL
@@ -34,6 +36,7 @@ import torch
 
 from vllm_hisparse.cli.args import CliParser, nonneg_int, output_path, positive_int
 from vllm_hisparse.cli.output import write_json
+from vllm_hisparse.vllm.worker_side.conversion_stream import ConversionStream
 from vllm_hisparse.vllm.worker_side.read_path import (BINDING_ATTR, IndexGroupResidency,
                                                       compact_valid_to_front, hooked_conversion,
                                                       vllm_reference_conversion)
@@ -67,6 +70,9 @@ class GraphStepSpec:
     steps: int = 12
     seed: int = 0
     score_eviction: bool = False  # indexer logits per step, slot classes (hot_region_eviction)
+    # leaders convert on the compute stream (default on CUDA: each group's own side stream,
+    # from an event recorded where the indexer ends, as with vLLM's index groups)
+    inline_conversion: bool = False
 
 
 @dataclasses.dataclass
@@ -131,9 +137,13 @@ class HookedDecodeStep:
                                           [self.kv[l] for l in layers],
                                           DeviceRowLayout(bs, bs), self.step_view,
                                           scores=self.tap)
+            group = SimpleNamespace()
+            binding.attach(group, None if spec.inline_conversion or dev.type != "cuda" else
+                           ConversionStream(torch.cuda.Stream(dev), lambda: self.topk_ready,
+                                            dev))
             self.states.append(state)
             self.bindings.append(binding)
-            self.groups.append((SimpleNamespace(**{BINDING_ATTR: binding}), layers))
+            self.groups.append((group, layers))
             first += size
         table = self.states[0]
         for r in range(R):
@@ -155,6 +165,8 @@ class HookedDecodeStep:
         self.reads = [torch.empty((spec.batch * K, spec.row_bytes), dtype=torch.uint8,
                                   device=dev) for _ in range(spec.layers)]
         self.converted: list[torch.Tensor | None] = [None] * spec.layers
+        #: Recorded where each group's indexer would end; its leader's conversion starts there.
+        self.topk_ready = torch.Event(device=dev) if dev.type == "cuda" else None
         self.plan = self._make_plan(vary_batch)
 
     def _make_plan(self, vary_batch: bool) -> list[StepInputs]:
@@ -224,6 +236,8 @@ class HookedDecodeStep:
             if self.tap is not None:
                 self.tap.record_decode_topk(lambda *args: None, self.logits, None, 1, self.topk,
                                             self.spec.topk, self.spec.context)
+            if self.topk_ready is not None:
+                self.topk_ready.record(torch.cuda.current_stream(self.device))
             for index, layer in enumerate(layers):
                 rows, _ = hooked_conversion(group, original, index, self.topk, self.metadata,
                                             block_stride_rows=bs, return_valid_counts=True)

@@ -19,6 +19,11 @@ indexer logits            one batched matrix-vector product over ``B × context`
 indexer top-k             ``torch.topk`` of ``K`` over each request's ``context`` logits (vLLM
                           runs its own top-k kernel; this one is slower, so the stand-in
                           overstates the step the IO hides under).
+before attention          what the compute stream runs between the indexer and the attention's
+                          top-k conversion (``mla.py:235`` → ``forward_mqa``): the layer's new
+                          KV rows written (a copy of ``B`` rows) and the absorbed query
+                          projection (``W_UK``, one of the weight GEMMs below). vLLM's
+                          conversion, and ours, run beside it on the index group's side stream.
 attention rows            the ``K`` rows each token's conversion returned, gathered from the
                           layer's KV cache (``index_select``: the bytes sparse MLA reads, plus
                           the same again written to a buffer).
@@ -28,7 +33,8 @@ attention math            ``[B·heads, 576] @ [576, K]``, softmax, ``[B·heads, 
 weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`` whose weight
                           bytes equal the model's fp8 weights (``out`` halved): q/kv down
                           projections, q up projection with the indexer's, the absorbed kv up
-                          projection, o_proj, the shared expert, the router, and this rank's
+                          projection (its ``W_UK`` half before the attention, its ``W_UV``
+                          half after), o_proj, the shared expert, the router, and this rank's
                           routed experts as two batched GEMMs ``[E, T, in] @ [E, in, out]``
                           with ``T`` the most tokens any local expert got from a uniform top-k
                           router over the tokens of all ``ep_ranks`` (memory-bound: a batched
@@ -80,6 +86,9 @@ GEOMETRIES: dict[str, dict] = {
 #: DeepEP low-latency dispatch + combine on 8 GPUs (README table: 77 + 114 µs).
 DEFAULT_EP_COMM_US = 191.0
 
+#: The GEMM that runs between the indexer and the attention (the absorbed query projection).
+PRE_ATTENTION_GEMM = "kv_b q absorb (W_UK)"
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
@@ -127,7 +136,8 @@ class LayerShape:
             ("q_b + indexer q_b", self.q_lora_rank,
              half(H * (self.qk_nope_dim + self.rope_dim)
                   + self.index_heads * self.index_head_dim)),
-            ("kv_b (absorbed)", self.kv_lora_rank, half(H * (self.qk_nope_dim + self.v_head_dim))),
+            (PRE_ATTENTION_GEMM, self.kv_lora_rank, half(H * self.qk_nope_dim)),
+            ("kv_b v up (W_UV)", self.kv_lora_rank, half(H * self.v_head_dim)),
             ("o_proj", H * self.v_head_dim, half(h)),
             ("shared expert gate_up", h, self.moe_intermediate),  # 2 × inter, halved
             ("shared expert down", self.moe_intermediate, half(h)),
@@ -202,9 +212,10 @@ class ModelLayerWork:
     """The stand-in GPU work of every layer (module docstring), for batches up to
     ``max_batch`` of ``context``-token requests.
 
-    ``indexer(layer, batch)`` before an index group's leader converts; ``attention(layer,
-    rows, batch)`` with the rows the conversion returned (int32 ``[batch, K]``, valid first;
-    ``-1`` padding); ``mlp(layer, batch)`` after. ``kv_rows``: each sparse layer's flat row
+    ``indexer(layer, batch)`` before an index group's leader converts; ``before_attention(
+    layer, batch)`` before each layer converts; ``attention(layer, rows, batch)`` with the
+    rows the conversion returned (int32 ``[batch, K]``, valid first; ``-1`` padding);
+    ``mlp(layer, batch)`` after. ``kv_rows``: each sparse layer's flat row
     view of its KV cache (uint8 ``[rows, mla_row_bytes]``), in layer order.
 
     Each takes ``first`` (default 0): it then runs over tokens ``first`` to ``batch - 1``
@@ -234,6 +245,10 @@ class ModelLayerWork:
         self.logits = torch.empty((max_batch, context, 1), **bf16)
         self.topk_values = torch.empty((max_batch, top_k), **bf16)
         self.topk_indices = torch.empty((max_batch, top_k), dtype=torch.int64, device=device)
+        # before attention: the new KV rows (written to a buffer of their own: the cache's
+        # rows are the attention's reads)
+        self.new_kv = torch.zeros((2, max_batch, shape.mla_row_bytes), dtype=torch.uint8,
+                                  device=device)
         # attention
         self.reads = torch.empty((max_batch * top_k, shape.mla_row_bytes), dtype=torch.uint8,
                                  device=device)
@@ -244,6 +259,7 @@ class ModelLayerWork:
         self.attn_out = torch.empty((max_batch * shape.heads, v_dim), **bf16)
         # weights: dense GEMMs and the routed experts, weight_sets distinct sets
         self.gemm_shapes = shape.gemms()
+        self._pre_gemm = [n for n, _, _ in self.gemm_shapes].index(PRE_ATTENTION_GEMM)
         width = max(max(i, o) for _, i, o in self.gemm_shapes)
         self.act_in = rand(max_batch, width)
         self.act_out = torch.empty((max_batch, width), **bf16)
@@ -274,6 +290,19 @@ class ModelLayerWork:
         torch.topk(self.logits[t, :, 0], self.top_k, dim=1,
                    out=(self.topk_values[t], self.topk_indices[t]))
 
+    def before_attention(self, layer: int, batch: int, first: int = 0) -> None:
+        """The layer's KV write and absorbed query projection (between its indexer and its
+        conversion)."""
+        if batch <= first:
+            return
+        if "attention" in self.components:
+            self.new_kv[1, first:batch].copy_(self.new_kv[0, first:batch])
+        if "weights" in self.components:
+            dense = self.sets[layer % len(self.sets)][0]
+            _, i, o = self.gemm_shapes[self._pre_gemm]
+            torch.matmul(self.act_in[first:batch, :i], dense[self._pre_gemm],
+                         out=self.act_out[first:batch, :o])
+
     def attention(self, layer: int, rows: torch.Tensor, batch: int, first: int = 0) -> None:
         """Sparse MLA over the ``K`` rows of each of the tokens."""
         if "attention" not in self.components or batch <= first:
@@ -286,13 +315,15 @@ class ModelLayerWork:
         torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank], out=self.attn_out[h])
 
     def mlp(self, layer: int, batch: int, first: int = 0) -> None:
-        """Every projection's GEMM, EP dispatch, the routed experts, EP combine."""
+        """The other projections' GEMMs, EP dispatch, the routed experts, EP combine."""
         if batch <= first:
             return
         if "weights" in self.components:
             dense, up, down = self.sets[layer % len(self.sets)]
-            for (_, i, o), w in zip(self.gemm_shapes, dense):
-                torch.matmul(self.act_in[first:batch, :i], w, out=self.act_out[first:batch, :o])
+            for j, ((_, i, o), w) in enumerate(zip(self.gemm_shapes, dense)):
+                if j != self._pre_gemm:  # that one ran before the attention
+                    torch.matmul(self.act_in[first:batch, :i], w,
+                                 out=self.act_out[first:batch, :o])
         if "comm" in self.components:
             self.spin(self.shape.ep_comm_us / 2)  # dispatch
         if "weights" in self.components:

@@ -85,14 +85,16 @@ REALISM = dict(geometry="dsv32", batch=12, context=2048, public_tpot_ms=39.0,
 
 
 def residency_options(a) -> dict:
-    """SimulationSpec fields of --host-layout, --hot-region-eviction and
-    --adaptive-hot-region: the connector's
+    """SimulationSpec fields of --host-layout, --gather-ctas-per-sm, --inline-conversion,
+    --hot-region-eviction and --adaptive-hot-region: the connector's
     extra-config keys (as ``simulate`` passes them), and with an eviction given the scored
     top-k drift (vLLM's indexer top-k over synthetic scores, which ``score`` needs) for lru
     and score alike, so that the two compare on the same selections."""
     extra = {"host_layout": a.host_layout}
     if a.gather_ctas_per_sm is not None:
         extra["gather_ctas_per_sm"] = a.gather_ctas_per_sm
+    if a.inline_conversion:
+        extra["overlap_conversion"] = False
     if a.adaptive_hot_region:
         extra["adaptive_hot_region"] = True
     if a.hot_region_eviction is None:
@@ -460,6 +462,9 @@ def main(argv=None) -> int:
                    help="the connector's adaptive_hot_region (default: fixed regions)")
     p.add_argument("--gather-ctas-per-sm", type=nonneg_int, default=None,
                    help="the connector's gather_ctas_per_sm (default: the connector's)")
+    p.add_argument("--inline-conversion", action="store_true",
+                   help="the connector's overlap_conversion false: each leader converts on "
+                   "the compute stream (default: on its index group's side stream, as vLLM)")
     p.add_argument("--dbo-ceiling", action="store_true",
                    help="also time the two-micro-batch ceiling (issue [16]): the oracle step "
                    "with each layer's stand-ins run once per half of the batch")

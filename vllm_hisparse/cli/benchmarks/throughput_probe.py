@@ -270,8 +270,10 @@ class GraphStepProbe(StepProbe):
 
     def _forward(self, n: int, *, oracle: bool = False, micro_batches: int = 1,
                  components=None, convert: bool = True) -> None:
-        """Every layer at batch ``n``: the leader's indexer, the conversion (unless not
-        ``convert``: the last converted rows are read again), attention, MLP. With
+        """Every layer at batch ``n``: the leader's indexer, the layer's KV write and query
+        projection, the conversion (unless not ``convert``: the last converted rows are read
+        again; vLLM's and ours run beside that projection on the index group's side
+        stream, from the event the leader records after its indexer), attention, MLP. With
         ``micro_batches`` > 1 the stand-ins run once per micro-batch (indexer, attention and
         MLP each over its tokens: the weights read once per micro-batch), the conversion
         still once over the batch."""
@@ -291,8 +293,11 @@ class GraphStepProbe(StepProbe):
                 impl = model.impls[names[0]]
                 if convert:
                     impl.topk_indices_buffer[:n].copy_(self._topk[:n])
+                    impl.record_logical_topk_ready()  # as vLLM's model does after the indexer
                 for name in names:
                     layer = self._layer_of[name]
+                    for first, stop in spans:
+                        work.before_attention(layer, stop, first)
                     if convert:
                         rows, _ = model.impls[name].forward_mqa(self._q[:n], model.kv[name],
                                                                 md[name], None)

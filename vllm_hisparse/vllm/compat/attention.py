@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from vllm.config import VllmConfig
 
 __all__ = ["attention_block_table", "direct_conversion_at", "direct_conversion_function",
            "DIRECT_CONVERSION_MODULE", "direct_conversion_modules", "DIRECT_CONVERSION_NAME",
            "current_forward_context", "DIRECT_CONVERSION_SITES",
            "forward_context_attn_metadata",
-           "in_tree_hisparse_index_group_class", "indexer_topk_class", "layer_index_group",
+           "in_tree_hisparse_index_group_class", "index_group_conversion_stream",
+           "indexer_topk_class", "layer_index_group", "record_logical_topk_ready",
            "sparse_mla_index_group_class", "static_forward_context"]
 
 #: Modules whose forward paths call ``sparse_utils.triton_convert_req_index_to_global_index``
@@ -86,6 +88,37 @@ def in_tree_hisparse_index_group_class() -> type:
     from vllm.v1.attention.backends.mla.index_group import HiSparseMLAIndexGroup
 
     return HiSparseMLAIndexGroup
+
+
+def index_group_conversion_stream(group: Any) -> tuple[Any, Callable[[], Any | None]] | None:
+    """``(side stream, topk_ready)`` of an index group whose conversion vLLM runs on a CUDA
+    side stream, else None (CPU, or a group without one).
+
+    ``topk_ready()`` returns the event vLLM's own conversion starts from, or None where it
+    starts after the compute stream instead. ``SparseMLAIndexGroup._convert_once``
+    (``index_group.py:140-146``) waits on ``logical_topk_ready`` when the group
+    ``has_indexer`` and the forward is not piecewise (``forward_context.in_piecewise_cudagraph``:
+    the event is graph-local there and is not recorded, ``:59-69``), else on the compute
+    stream. ``topk_ready`` answers the same way."""
+    stream = getattr(group, "side_stream", None)
+    device = getattr(stream, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    from vllm.forward_context import in_piecewise_cudagraph
+
+    def topk_ready() -> Any | None:
+        if group.has_indexer and not in_piecewise_cudagraph():
+            return group.logical_topk_ready
+        return None
+
+    return stream, topk_ready
+
+
+def record_logical_topk_ready(group: Any, layer_index: int) -> None:
+    """``SparseMLAIndexGroup.set_logical_topk_ready`` (``index_group.py:59``): what vLLM's
+    model calls right after a layer's indexer (``mla.py:235``); records the event the
+    group's conversion starts from (leader of a group with an indexer, not piecewise)."""
+    group.set_logical_topk_ready(layer_index)
 
 
 def static_forward_context(vllm_config: VllmConfig) -> dict[str, Any]:

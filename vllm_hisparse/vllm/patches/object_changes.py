@@ -403,6 +403,28 @@ LAYER_INDEX_GROUP = ObjectChange(
             ("vllm.model_executor.layers.attention.sparse_mla_attention.SparseMLACommonImpl",
              "index_group_index", "instance")))
 
+INDEX_GROUP_SIDE_STREAM = ObjectChange(
+    name="index_group_side_stream",
+    target="SparseMLAIndexGroup.side_stream / logical_topk_ready / has_indexer, read",
+    action="read",
+    why="a leader's residency conversion replaces vLLM's group conversion, which vLLM runs on "
+        "the group's side stream from the indexer's ready event so that it overlaps the "
+        "layer's KV write and query projection; ours runs there too, or it would add its "
+        "whole time to every layer (worker_side/conversion_stream.py).",
+    sites=_m("worker_side.lanes"),
+    names=("side_stream", "logical_topk_ready", "has_indexer"),
+    compat=("index_group_conversion_stream",),
+    extension_point="the pluggable top-k translator per index group (topk_conversion_hook's "
+                    "extension point), called on the stream and after the event vLLM's own "
+                    "conversion uses",
+    shapes=(("vllm.v1.attention.backends.mla.index_group.SparseMLAIndexGroup", "side_stream",
+             "field"),
+            ("vllm.v1.attention.backends.mla.index_group.SparseMLAIndexGroup",
+             "logical_topk_ready", "field"),
+            ("vllm.v1.attention.backends.mla.index_group.SparseMLAIndexGroup", "has_indexer",
+             "field"),
+            ("vllm.forward_context", "in_piecewise_cudagraph", "callable")))
+
 # ------------------------------------------------------------------ simulator and benchmarks
 
 OFFLINE_ENGINE_CONFIG = ObjectChange(
@@ -459,7 +481,8 @@ OBJECT_CHANGES: tuple[ObjectChange, ...] = (
     RESIDENCY_MANAGER_REGISTRY, RESIDENCY_GROUP_ROLE, OFFLOADING_SCOPE, ADMISSION_WATERMARK,
     MANAGER_TABLES, MANAGER_LONGER_HIT, MANAGER_ALLOCATION_COUNT, BLOCK_TABLE_READS,
     PREFIX_CACHE_READS, LOCKSTEP_INTERNALS, LOAD_BEFORE_FORWARD, CONNECTOR_METADATA,
-    PROM_METRIC_CLASSES, PREFILL_BLOCK_TABLE_ROWS, LAYER_INDEX_GROUP, OFFLINE_ENGINE_CONFIG,
+    PROM_METRIC_CLASSES, PREFILL_BLOCK_TABLE_ROWS, LAYER_INDEX_GROUP, INDEX_GROUP_SIDE_STREAM,
+    OFFLINE_ENGINE_CONFIG,
     REQUEST_MAX_TOKENS, PREFIX_LOOKUP_COUNTER)
 
 

@@ -60,7 +60,7 @@ HOT_REGION_EVICTIONS = ("lru", "score")
 ACCEPTED_KEYS = ("host_pool_gib", "device_buffer_size", "eager_host_mirror", "ops_backend", "record_trace",
                  "index_share_prefetch", "prefetch_max_ctas", "ack_deadline_s", "adaptive_hot_region",
                  "hot_region_target_miss_rate", "hot_region_eviction", "host_layout",
-                 "gather_ctas_per_sm")
+                 "gather_ctas_per_sm", "overlap_conversion")
 
 #: Default ``hot_region_target_miss_rate``: about the miss rate of a fixed region of
 #: ``2 * top_k`` rows on the synthetic replay trace (docs/core.md, "Per-request hot size").
@@ -100,7 +100,6 @@ class HiSparseResidencyConfig:
     index_share_prefetch: bool
     """Followers' copies on a side stream (``GroupGather`` mode ``side``), else ``single``."""
     prefetch_max_ctas: int
-    gather_ctas_per_sm: int
     """Grid cap of the followers' copies, in CTAs (0 = none)."""
     gather_ctas_per_sm: int
     """Grid of the leader's gather (the critical path), CTAs per SM (0 = the kernel's)."""
@@ -117,6 +116,10 @@ class HiSparseResidencyConfig:
     hot_region_target_miss_rate: float = DEFAULT_HOT_REGION_TARGET_MISS_RATE
     hot_region_eviction: str = "lru"
     """Victim order of the hot slots (:data:`HOT_REGION_EVICTIONS`)."""
+    overlap_conversion: bool = True
+    """Each leader's conversion on its index group's side stream, from the indexer's ready
+    event, where vLLM runs its own (``worker_side/conversion_stream.py``); else on the
+    compute stream."""
     host_layout: str = "auto"
     """Host pool layout (:data:`~vllm_hisparse.core.host_layout.HOST_LAYOUT_CHOICES`);
     ``auto`` decides per geometry (:func:`~vllm_hisparse.core.host_layout.choose_host_layout`)."""
@@ -430,6 +433,7 @@ def _check_standalone(extra: Any) -> None:
     _parse_bool(extra, "index_share_prefetch", True)
     _parse_prefetch_max_ctas(extra)
     _parse_gather_ctas_per_sm(extra)
+    _parse_bool(extra, "overlap_conversion", True)
     _parse_ack_deadline_s(extra)
     _parse_hot_region(extra)
 
@@ -493,6 +497,7 @@ def parse_extra_config(
         index_share_prefetch=_parse_bool(extra, "index_share_prefetch", True),
         prefetch_max_ctas=_parse_prefetch_max_ctas(extra),
         gather_ctas_per_sm=_parse_gather_ctas_per_sm(extra),
+        overlap_conversion=_parse_bool(extra, "overlap_conversion", True),
         top_k=top_k,
         block_size=block_size,
         max_decode_query_len=max_decode_query_len,

@@ -70,6 +70,11 @@ class SyntheticSparseMLAImpl:
         self.topk_indices_buffer = topk_indices_buffer
         self.group_conversion_decode_only = group_conversion_decode_only
 
+    def record_logical_topk_ready(self) -> None:
+        """What vLLM's model calls right after the layer's indexer (``mla.py:235``): the
+        group's conversion starts from the event this records (on CUDA, at the leader)."""
+        compat.record_logical_topk_ready(self.index_group, self.index_group_index)
+
     def forward_mqa(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
                     layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = q.shape[0]
@@ -137,8 +142,10 @@ def cpu_direct_twin() -> Iterator[None]:
 
 
 def make_index_group(top_k: int, max_tokens: int, device: torch.device) -> Any:
-    """vLLM's ``SparseMLAIndexGroup`` for one index unit. On CPU its conversion is the
-    pure-torch twin :func:`cpu_convert_once`."""
+    """vLLM's ``SparseMLAIndexGroup`` for one index unit. On CUDA it has an indexer, as a
+    DSA model's groups do: its conversion starts from the event
+    :meth:`SyntheticSparseMLAImpl.record_logical_topk_ready` records. On CPU its conversion
+    is the pure-torch twin :func:`cpu_convert_once`."""
     cls = compat.sparse_mla_index_group_class()
     buf = torch.zeros((max_tokens, top_k), dtype=torch.int32, device=device)
     on_cuda = device.type == "cuda"
@@ -147,7 +154,7 @@ def make_index_group(top_k: int, max_tokens: int, device: torch.device) -> Any:
                 side_stream=torch.cuda.Stream(device) if on_cuda else None,
                 logical_topk_ready=torch.cuda.Event() if on_cuda else None,
                 physical_topk_ready=torch.cuda.Event() if on_cuda else None,
-                has_indexer=False)
+                has_indexer=on_cuda)
     if not on_cuda:
         patches.CPU_GROUP_CONVERSION.install(group, cpu_convert_once)
     return group
@@ -415,11 +422,13 @@ class SyntheticModel:
         rows_checked = 0
         decode = self._decode_logits
         for _, names, _ in self.units:
-            buffer = self.impls[names[0]].topk_indices_buffer
+            leader = self.impls[names[0]]
+            buffer = leader.topk_indices_buffer
             buffer[:t] = topk
             if decode is not None:
                 self.scored.select(decode, buffer[:decode.num_rows])
                 topk = buffer[:t].clone()  # what the unit's layers convert
+            leader.record_logical_topk_ready()
             for name in names:
                 _, layer, view, _ = self.layers[name]
                 rows, counts = self.impls[name].forward_mqa(q, self.kv[name], metadata[name],

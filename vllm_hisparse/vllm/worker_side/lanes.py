@@ -26,6 +26,7 @@ import torch
 from vllm_hisparse.core.commands import StepCommand, TransferKind, WorkerAcks
 from vllm_hisparse.vllm import compat, patches
 from vllm_hisparse.vllm.setup.config import CONNECTOR_NAME, HiSparseResidencyConfig
+from vllm_hisparse.vllm.worker_side.conversion_stream import ConversionStream
 from vllm_hisparse.vllm.worker_side.read_path import IndexGroupResidency
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.vllm.worker_side.step_view import StepView
@@ -114,6 +115,8 @@ class Lane:
     hot_states: list[HotState]
     executor: StepExecutor
     bindings: list[IndexGroupResidency] = field(default_factory=list)
+    #: Leaders convert on their index group's side stream (config ``overlap_conversion``).
+    overlap_conversion: bool = True
 
     @classmethod
     def build(cls, rows: GroupRows, sparse_index: int, host_layers: Sequence[torch.Tensor], *,
@@ -160,7 +163,8 @@ class Lane:
             gather_ctas_per_sm=config.gather_ctas_per_sm,
             scores=scores) for unit, state in zip(units, hot_states)]
         return cls(rows.group_id, sparse_index, names, units, rows.layout, views,
-                   list(host_layers), engine, hot_states, executor, bindings)
+                   list(host_layers), engine, hot_states, executor, bindings,
+                   overlap_conversion=config.overlap_conversion)
 
     @property
     def leader_names(self) -> list[str]:
@@ -192,7 +196,8 @@ class Lane:
                         f"{CONNECTOR_NAME}: layer {self.layer_names[i]!r} is not member "
                         f"{pos} of {leader_name!r}'s index group in the model, but the KV "
                         "plan groups them so")
-            binding.attach(group)
+            binding.attach(group, conversion_stream_of(group) if self.overlap_conversion
+                           else None)
             for i in unit:  # direct conversion sites need to know the running layer
                 patches.LAYER_FORWARD_CONTEXT.install(forward_context[self.layer_names[i]].impl)
             bound += 1
@@ -271,3 +276,13 @@ class Lane:
                            else dataclasses.replace(t, device_blocks=member(t.device_blocks))
                            for t in cmd.transfers])
         return self.layout.scale_command(cmd)
+
+
+def conversion_stream_of(group: Any) -> ConversionStream | None:
+    """The side stream vLLM converts ``group``'s top-k on, as a :class:`ConversionStream`;
+    None where there is none (CPU)."""
+    found = compat.index_group_conversion_stream(group)
+    if found is None:
+        return None
+    stream, topk_ready = found
+    return ConversionStream(stream, topk_ready, stream.device)

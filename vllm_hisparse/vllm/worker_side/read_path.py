@@ -28,7 +28,17 @@ runs vLLM's method unchanged (zero added work). Otherwise :func:`convert_with_re
   on that layer's own ready event (a stream wait, no host sync); ``gather_mode="single"``
   copies every layer of the group in one launch at the leader;
 * rows are translated to the index space the kernel asked for (``block_stride_rows``) and,
-  when ``return_valid_counts``, compacted to the front with per-row counts.
+  when ``return_valid_counts``, compacted to the front with per-row counts. A follower that
+  converts what its leader converted (the same top-k, batch rows, block table and row space:
+  vLLM's fixed buffers, compared by identity) takes the leader's final rows, as vLLM's
+  group conversion shares one result; it only waits for its own layer's copies.
+
+Where it runs: at the group method, the leader's conversion (token rows, resolve, the
+leader's copies, the merge) runs on the index group's side stream from the event vLLM's model
+records after the indexer, where vLLM's own conversion runs, and the compute stream waits on
+one event at the end (:mod:`.conversion_stream`; config ``overlap_conversion``). The layer's
+KV write and absorbed query projection run meanwhile. The direct conversion sites run in line,
+as vLLM's function does there.
 
 Token → state row: the worker role publishes, per step, the state row of every batch row
 whose request is not FULL (``StepView``); ``req_id_per_token`` indexes it.
@@ -65,6 +75,7 @@ skipped. See :func:`uses_residency_path`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -72,6 +83,7 @@ import numpy as np
 import torch
 
 from vllm_hisparse import ops
+from vllm_hisparse.vllm.worker_side.conversion_stream import ConversionStream
 from vllm_hisparse.vllm.worker_side.score_tap import ScoreTap
 from vllm_hisparse.vllm.worker_side.step_view import StepView, capturing
 from vllm_hisparse.worker.device_rows import DeviceRowLayout
@@ -130,6 +142,10 @@ class IndexGroupResidency:
     _gather: GroupGather = dataclasses.field(init=False, repr=False)
     _leader: tuple[int, torch.Tensor, torch.Tensor] | None = dataclasses.field(
         init=False, default=None, repr=False)
+    _merged: tuple[tuple, Any] | None = dataclasses.field(init=False, default=None,
+                                                          repr=False)
+    _conversion: ConversionStream | None = dataclasses.field(init=False, default=None,
+                                                             repr=False)
 
     def __post_init__(self):
         # Built now so that a bad mode or schedule fails at bind time, not in a forward.
@@ -140,9 +156,18 @@ class IndexGroupResidency:
                                    side_max_ctas=self.prefetch_max_ctas,
                                    leader_ctas_per_sm=self.gather_ctas_per_sm)
 
-    def attach(self, group: Any) -> None:
-        """Attach this binding to one vLLM index-group object (what the hooks look up)."""
+    def attach(self, group: Any, conversion: ConversionStream | None = None) -> None:
+        """Attach this binding to one vLLM index-group object (what the hooks look up).
+        ``conversion``: the group's side stream, where the leader's conversion through the
+        group method then runs, as vLLM's own does (:mod:`.conversion_stream`); None: the
+        current stream."""
         setattr(group, BINDING_ATTR, self)
+        self._conversion = conversion
+
+    @property
+    def conversion(self) -> ConversionStream | None:
+        """The side stream of the leader's group-method conversion, or None."""
+        return self._conversion
 
     def release_layers(self) -> None:
         """Drop the references to the KV and host tensors (shutdown)."""
@@ -174,6 +199,7 @@ class IndexGroupResidency:
         result = self.hot_state.resolve(logical_topk.contiguous(), token_rows.contiguous())
         self._gather.launch(result)
         self._leader = (self.step.step_id, result.out_rows, token_rows)
+        self._merged = None
         if self.record is not None:
             self.record(token_rows, logical_topk)
 
@@ -198,6 +224,17 @@ class IndexGroupResidency:
             raise RuntimeError(f"residency hook: follower converts {num_tokens} tokens but the "
                                f"leader resolved {rows.shape[0]}")
         return rows, token_rows
+
+    def keep_merge(self, key: tuple, result: Any) -> None:
+        """Keep the leader's final rows (``result`` of :func:`convert_with_residency`) for
+        the followers that convert with the same ``key``."""
+        self._merged = (key, result)
+
+    def leader_merge(self, key: tuple) -> Any | None:
+        """The leader's final rows of this step when it converted with ``key``, else None."""
+        if self._merged is None or self._merged[0] != key:
+            return None
+        return self._merged[1]
 
     def wait_for_layer(self, layer_index: int) -> None:
         """Order the current stream (the layer's attention) after the copy of layer
@@ -279,10 +316,20 @@ def convert_with_residency(
     flat_rows, token_rows = binding.leader_rows(num_tokens)
     if layer_index > 0:
         binding.wait_for_layer(layer_index)
-    # One launch: tracked tokens take resolve's rows (translated to the kernel's row space),
-    # the others vLLM's (given, or computed from its block table), compacted when asked.
     layout = binding.layout
     target = layout.block_size if block_stride_rows is None else block_stride_rows
+    # A follower that converts what its leader converted gets the leader's rows, as vLLM's
+    # group conversion shares one result: every layer of the group names a row by the same
+    # index (its own KV tensor), and the hot slots are the group's.
+    key = None if vllm_table is None else _merge_key(
+        binding.step.step_id, logical_topk, req_id_per_token, vllm_table, target,
+        return_valid_counts)
+    if layer_index > 0 and key is not None:
+        shared = binding.leader_merge(key)
+        if shared is not None:
+            return shared
+    # One launch: tracked tokens take resolve's rows (translated to the kernel's row space),
+    # the others vLLM's (given, or computed from its block table), compacted when asked.
     rows = torch.empty_like(flat_rows)
     counts = (torch.empty(num_tokens, dtype=torch.int32, device=rows.device)
               if return_valid_counts else None)
@@ -295,7 +342,24 @@ def convert_with_residency(
                              req_id_per_token[:num_tokens].to(torch.int32).contiguous(),
                              block_table.contiguous(), int(block_size),
                              layout.block_stride_rows, target, rows, counts)
-    return (rows, counts) if return_valid_counts else rows
+    result = (rows, counts) if return_valid_counts else rows
+    if layer_index == 0 and key is not None:
+        binding.keep_merge(key, result)
+    return result
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _merge_key(step_id: int, logical_topk: torch.Tensor, req_id_per_token: torch.Tensor,
+               vllm_table: tuple[torch.Tensor, int], target: int,
+               return_valid_counts: bool) -> tuple:
+    """What a conversion's final rows depend on besides the leader's resolve (by identity:
+    the inputs are vLLM's fixed buffers, the same tensors for every layer of a group)."""
+    block_table, block_size = vllm_table
+    return (step_id, _tensor_key(logical_topk), _tensor_key(req_id_per_token),
+            _tensor_key(block_table), int(block_size), target, return_valid_counts)
 
 
 def vllm_reference_conversion(req_id_per_token: torch.Tensor, block_table: torch.Tensor,
@@ -343,7 +407,10 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
     """Replacement body of ``SparseMLAIndexGroup.convert_logical_to_physical_topk``.
 
     ``original`` is vLLM's method (bound). Unbound groups and all-FULL steps take it as is
-    (:func:`uses_residency_path`). Otherwise vLLM's method does not run: it converts
+    (:func:`uses_residency_path`). Otherwise the leader's conversion runs where vLLM's would
+    have: on the group's side stream from the indexer's ready event, when the binding has it
+    (:mod:`.conversion_stream`), the followers' on the compute stream. vLLM's method does
+    not run: it converts
     ``attn_metadata``'s ``req_id_per_token``, ``block_table`` and ``block_size`` (on a side
     stream, at the leader, for the group), which the final merge of
     :func:`convert_with_residency` computes for FULL requests' tokens in its own pass, with
@@ -356,10 +423,15 @@ def hooked_conversion(group: Any, original: Callable[..., Any], layer_index: int
                         block_stride_rows=block_stride_rows,
                         return_valid_counts=return_valid_counts)
     num_actual = int(getattr(attn_metadata, "num_actual_tokens", logical_topk.shape[0]))
-    return convert_with_residency(
-        binding, layer_index, logical_topk, attn_metadata.req_id_per_token, num_actual, None,
-        block_stride_rows=block_stride_rows, return_valid_counts=return_valid_counts,
+    convert = functools.partial(
+        convert_with_residency, binding, layer_index, logical_topk,
+        attn_metadata.req_id_per_token, num_actual, None, block_stride_rows=block_stride_rows,
+        return_valid_counts=return_valid_counts,
         vllm_table=(attn_metadata.block_table, attn_metadata.block_size))
+    if layer_index > 0 or binding.conversion is None:
+        return convert()
+    with binding.conversion.running():
+        return convert()
 
 
 _DIRECT_SIGNATURE: inspect.Signature | None = None
