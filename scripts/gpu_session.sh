@@ -90,8 +90,8 @@ if has test; then
   note "pytest -m gpu tests/ops rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 20 | tee -a "$SUMMARY"
   # the resolve tests again with 512-thread CTAs (the non-default configuration)
-  HISPARSE_RESOLVE_THREADS=512 timeout 120 $PY -m pytest -m gpu tests/ops/test_cuda_ops.py \
-    -k "resolve or error or graph" -q -p no:cacheprovider -rfE >> "$OUT/pytest.log" 2>&1
+  HISPARSE_RESOLVE_THREADS=512 timeout 120 $PY -m pytest -m gpu tests/ops/test_cuda_resolve.py \
+    tests/ops/test_cuda_resolve_errors.py -q -p no:cacheprovider -rfE >> "$OUT/pytest.log" 2>&1
   rc=$?
   note "pytest (resolve, 512-thread CTAs) rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
 fi

@@ -20,8 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_cuda_ops import (DEV, assert_same, big_case, cap_distinct, distinct_rows,  # noqa: E402
-                           layers, random_plan)
+from cuda_harness import (DEV, assert_same, big_case, cap_distinct, distinct_rows,  # noqa: E402
+                          layers, random_plan)
 from vllm_hisparse.ops import cuda as cuda_ops  # noqa: E402
 from vllm_hisparse.ops import reference  # noqa: E402
 from vllm_hisparse.ops.errors import ResolveError  # noqa: E402

@@ -3,7 +3,7 @@
 The production ops (:mod:`vllm_hisparse.ops`, :func:`vllm_hisparse.ops.select`) check their
 inputs and launch the production kernels. This module is the documented way in for code that
 measures them (``vllm-hisparse bench kernels``, ``vllm-hisparse bench profile-resolve``,
-``tests/ops/test_cuda_ops.py``):
+``tests/ops/test_cuda_resolve.py``):
 
 * :func:`resolve`: one launch, unchecked, with an explicit :class:`KernelTuning` and, on
   request, the probe kernels of ``vllm_hisparse._C`` (compile-time probes,
