@@ -14,12 +14,13 @@ from vllm_hisparse.cli.benchmarks.model_layer import (PRE_ATTENTION_GEMM, LayerS
 from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe
 
 
-def test_layer_weight_bytes_are_the_models_fp8_bytes():
+def test_layer_weight_bytes_are_the_models_served_bytes():
     s = LayerShape.named("dsv32")
-    # q_a 1536 + kv_a 576 + indexer wk 128 + weights_proj 64 from 7168; q_b (128 x 192 + the
-    # indexer's 64 x 128) from 1536; kv_b 128 x 256 from 512; o_proj 128 x 128 -> 7168;
-    # shared expert 3 x 7168 x 2048; the router 7168 x 256 in bf16; 32 local experts.
-    dense = (7168 * 2304 + 1536 * (128 * 192 + 64 * 128) + 512 * 128 * 256 + 16384 * 7168
+    # fp8: q_a 1536 + kv_a 576 + indexer wk 128 + weights_proj 64 from 7168; q_b (128 x 192 +
+    # the indexer's 64 x 128) from 1536; o_proj 128 x 128 -> 7168; shared expert
+    # 3 x 7168 x 2048; 32 local experts. bf16: kv_b 128 x 256 from 512 (vLLM dequantizes it
+    # for the absorbed BMMs) and the router 7168 x 256.
+    dense = (7168 * 2304 + 1536 * (128 * 192 + 64 * 128) + 2 * 512 * 128 * 256 + 16384 * 7168
              + 3 * 7168 * 2048 + 2 * 7168 * 256)
     experts = 32 * 3 * 7168 * 2048
     assert s.weight_bytes() == dense + experts

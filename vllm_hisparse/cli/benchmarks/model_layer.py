@@ -33,8 +33,9 @@ attention math            ``[B·heads, 576] @ [576, K]``, softmax, ``[B·heads, 
 weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`` whose weight
                           bytes equal the model's fp8 weights (``out`` halved): q/kv down
                           projections, q up projection with the indexer's, the absorbed kv up
-                          projection (its ``W_UK`` half before the attention, its ``W_UV``
-                          half after), o_proj, the shared expert, the router, and this rank's
+                          projection (bf16 in vLLM, which dequantizes it for the absorbed
+                          BMMs, so not halved; its ``W_UK`` half before the attention, its
+                          ``W_UV`` half after), o_proj, the shared expert, the router, and this rank's
                           routed experts as two batched GEMMs ``[E, T, in] @ [E, in, out]``
                           with ``T`` the most tokens any local expert got from a uniform top-k
                           router over the tokens of all ``ep_ranks`` (memory-bound: a batched
@@ -126,7 +127,8 @@ class LayerShape:
         return self.experts // self.ep_ranks
 
     def gemms(self) -> list[tuple[str, int, int]]:
-        """(name, in, out) of every dense projection as a bf16 GEMM with the fp8 bytes."""
+        """(name, in, out) of every dense projection as a bf16 GEMM with the bytes vLLM reads
+        (fp8 weights at half width; kv_b and the router at full width, bf16 as served)."""
         h, H = self.hidden, self.heads
         half = lambda n: max(1, n // 2)  # noqa: E731 - fp8 bytes in bf16
         return [
@@ -136,8 +138,10 @@ class LayerShape:
             ("q_b + indexer q_b", self.q_lora_rank,
              half(H * (self.qk_nope_dim + self.rope_dim)
                   + self.index_heads * self.index_head_dim)),
-            (PRE_ATTENTION_GEMM, self.kv_lora_rank, half(H * self.qk_nope_dim)),
-            ("kv_b v up (W_UV)", self.kv_lora_rank, half(H * self.v_head_dim)),
+            # vLLM dequantizes kv_b to the model's dtype for the absorbed BMMs
+            # (mla_attention.split_kv_b_proj): bf16 bytes, not halved
+            (PRE_ATTENTION_GEMM, self.kv_lora_rank, H * self.qk_nope_dim),
+            ("kv_b v up (W_UV)", self.kv_lora_rank, H * self.v_head_dim),
             ("o_proj", H * self.v_head_dim, half(h)),
             ("shared expert gate_up", h, self.moe_intermediate),  # 2 × inter, halved
             ("shared expert down", self.moe_intermediate, half(h)),
