@@ -9,17 +9,9 @@ import torch
 
 from vllm_hisparse.ops import reference
 
+from cuda_harness import DEV, assert_same, cuda_ops, layers, random_plan, run_both, simple_case
+
 pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():  # pragma: no cover - CPU CI
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-
-cuda_ops = pytest.importorskip("vllm_hisparse.ops.cuda")
-if not cuda_ops.available():  # pragma: no cover
-    pytest.skip("vllm_hisparse._C has no data-plane kernels", allow_module_level=True)
-
-from cuda_harness import (DEV, assert_same, layers, random_plan, run_both,  # noqa: E402
-                          simple_case)
 
 
 # --------------------------------------------------------------------------------------

@@ -14,17 +14,10 @@ from resolve_cases import i32
 from vllm_hisparse.ops import reference
 from vllm_hisparse.ops.errors import ResolveError, ResolveErrorCode
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():  # pragma: no cover - CPU CI
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-
-cuda_ops = pytest.importorskip("vllm_hisparse.ops.cuda")
-if not cuda_ops.available():  # pragma: no cover
-    pytest.skip("vllm_hisparse._C has no data-plane kernels", allow_module_level=True)
-
-from cuda_harness import (DEV, TUNING, big_case, cap_distinct, check_case, expect_error,  # noqa: E402
+from cuda_harness import (DEV, TUNING, big_case, cap_distinct, check_case, cuda_ops, expect_error,
                           simple_case)
+
+pytestmark = pytest.mark.gpu
 
 
 # --------------------------------------------------------------------------------------
