@@ -30,128 +30,55 @@
 
 #include "hisparse_ops.h"
 #include "resolve_common.cuh"
+#include "resolve_errors.cuh"
+#include "resolve_general_smem.cuh"
+#include "resolve_hash.cuh"
 #include "resolve_probe.cuh"
 
 namespace hisparse::resolve_detail {
 
-constexpr unsigned long long kNoError = ~0ull;
 constexpr int kHashSpread = 4;  // a request's hash part: up to 4 entries per reference (<= C)
-
-// Error candidates of one CTA: atomicMin over (priority, key, detail) picks the error the
-// reference twin would raise first (its check order, then first-reference order).
-enum Priority : unsigned {
-  kPrioCapacity = 0,
-  kPrioPosition = 1,
-  kPrioNoHost = 2,
-  kPrioDuplicate = 3,
-  kPrioHotBlock = 4,
-};
-
-// Fill -1 / 0 for refs [base, base+n) and tokens [t0, t0+ntok).
-__device__ __forceinline__ void fail_request(const ResolveParams& p, long long base, int n, int t0, int ntok) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) p.out_rows[base + i] = -1;
-  for (int j = threadIdx.x; j < ntok; j += blockDim.x) p.miss_count[t0 + j] = 0;
-}
-
-// Thread 0: turn the CTA's best error candidate into the launch's error record.
-__device__ __forceinline__ void report_err(const ResolveParams& p, unsigned long long v,
-                                           int row, long long base) {
-  if (threadIdx.x != 0) return;
-  const unsigned prio = static_cast<unsigned>(v >> 60);
-  const int key = static_cast<int>((v >> 32) & 0x0FFFFFFF);
-  const int detail = static_cast<int>(static_cast<unsigned>(v));
-  const int bs = p.block_size;
-  switch (prio) {
-    case kPrioPosition:
-      record_error(p, kErrPositionOutOfRange, row, detail, p.num_pages * bs);
-      break;
-    case kPrioNoHost:
-      record_error(p, kErrNoHostBlock, row, detail, detail / bs);
-      break;
-    case kPrioDuplicate:
-      record_error(p, kErrDuplicateSlot, row, __ldg(&p.topk[base + key]), detail);
-      break;
-    case kPrioHotBlock:
-      record_error(p, kErrHotBlockMissing, row, detail, __ldg(&p.topk[base + key]));
-      break;
-    default:
-      break;
-  }
-}
-
-constexpr int kRefsInRegs = 8;   // selections per thread kept in registers (one "chunk")
 constexpr int kLookahead = 4;    // tokens after t read at entry to size the run without a scan
-constexpr unsigned long long kEmptyEntry = ~0ull;
-constexpr unsigned kResidentRef = 0x80000000u;  // in an entry's ref word (stats mode only)
 
-// Control block of the general path. Per-warp partials instead of counters that need an
-// initialising barrier; the scan buffers are double-buffered across chunk rounds.
-struct GeneralCtl {
-  int run[3][kMaxWarps];  // per warp: run end, first earlier token, last later token
-  int n_host;
-  int n_res;
-  int n_hit_slots;
-  int n_hit_pos;
-  int n_unleased;  // hot blocks of -1
-  int cap_flag;
-  int corrupt_flag;
-  unsigned long long classify_err;  // position, host block
-  unsigned long long hit_err;       // hit errors (duplicate slot, hot block)
-  int hits[kMaxWarps];                          // per warp: unleased << 16 | hits (LRU order)
-  unsigned evict[2][kMaxWarps];                 // per warp: evictables of classes 0|1, 2|3
-
-  int misses[2][kRefsInRegs][kMaxWarps];        // first-reference misses per (u, warp)
-};
-
-// Hash entry: position (high word) | first reference (low word, atomicMin). Inserting is one
-// CAS for a new key; a later reference of a present key lowers the first reference only when
-// it is earlier (64-bit min; a CAS loop in hardware, taken only by duplicates).
-__device__ __forceinline__ int tab_insert(unsigned long long* tab, int cap, unsigned key,
-                                          unsigned ref, bool& inserted) {
-  const unsigned long long mine = (static_cast<unsigned long long>(key) << 32) | ref;
-  int h = hash_index(static_cast<int>(key), cap);
-  for (int probes = 0; probes < cap; ++probes) {
-    // Every access of a table being filled is atomic (no plain read racing another
-    // thread's CAS): the CAS either claims the empty entry or returns its occupant.
-    const unsigned long long cur = atomicCAS(&tab[h], kEmptyEntry, mine);
-    if (cur == kEmptyEntry) {
-      inserted = true;
-      return h;
+// This thread's LRU chunk (entries [j0, j0 + SPT) of the row) into registers, two 16-bit
+// slots per word; one vector load where the row and the chunk allow it, zeros past D.
+template <int SPT>
+__device__ __forceinline__ void load_lru_chunk(uint32_t (&lru_w)[(SPT + 1) / 2],
+                                               const int16_t* lru, long long row_d, int j0,
+                                               int D) {
+  const int16_t* lrow = lru + row_d;
+  bool vec = (D % SPT) == 0;
+  if constexpr (SPT >= 8) vec = vec && (reinterpret_cast<uintptr_t>(lru) & 15) == 0;
+  else if constexpr (SPT == 4) vec = vec && (reinterpret_cast<uintptr_t>(lru) & 7) == 0;
+  else if constexpr (SPT == 2) vec = vec && (reinterpret_cast<uintptr_t>(lru) & 3) == 0;
+  if (vec && SPT >= 2) {
+    if constexpr (SPT >= 8) {
+#pragma unroll
+      for (int q = 0; q < SPT / 8; ++q) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (j0 + q * 8 < D) v = *reinterpret_cast<const uint4*>(lrow + j0 + q * 8);
+        lru_w[q * 4 + 0] = v.x;
+        lru_w[q * 4 + 1] = v.y;
+        lru_w[q * 4 + 2] = v.z;
+        lru_w[q * 4 + 3] = v.w;
+      }
+    } else if constexpr (SPT == 4) {
+      uint2 v = make_uint2(0, 0);
+      if (j0 < D) v = *reinterpret_cast<const uint2*>(lrow + j0);
+      lru_w[0] = v.x;
+      lru_w[1] = v.y;
+    } else if constexpr (SPT == 2) {
+      lru_w[0] = j0 < D ? *reinterpret_cast<const uint32_t*>(lrow + j0) : 0u;
     }
-    if (static_cast<unsigned>(cur >> 32) == key) {
-      inserted = false;
-      // The ref word only decreases, so a stale read is never lower than the current one.
-      if (static_cast<unsigned>(cur) > ref) atomicMin(&tab[h], mine);
-      return h;
+  } else {
+#pragma unroll
+    for (int k = 0; k < SPT; k += 2) {
+      const uint32_t lo = j0 + k < D ? static_cast<uint16_t>(lrow[j0 + k]) : 0u;
+      const uint32_t hi =
+          (k + 1 < SPT && j0 + k + 1 < D) ? static_cast<uint16_t>(lrow[j0 + k + 1]) : 0u;
+      lru_w[k / 2] = lo | (hi << 16);
     }
-    if (++h == cap) h = 0;
   }
-  inserted = false;
-  return -1;
-}
-
-// Index of `key` (its entry in `entry`), or -1. Only after the inserting phase's barrier.
-__device__ __forceinline__ int tab_find(const unsigned long long* tab, int cap, unsigned key,
-                                        unsigned long long& entry) {
-  int h = hash_index(static_cast<int>(key), cap);
-  for (int probes = 0; probes < cap; ++probes) {
-    const unsigned long long e = tab[h];
-    if (static_cast<unsigned>(e >> 32) == key) {
-      entry = e;
-      return h;
-    }
-    if (e == kEmptyEntry) return -1;
-    if (++h == cap) h = 0;
-  }
-  return -1;
-}
-
-__device__ __forceinline__ void submit_err(unsigned long long* err, unsigned prio, int key,
-                                           int detail) {
-  const unsigned long long v = (static_cast<unsigned long long>(prio) << 60) |
-                               (static_cast<unsigned long long>(key & 0x0FFFFFFF) << 32) |
-                               static_cast<unsigned>(detail);
-  atomicMin(err, v);
 }
 
 // The general path: any run length, any K and D, every error. resolve_general_kernel runs it
@@ -209,9 +136,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   // ---- round trip 2: the request's rows -----------------------------------------------------
   probe.mark(0);
   const bool row_ok = row >= 0 && row < p.num_rows;
-  const long long row_p = static_cast<long long>(row) * p.num_pages;
   const long long row_d = static_cast<long long>(row) * D;
-  const long long row_hb = bs > 0 ? static_cast<long long>(row) * (D / bs) : 0;
   int ntok_ahead = 1;  // run length, exact when <= kLookahead
 #pragma unroll
   for (int j = 0; j < kLookahead; ++j)
@@ -220,19 +145,14 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   const long long n_ahead_l = static_cast<long long>(ntok_ahead) * K;
   const int n_pre = static_cast<int>(n_ahead_l < CH ? n_ahead_l : CH);  // chunk-0 refs known
 
-  unsigned long long* tab = reinterpret_cast<unsigned long long*>(smem_raw);
   const int cap_phys = p.hash_capacity;
-  int* slot_of = reinterpret_cast<int*>(tab + cap_phys);
-  uint16_t* victims = reinterpret_cast<uint16_t*>(slot_of + cap_phys);
-  uint32_t* hitmask = reinterpret_cast<uint32_t*>(
-      smem_raw + ((static_cast<size_t>(cap_phys) * 12 +
-                   static_cast<size_t>(p.victim_capacity) * 2 + 15) & ~static_cast<size_t>(15)));
-  const int hitmask_words = (D + 31) >> 5;
-  int* hotb = reinterpret_cast<int*>(hitmask + ((hitmask_words + 3) & ~3));
-  const int n_hotb = p.hot_blocks_in_smem;
-  int* sres = hotb + ((n_hotb + 3) & ~3);
-  const int n_stage = p.stage_pages;
-  int* shb = sres + ((n_stage + 3) & ~3);
+  const GeneralSmem sm(smem_raw, cap_phys, p.victim_capacity, D, p.hot_blocks_in_smem,
+                       p.stage_pages);
+  unsigned long long* const tab = sm.tab;
+  int* const slot_of = sm.slot_of;
+  uint16_t* const victims = sm.victims;
+  uint32_t* const hitmask = sm.hitmask;
+  const RequestRows rows(p, row, bs, bs_shift, sm.hotb, sm.sres, sm.shb);
 
   uint32_t lru_w[(SPT + 1) / 2];
   int qv[kSlotRegs];
@@ -245,39 +165,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
         qv[k] = slot < D ? p.slot_pos[row_d + slot] : -1;
       }
     }
-    const int16_t* lrow = p.lru + row_d;
-    bool vec = (D % SPT) == 0;
-    if constexpr (SPT >= 8) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 15) == 0;
-    else if constexpr (SPT == 4) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 7) == 0;
-    else if constexpr (SPT == 2) vec = vec && (reinterpret_cast<uintptr_t>(p.lru) & 3) == 0;
-    if (vec && SPT >= 2) {
-      if constexpr (SPT >= 8) {
-#pragma unroll
-        for (int q = 0; q < SPT / 8; ++q) {
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (j0 + q * 8 < D) v = *reinterpret_cast<const uint4*>(lrow + j0 + q * 8);
-          lru_w[q * 4 + 0] = v.x;
-          lru_w[q * 4 + 1] = v.y;
-          lru_w[q * 4 + 2] = v.z;
-          lru_w[q * 4 + 3] = v.w;
-        }
-      } else if constexpr (SPT == 4) {
-        uint2 v = make_uint2(0, 0);
-        if (j0 < D) v = *reinterpret_cast<const uint2*>(lrow + j0);
-        lru_w[0] = v.x;
-        lru_w[1] = v.y;
-      } else if constexpr (SPT == 2) {
-        lru_w[0] = j0 < D ? *reinterpret_cast<const uint32_t*>(lrow + j0) : 0u;
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < SPT; k += 2) {
-        const uint32_t lo = j0 + k < D ? static_cast<uint16_t>(lrow[j0 + k]) : 0u;
-        const uint32_t hi =
-            (k + 1 < SPT && j0 + k + 1 < D) ? static_cast<uint16_t>(lrow[j0 + k + 1]) : 0u;
-        lru_w[k / 2] = lo | (hi << 16);
-      }
-    }
+    load_lru_chunk<SPT>(lru_w, p.lru, row_d, j0, D);
     // Selections of the run's next tokens that fall into chunk 0.
 #pragma unroll
     for (int u = 0; u < kRefsInRegs; ++u) {
@@ -285,14 +173,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       if (i >= k_first && i < n_pre) ref[u] = __ldg(&p.topk[base + i]);
     }
     // Rows staged in shared memory by cp.async (no registers, one wait before the barrier).
-    if (n_hotb) stage_row(hotb, p.hot_blocks + row_hb, n_hotb);
-    if (n_stage) {
-      stage_row(sres, p.residency + row_p, n_stage);
-      stage_row(shb, p.host_blocks + row_p, n_stage);
-    } else {
-      prefetch_l2(p.residency + row_p, static_cast<long long>(p.num_pages) * 4);
-      prefetch_l2(p.host_blocks + row_p, static_cast<long long>(p.num_pages) * 4);
-    }
+    rows.stage();
   }
   // Hash part of this request (while the loads are in flight): up to kHashSpread entries per
   // selection, never more than the table. A 5+-token request takes the whole table.
@@ -376,22 +257,6 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   // ---- classify and insert ------------------------------------------------------------------
   const long long npos = static_cast<long long>(p.num_pages) * bs;
   const bool with_stats = p.stats != nullptr;
-  auto page_of = [&](int q) { return bs_shift >= 0 ? (q >> bs_shift) : q / bs; };
-  auto residency_of = [&](int page) {
-    return n_stage ? sres[page] : __ldg(&p.residency[row_p + page]);
-  };
-  auto host_block_of = [&](int page) {
-    return n_stage ? shb[page] : __ldg(&p.host_blocks[row_p + page]);
-  };
-  auto hot_block = [&](int slot) -> int {
-    const int b = bs_shift >= 0 ? (slot >> bs_shift) : slot / bs;
-    return n_hotb ? hotb[b] : __ldg(&p.hot_blocks[row_hb + b]);
-  };
-  auto slot_row = [&](int slot) -> int {
-    const int off = bs_shift >= 0 ? (slot & (bs - 1)) : slot % bs;
-    return static_cast<int>(static_cast<unsigned>(hot_block(slot)) * bs +
-                            static_cast<unsigned>(off));
-  };
   int my_host = 0, my_res = 0;
   // Page rows of a selection (host block read even for resident pages, so that without
   // staging both gathers are in flight together).
@@ -399,9 +264,9 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     rb = -1;
     hb = -1;
     if (q >= 0 && q < npos) {
-      const int page = page_of(q);
-      rb = residency_of(page);
-      hb = host_block_of(page);
+      const int page = rows.page_of(q);
+      rb = rows.residency(page);
+      hb = rows.host_block(page);
     }
   };
   // Classify selection i (value q, page rows rb / hb): writes padding / resident rows,
@@ -415,7 +280,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
       submit_err(&s.classify_err, kPrioPosition, i, q);
       return -1;
     }
-    const int page = page_of(q);
+    const int page = rows.page_of(q);
     const int off = q - page * bs;
     if (rb >= 0) {
       p.out_rows[base + i] = static_cast<int>(static_cast<unsigned>(rb) * bs + off);
@@ -439,7 +304,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     return h;
   };
   const int nu0 = (n0 + THREADS - 1) / THREADS;  // register slots in use (uniform)
-  if (n_stage) {
+  if (rows.pages_staged()) {
 #pragma unroll
     for (int u = 0; u < kRefsInRegs; ++u) {
       if (u >= nu0) break;  // uniform: jump past the unused copies of the code
@@ -488,7 +353,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   {
     const int n_hb = D / bs;
     for (int b = tid; b < n_hb; b += THREADS)
-      my_unleased += (n_hotb ? hotb[b] : __ldg(&p.hot_blocks[row_hb + b])) < 0;
+      my_unleased += rows.hot_block_at(b) < 0;
   }
   my_host = __reduce_add_sync(0xffffffffu, my_host);
   my_res = __reduce_add_sync(0xffffffffu, my_res);
@@ -548,7 +413,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
             submit_err(&s.hit_err, kPrioDuplicate, v, old);
             submit_err(&s.hit_err, kPrioDuplicate, v, slot);
           }
-          if (hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, v, slot);
+          if (rows.hot_block(slot) < 0) submit_err(&s.hit_err, kPrioHotBlock, v, slot);
         }
       }
       const unsigned bits = __ballot_sync(0xffffffffu, hit);
@@ -619,7 +484,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
     for (int k = 0; k < SPT; ++k) {
       if (j0 + k < D) {
         const int slot = lru_slot(k);
-        if (slot < D && !is_hit_slot(slot) && hot_block(slot) >= 0) {
+        if (slot < D && !is_hit_slot(slot) && rows.hot_block(slot) >= 0) {
           const int c = class_of(slot);
           const unsigned one = 1u << ((c & 1) * 16);
           if (c < 2) ev01 += one;
@@ -641,7 +506,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
           corrupt = true;
         } else if (is_hit_slot(slot)) {
           my_pack += 1;
-        } else if (hot_block(slot) < 0) {
+        } else if (rows.hot_block(slot) < 0) {
           my_pack += 1 << 16;
         }
       }
@@ -653,7 +518,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   auto hit_or_flag = [&](int i, int h) -> bool {
     const int so = slot_of[h];
     if (so >= 0) {
-      p.out_rows[base + i] = slot_row(so);
+      p.out_rows[base + i] = rows.slot_row(so);
       return false;
     }
     return static_cast<int>(static_cast<unsigned>(tab[h])) == i;
@@ -775,7 +640,7 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
         const int slot = lru_slot(k);
         if (is_hit_slot(slot)) {
           f(slot, U + E + hh++, -1);
-        } else if (hot_block(slot) < 0) {
+        } else if (rows.hot_block(slot) < 0) {
           f(slot, uu++, -1);
         } else {
           const int c = C == 1 ? 0 : class_of(slot);
@@ -891,16 +756,16 @@ __device__ __forceinline__ void resolve_general(const ResolveParams& p, const Pr
   // ---- writes: misses (rows, slot_pos, plan), LRU, counts, stats ----------------------------
   for_misses([&](int i, int h, int m) {
     const int slot = victims[m];
-    const int r = slot_row(slot);
+    const int r = rows.slot_row(slot);
     p.out_rows[base + i] = r;
     const unsigned long long e = tab[h];
     if (static_cast<int>(static_cast<unsigned>(e)) == i) {
       const int q = static_cast<int>(e >> 32);
-      const int page = page_of(q);
+      const int page = rows.page_of(q);
       const int off = q - page * bs;
       p.slot_pos[row_d + slot] = q;
       p.miss_src[base + m] =
-          static_cast<int>(static_cast<unsigned>(host_block_of(page)) * bs + off);
+          static_cast<int>(static_cast<unsigned>(rows.host_block(page)) * bs + off);
       p.miss_dst[base + m] = r;
     }
   });

@@ -92,12 +92,10 @@ ResolveLaunchInfo resolve_launch_info(int num_tokens, int k, int num_slots, int 
   long long bound = round32((3 * n + 1) / 2);
   const int hot_blocks = block_size > 0 ? num_slots / block_size : 0;
   info.hot_blocks_in_smem = hot_blocks <= kMaxHotBlocksSmem ? hot_blocks : 0;
-  auto words4 = [](long long w) { return (w + 3) & ~3LL; };
-  const long long fixed_bytes = words4((num_slots + 31) / 32) * 4 +
-                                words4(info.hot_blocks_in_smem) * 4;
   auto bytes_for = [&](long long phys, long long bnd, long long stage) {
     const long long vc = bnd < num_slots ? bnd : num_slots;
-    return ((phys * 12 + vc * 2 + 15) & ~15LL) + fixed_bytes + words4(stage) * 8;
+    return resolve_detail::GeneralSmem::bytes(phys, vc, num_slots, info.hot_blocks_in_smem,
+                                              static_cast<int>(stage));
   };
   const long long budget = kSmemBudget;
   // Priorities: the bound itself, then the staged page rows, then spare hash entries (up to

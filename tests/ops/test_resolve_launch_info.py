@@ -66,6 +66,31 @@ def test_shared_memory_of_the_two_paths():
     assert alone["hash_capacity"] > alone["union_capacity"]  # spare entries up to the budget
 
 
+def general_layout_bytes(info, num_slots):
+    """docs/kernels.md's layout of the general path's shared memory (csrc/resolve_general_smem.cuh):
+    hash entries (8 B) and slot_of (4 B) per hash entry, a u16 per victim, 16-byte aligned; then
+    the hit bitmask, the staged hot_blocks row and the two staged page rows, int32 arrays of
+    whole 4-word groups."""
+    words4 = lambda n: (n + 3) // 4 * 4  # noqa: E731
+    head = (info["hash_capacity"] * 12 + info["victim_capacity"] * 2 + 15) // 16 * 16
+    return (head + 4 * words4((num_slots + 31) // 32) + 4 * words4(info["hot_blocks_in_smem"])
+            + 8 * words4(info["stage_pages"]))
+
+
+@pytest.mark.parametrize("num_tokens, k, num_slots, block_size, num_pages", [
+    (64, 2048, 4096, 64, 2048),     # fast path, pages staged
+    (64, 2048, 16384, 64, 2048),    # general path alone
+    (7, 96, 480, 48, 16),           # odd sizes: padding in every array
+    (1, 64, 4096, 2, 5000),         # 2,048 hot blocks (not staged), pages past staging
+    (300, 4096, 8192, 16, 100),     # a table the budget trims
+])
+def test_general_shared_memory_is_the_documented_layout(num_tokens, k, num_slots, block_size,
+                                                        num_pages):
+    info = cuda_ops.resolve_launch_info(num_tokens, k, num_slots, block_size, num_pages)
+    assert info["general_smem_bytes"] == general_layout_bytes(info, num_slots)
+    assert info["smem_bytes"] >= info["general_smem_bytes"]
+
+
 def test_the_token_bound_is_the_backends_not_the_processes():
     """Two tunings in one process plan independently (no process-wide setting)."""
     one = probe.launch_info(64, 2048, 4096, 64, 2048,
