@@ -381,8 +381,11 @@ def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
                     f"{name}_ms_max": max(times)})
     out["tokens_per_s"] = batch / (out["step_ms_median"] / 1e3)
     out["tokens_per_s_range"] = [batch / (max(ms) / 1e3), batch / (min(ms) / 1e3)]
+    # Each timed step in the order it ran, so that a median can be traced to its steps.
+    out["gpu_ms_per_step"] = [s.gpu_ms for s in chosen]
     sel = sum(s.selections for s in chosen)
     if sel:
         out["miss_rate"] = sum(s.misses for s in chosen) / sel
         out["miss_bytes_per_step"] = sum(s.miss_bytes for s in chosen) / len(chosen)
+        out["misses_per_step"] = [s.misses for s in chosen]
     return out
