@@ -167,7 +167,7 @@ class Rig:
         return self.policy.add_request(rid)
 
     def step(self, scheduled: dict[str, int], *, attend=True, block_stride_mode="flat"):
-        rows, ranges = {}, []
+        ranges = []
         for rid, n in scheduled.items():
             row = self.policy.row_of(rid)
             start = int(self.policy.tables.num_tokens[row])
