@@ -4,7 +4,7 @@
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
 #   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
-#   simulate adaptive scored throughput connector bench capacity sanitize tp2
+#   simulate adaptive scored throughput overlap connector bench capacity sanitize tp2
 #   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports and
 #   holds the probe kernels: cmake -DHISPARSE_PROBE_KERNELS=ON)
 #   HUGEPAGES_GIB=30 STEPS="connector" ...  # reserve 2 MiB hugetlb pages first (root), logged
@@ -15,6 +15,7 @@
 #     # every case at 8 and 16 layers: the real step's GPU time fitted per step + per layer
 #   STEPS=throughput THROUGHPUT_ARGS="--contexts 4096 --no-realism --inline-conversion" ...
 #     # the connector's leaders convert on the compute stream (the overlap_conversion A/B)
+#   STEPS=overlap ...  # that A/B on GLM-5.2 IndexShare at 32K, misses per timed step printed
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -203,6 +204,30 @@ if has throughput; then
     timeout "${THROUGHPUT_TIMEOUT:-540}" "${BENCH[@]}" throughput --json "$OUT/throughput.json" \
       --plot "$OUT/throughput.png" ${THROUGHPUT_ARGS:-} > "$OUT/throughput.log" 2>&1
     note "bench throughput rc=$?"
+  fi
+fi
+
+if has overlap; then
+  # The leader's conversion on its index group's side stream against the inline one, on
+  # GLM-5.2 IndexShare at 32K, where start G's hybrid steps counted 2/3 of start F's misses
+  # (docs/benchmarks.md, "Today's code"): each run's misses per timed step at every point.
+  if ! vbundle; then
+    note "overlap skipped: no vLLM bundle at $BUNDLE"
+  else
+    for mode in overlap inline; do
+      extra=(); [[ $mode == inline ]] && extra=(--inline-conversion)
+      timeout "${OVERLAP_TIMEOUT:-240}" "${BENCH[@]}" throughput --geometries glm52 \
+        --contexts 32768 --no-realism "${extra[@]}" --json "$OUT/throughput_$mode.json" \
+        > "$OUT/throughput_$mode.log" 2>&1
+      note "throughput glm52 32K, $mode conversion, rc=$?: $($PY - "$OUT/throughput_$mode.json" <<'PYEOF' 2>&1
+import json, sys
+case = json.load(open(sys.argv[1]))["cases"][0]
+for n, point in sorted(case["runs"]["hybrid"]["points"].items(), key=lambda kv: -int(kv[0])):
+    print(f"{n}: " + ", ".join(f"{kind} {point[kind].get('misses_per_step')}"
+                               for kind in ("hybrid", "oracle") if kind in point), end="; ")
+PYEOF
+)"
+    done
   fi
 fi
 
