@@ -210,7 +210,8 @@ fi
 if has overlap; then
   # The leader's conversion on its index group's side stream against the inline one, on
   # GLM-5.2 IndexShare at 32K, where start G's hybrid steps counted 2/3 of start F's misses
-  # (docs/benchmarks.md, "Today's code"): each run's misses per timed step at every point.
+  # (docs/benchmarks.md, "Today's code"): each run's misses per timed step and index group
+  # at every point.
   if ! vbundle; then
     note "overlap skipped: no vLLM bundle at $BUNDLE"
   else
@@ -223,8 +224,9 @@ if has overlap; then
 import json, sys
 case = json.load(open(sys.argv[1]))["cases"][0]
 for n, point in sorted(case["runs"]["hybrid"]["points"].items(), key=lambda kv: -int(kv[0])):
-    print(f"{n}: " + ", ".join(f"{kind} {point[kind].get('misses_per_step')}"
-                               for kind in ("hybrid", "oracle") if kind in point), end="; ")
+    print(f"{n}: " + ", ".join(
+        f"{kind} {point[kind].get('misses_per_unit_per_step', point[kind].get('misses_per_step'))}"
+        for kind in ("hybrid", "oracle") if kind in point), end="; ")
 PYEOF
 )"
     done

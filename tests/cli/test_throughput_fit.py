@@ -161,12 +161,15 @@ def test_summarize_keeps_each_timed_step():
     that moves between starts can be traced to the steps that moved it)."""
     from vllm_hisparse.cli.benchmarks.throughput_probe import TimedStep, summarize
 
-    steps = [TimedStep("hybrid", 4, 6.0, 6.0, 1.0, misses=30, selections=100),
+    steps = [TimedStep("hybrid", 4, 6.0, 6.0, 1.0, misses=30, selections=100,
+                       misses_per_unit=(20, 10)),
              TimedStep("oracle", 4, 5.0, 5.0, 1.0, misses=9, selections=100),
-             TimedStep("hybrid", 4, 5.5, 5.5, 1.0, misses=10, selections=100),
+             TimedStep("hybrid", 4, 5.5, 5.5, 1.0, misses=10, selections=100,
+                       misses_per_unit=(10, 0)),
              TimedStep("hybrid", 2, 9.0, 9.0, 1.0, misses=99, selections=100)]
     out = summarize(steps, "hybrid", 4)
     assert out["gpu_ms_per_step"] == [6.0, 5.5] and out["misses_per_step"] == [30, 10]
     assert out["miss_rate"] == pytest.approx(40 / 200)
+    assert out["misses_per_unit_per_step"] == [[20, 10], [10, 0]]
     full = summarize([TimedStep("full", 4, 3.0, 3.0, 0.2)], "full", 4)
     assert full["gpu_ms_per_step"] == [3.0] and "misses_per_step" not in full

@@ -72,6 +72,7 @@ class TimedStep:
     misses: int = 0
     selections: int = 0
     miss_bytes: int = 0
+    misses_per_unit: tuple[int, ...] = ()  # each index group's (binding's) misses
 
 
 @dataclass
@@ -238,9 +239,11 @@ class GraphStepProbe(StepProbe):
         timed = TimedStep(self._kind, step.num_requests, max(gpu_ms, host_ms), gpu_ms, host_ms,
                           host_waited=self._gated and issue_ms * 1e3 >= GATE_US)
         if self._run.with_connector:
-            d = [a - b for a, b in zip(self._counters(), self._stats_before)]
+            after, before = self._counters(), self._stats_before
+            d = [a - b for a, b in zip(after[0], before[0])]
             timed.selections, timed.misses = d[0] + d[1] + d[2], d[2]
             timed.miss_bytes = d[3] * self._model.row_bytes
+            timed.misses_per_unit = tuple(a - b for a, b in zip(after[1], before[1]))
         self.steps.append(timed)
         if (step.num_requests == self.split_at and "alone_ms" not in self.split
                 and self._seen[step.num_requests] == self.warmup_steps + self.timed_steps):
@@ -352,13 +355,16 @@ class GraphStepProbe(StepProbe):
             del graph
         return out
 
-    def _counters(self) -> list[int]:
+    def _counters(self) -> tuple[list[int], list[int]]:
+        """([resident, hit, miss, miss rows x the unit's layers] summed over the index
+        groups, each group's misses): one copy of every binding's ``HotState.stats``."""
         units = [(b, b.num_layers) for b in self._run.bindings]
         if not units:
-            return [0, 0, 0, 0]
+            return [0, 0, 0, 0], []
         stats = torch.stack([b.hot_state.stats for b, _ in units]).cpu()
-        by_layers = int(sum(int(stats[i, 2]) * k for i, (_, k) in enumerate(units)))
-        return [*map(int, stats.sum(0).tolist()), by_layers]
+        misses = [int(stats[i, 2]) for i in range(len(units))]
+        by_layers = sum(m * k for m, (_, k) in zip(misses, units))
+        return [*map(int, stats.sum(0).tolist()), by_layers], misses
 
 
 def _where(w) -> str:
@@ -388,4 +394,6 @@ def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
         out["miss_rate"] = sum(s.misses for s in chosen) / sel
         out["miss_bytes_per_step"] = sum(s.miss_bytes for s in chosen) / len(chosen)
         out["misses_per_step"] = [s.misses for s in chosen]
+        if any(s.misses_per_unit for s in chosen):  # which index group's misses moved
+            out["misses_per_unit_per_step"] = [list(s.misses_per_unit) for s in chosen]
     return out
