@@ -173,3 +173,15 @@ def test_summarize_keeps_each_timed_step():
     assert out["misses_per_unit_per_step"] == [[20, 10], [10, 0]]
     full = summarize([TimedStep("full", 4, 3.0, 3.0, 0.2)], "full", 4)
     assert full["gpu_ms_per_step"] == [3.0] and "misses_per_step" not in full
+
+
+def test_disagreeing_steps_names_index_groups_that_counted_apart():
+    """Every index group of the probe converts the same top-k: a step whose groups counted
+    different misses is named (the stale top-k of 2026-12-07 showed as [5406, 0])."""
+    from vllm_hisparse.cli.benchmarks.throughput_probe import TimedStep, disagreeing_steps
+
+    same = TimedStep("hybrid", 4, 6.0, 6.0, 1.0, misses=20, misses_per_unit=(10, 10))
+    apart = TimedStep("hybrid", 4, 6.0, 6.0, 1.0, misses=10, misses_per_unit=(10, 0))
+    one = TimedStep("oracle", 4, 6.0, 6.0, 1.0, misses=7, misses_per_unit=(7,))
+    full = TimedStep("full", 4, 3.0, 3.0, 0.2)
+    assert disagreeing_steps([same, apart, one, full]) == [apart]

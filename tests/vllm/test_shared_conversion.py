@@ -144,7 +144,7 @@ class FakeEvent:
 def fake_conversion(log, ready):
     compute, side = FakeStream("compute", log), FakeStream("side", log)
     return ConversionStream(side, lambda: ready, "cpu", compute_stream=lambda: compute,
-                            done=FakeEvent(log))
+                            done=FakeEvent(log), stream_context=lambda stream: stream)
 
 
 @pytest.mark.parametrize("ready", ["topk_ready", None])
@@ -158,6 +158,33 @@ def test_conversion_stream_starts_at_the_topk_and_the_compute_stream_waits(ready
     assert log == [start, ("side", "enter"), ("body",), ("side", "exit"),
                    ("done", "record", "side"), ("compute", "wait_event", done)]
     assert conversion.conversions == 1
+
+
+def test_conversion_stream_switches_streams_where_vllm_sees_it(monkeypatch):
+    """The side stream is made current through ``torch.cuda.stream`` (whose enter and exit
+    call the ``torch.cuda.set_stream`` vLLM wraps to track the current stream), not through
+    the stream's own context, which vLLM does not see (module docstring; the GPU test below
+    shows what went wrong)."""
+    log = []
+
+    class TrackedContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            log.append(("torch.cuda.stream", "enter", self.stream.name))
+
+        def __exit__(self, *exc):
+            log.append(("torch.cuda.stream", "exit", self.stream.name))
+
+    monkeypatch.setattr(torch.cuda, "stream", TrackedContext)
+    compute, side = FakeStream("compute", log), FakeStream("side", log)
+    conversion = ConversionStream(side, lambda: "topk_ready", "cpu",
+                                  compute_stream=lambda: compute, done=FakeEvent(log))
+    with conversion.running():
+        log.append(("body",))
+    assert log[1:4] == [("torch.cuda.stream", "enter", "side"), ("body",),
+                        ("torch.cuda.stream", "exit", "side")]
 
 
 def test_conversion_stream_joins_the_compute_stream_after_an_error():
@@ -236,3 +263,46 @@ def test_side_stream_conversion_equals_the_inline_one_on_cuda(gather_mode):
         runs[overlap] = seen
     for a, b in zip(runs[False], runs[True]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.gpu
+def test_vllms_tracked_stream_survives_a_captured_side_stream_conversion(monkeypatch):
+    """vLLM wraps ``torch.cuda.set_stream`` to track the current stream, and its model records
+    each indexer's ready event on that stream. Under a capture the followers' gathers are
+    issued inside the leader's side-stream conversion (``GroupGather.launch``). When the
+    conversion was entered with the stream's own context, that issue left the tracker on the
+    side stream: the next index group's ready event was recorded there, and its conversion
+    ran before its indexer's top-k landed (GLM-5.2's second group resolved the previous step's
+    top-k in every replay). After the conversion the tracker names the real current stream."""
+    tracked = []
+    real_set_stream = torch.cuda.set_stream
+
+    def tracking_set_stream(stream):  # what vllm/utils/torch_utils.py installs
+        tracked.append(stream)
+        real_set_stream(stream)
+
+    monkeypatch.setattr(torch.cuda, "set_stream", tracking_set_stream)
+    binding, group, step, dev, md = group_of("cuda", "side")
+    ready = torch.Event(device="cuda")
+    side = torch.cuda.Stream()
+    binding.attach(group, ConversionStream(side, lambda: ready, torch.device("cuda")))
+    topk = torch.tensor([[1, 5, 9, -1], [0, 3, 9, 12], [7, 8, 14, 2]], dtype=torch.int32,
+                        device="cuda")
+
+    def forward():
+        ready.record(torch.cuda.current_stream())
+        out = convert_group(group, topk, md)
+        assert tracked[-1] == torch.cuda.current_stream() != side
+        return out
+
+    forward()  # warm-up, view inert
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    assert binding.gather.launches > 0 and binding.conversion.conversions == 2
+    step.begin(0, [-1, 1, 2])
+    graph.replay()
+    for layer, result in enumerate(out):
+        check_rows(result, topk, md, dev, layer)
+    step.end()

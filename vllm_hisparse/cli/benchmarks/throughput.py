@@ -62,7 +62,8 @@ from vllm_hisparse.cli.benchmarks.connector import plan_requests
 from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
                                                       layer_flops_and_bytes, log_points)
 from vllm_hisparse.cli.benchmarks.throughput_fit import real_step
-from vllm_hisparse.cli.benchmarks.throughput_probe import GraphStepProbe, summarize
+from vllm_hisparse.cli.benchmarks.throughput_probe import (GraphStepProbe, disagreeing_steps,
+                                                           summarize)
 from vllm_hisparse.cli.output import write_json
 from vllm_hisparse.core.units import cdiv
 
@@ -207,9 +208,17 @@ def run_system(a, shape, context, kind, n, blocks, work, device, sim_layers,
     print(f"    {kind} ({sim_layers} layers): {n} requests, peak running {r.peak_running}, "
           f"{r.preemptions} preemptions, {r.steps} steps, {probe.graphs_captured} graphs, "
           f"{wall:.0f} s", flush=True)
+    disagree = disagreeing_steps(probe.steps)
+    if disagree:
+        first = disagree[0]
+        print(f"    WARNING: the index groups counted different misses in {len(disagree)} of "
+              f"{len(probe.steps)} timed steps, though each converts the same top-k here "
+              f"(first: a {first.kind} step at batch {first.batch}, "
+              f"{list(first.misses_per_unit)}); the rows are not what the indexer chose",
+              flush=True)
     return dict(kind=kind, requests=n, device_blocks=blocks, peak_running=r.peak_running,
                 preemptions=r.preemptions, engine_steps=r.steps, wall_s=wall,
-                points=by_point, split=probe.split)
+                points=by_point, split=probe.split, index_groups_disagree=len(disagree))
 
 
 def run_case(a, key: str, context: int, device: str, *, batch: int | None = None,

@@ -372,6 +372,14 @@ def _where(w) -> str:
     return f"{w.filename}:{w.lineno}: {str(w.message)[:100]}"
 
 
+def disagreeing_steps(steps: list[TimedStep]) -> list[TimedStep]:
+    """The timed steps whose index groups counted different misses. The probe gives every
+    group the same top-k, batch and tables, so their hot states move in lockstep and their
+    counts must be equal; a difference means a group resolved other selections than its
+    indexer's (a stream-ordering fault: docs/benchmarks.md, "The stale top-k")."""
+    return [s for s in steps if len(set(s.misses_per_unit)) > 1]
+
+
 def summarize(steps: list[TimedStep], kind: str, batch: int) -> dict:
     """Median, range and tokens/s of one kind's timed steps at one batch size."""
     chosen = [s for s in steps if s.kind == kind and s.batch == batch]

@@ -15,12 +15,22 @@ The residency path replaces that conversion, so it runs where vLLM's ran. The le
 rows, resolve, leader-layer gather and merge go on the same side stream, from the same start
 point. The compute stream waits on one event at the end. The followers' gathers fork from
 this stream: ``GroupGather`` forks from the current stream, which this makes the side stream.
+
+The switch to the side stream goes through ``torch.cuda.stream``, which calls
+``torch.cuda.set_stream`` on entry and exit. vLLM wraps that function to track the current
+stream (``vllm.utils.torch_utils.current_stream``, on which its model records the next
+indexer's ``logical_topk_ready``). A stream's own context (``with stream:``) switches in C++,
+which vLLM does not see. ``GroupGather`` opens a ``torch.cuda.stream`` of its own inside the
+body (under a capture), and its exit would leave vLLM's tracker on this side stream. The next
+index group's ready event would then be recorded there, and that group's conversion would not
+wait for its indexer. That happened to GLM-5.2 IndexShare: its second group resolved the
+previous step's top-k in every replay (docs/benchmarks.md, "The stale top-k").
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -39,17 +49,22 @@ class ConversionStream:
         compute_stream: returns the current (compute) stream; default
             ``torch.cuda.current_stream(device)`` (tests without a GPU pass their own).
         done: the event the compute stream waits on; default a new ``torch.Event``.
+        stream_context: makes a stream current for a ``with`` block; default
+            ``torch.cuda.stream``, which keeps vLLM's tracked current stream right (module
+            docstring). Tests without a GPU pass their own.
     """
 
     def __init__(self, stream: Any, topk_ready: Callable[[], Any | None],
                  device: torch.device | str, *,
-                 compute_stream: Callable[[], Any] | None = None, done: Any = None):
+                 compute_stream: Callable[[], Any] | None = None, done: Any = None,
+                 stream_context: Callable[[Any], ContextManager] | None = None):
         self.stream = stream
         self._topk_ready = topk_ready
         self.device = torch.device(device)
         self._compute_stream = compute_stream or (
             lambda: torch.cuda.current_stream(self.device))
         self._done = torch.Event(device=self.device) if done is None else done
+        self._stream_context = stream_context or (lambda s: torch.cuda.stream(s))
         #: Conversions run here so far (tests and benchmarks).
         self.conversions = 0
 
@@ -66,7 +81,7 @@ class ConversionStream:
         else:
             self.stream.wait_stream(compute)
         try:
-            with self.stream:
+            with self._stream_context(self.stream):
                 yield
         finally:
             self._done.record(self.stream)
