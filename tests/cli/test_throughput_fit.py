@@ -185,3 +185,31 @@ def test_disagreeing_steps_names_index_groups_that_counted_apart():
     one = TimedStep("oracle", 4, 6.0, 6.0, 1.0, misses=7, misses_per_unit=(7,))
     full = TimedStep("full", 4, 3.0, 3.0, 0.2)
     assert disagreeing_steps([same, apart, one, full]) == [apart]
+
+
+def test_all_full_overhead_compares_the_same_batch():
+    """Every request FULL (no hybrid step counted a selection): the connector's real step
+    against full's at the largest batch both ran, not full saturated at a smaller one; no
+    figure once a request was tracked."""
+    idle = case_with_fit()
+    idle["full_requests"] = 7
+    for runs in (idle["runs"], idle["fit"]["runs"]):
+        for point in runs["hybrid"]["points"].values():
+            for s in point.values():
+                s.pop("miss_rate", None)
+    del idle["fit"]["runs"]["full"]["points"]["4"]  # neither system fitted at 4
+    got = throughput.all_full_overhead(idle)
+    assert got["concurrency"] == 4 and not got["fitted"]  # 8: full saturated at 4
+    assert got["overhead"] == pytest.approx(5.5 / 5.0 - 1)
+    # full fitted at 4 but hybrid not (the second run never reached 4): no mixed ratio
+    idle["fit"]["runs"]["full"]["points"]["4"] = {"full": summary(8.0, batch=4)}
+    assert throughput.all_full_overhead(idle) == {}
+    # both fitted at 4: the lines' ratio
+    idle["fit"]["runs"]["hybrid"]["points"]["4"] = {"hybrid": summary(9.5, batch=4)}
+    got = throughput.all_full_overhead(idle)
+    full = fitted(summary(5.0, batch=4), summary(8.0, batch=4), batch=4, host_scale=1.25)
+    hyb = fitted(summary(5.5, batch=4), summary(9.5, batch=4), batch=4, host_scale=1.25)
+    assert got["fitted"] and got["overhead"] == pytest.approx(hyb["gpu_ms"] / full["gpu_ms"] - 1)
+    tracked = case_with_fit()
+    tracked["runs"]["hybrid"]["points"]["4"]["hybrid"]["miss_rate"] = 0.01
+    assert throughput.all_full_overhead(tracked) == {}

@@ -344,6 +344,31 @@ def headline(case: dict) -> dict:
     return out
 
 
+def all_full_overhead(case: dict) -> dict:
+    """Where no request was tracked (no hybrid step counted a selection: every request FULL),
+    the connector's real step against full residency's at the same batch, the largest that
+    both ran (full saturated past its own batch is another batch); ``{}`` otherwise. The
+    issue's "zero cost when nothing is under pressure" is this ratio."""
+    rows = curve(case)
+    hybrid = [r["hybrid"] for r in rows if "hybrid" in r]
+    if not hybrid or any(h.get("miss_rate") is not None for h in hybrid):
+        return {}
+    same = [r for r in rows if "full" in r and "hybrid" in r and not r["full_saturated"]]
+
+    def fitted(r, name):
+        return "per_layer_ms" in r[name]
+
+    # both systems fitted through the two layer counts, else both scaled (never one of each)
+    both = ([r for r in same if fitted(r, "full") and fitted(r, "hybrid")]
+            or [r for r in same if not fitted(r, "full") and not fitted(r, "hybrid")])
+    if not both:
+        return {}
+    top = both[0]
+    f, h = top["full"]["real_gpu_ms"], top["hybrid"]["real_gpu_ms"]
+    return dict(concurrency=top["concurrency"], full_gpu_ms=f, hybrid_gpu_ms=h,
+                overhead=h / f - 1, fitted=fitted(top, "hybrid"))
+
+
 def print_case(case: dict) -> None:
     nan = float("nan")
     print(f"\n{case['shape']['name']}, context {case['context']}: full {case['full_requests']} "
@@ -394,6 +419,12 @@ def print_case(case: dict) -> None:
         for n in names:
             if "fit_error" in top.get(n, {}):
                 print(f"  {n}: no fit ({top[n]['fit_error']}); its step is scaled")
+    idle = all_full_overhead(case)
+    if idle:
+        how = "fitted through both layer counts" if idle["fitted"] else "scaled"
+        print(f"  all FULL at {idle['concurrency']} requests (the same batch; {how}): the real "
+              f"step's GPU time {idle['full_gpu_ms']:.2f} ms without the connector, "
+              f"{idle['hybrid_gpu_ms']:.2f} ms with it ({100 * idle['overhead']:+.2f} %)")
     for kind, run in case.get("runs", {}).items():
         split = run.get("split") or {}
         if split.get("alone_ms"):
