@@ -3,7 +3,10 @@
 The fake worker executes :class:`StepCommand`s on *tagged* memory: every KV row is one
 int64, the tag of the token it holds (``family * 10**6 + position + 1``; 0 or negative =
 garbage). Copies take effect when launched (stream order), so a transfer that will be
-reported failed writes garbage into its destination at launch. After a step, every
+reported failed writes garbage into its destination at launch. A restore the forward does
+not read (``forward_reads=False``: no fence waits for it) writes garbage at launch and its
+bytes land at its completion ack, and no page the step's forward could read may map to its
+blocks until then (checked before every forward). After a step, every
 readable position of every request can be checked against its expected tag through the
 worker's own tables, exactly as the resolve op would read it.
 """
@@ -65,6 +68,8 @@ class FakeWorker:
         self.enqueued: set[int] = set()
         self.commands: list[StepCommand] = []
         self.rejected_from: dict[int, int] = {}  # row -> first position the next forward writes wrong
+        # unfenced restores in flight: transfer id -> [(device block, bytes landing at completion)]
+        self.landing: dict[int, list[tuple[int, np.ndarray]]] = {}
 
     # -- executing a command ------------------------------------------------------------
     def run(self, cmd: StepCommand, fail_ids: frozenset[int] = frozenset()) -> None:
@@ -88,6 +93,12 @@ class FakeWorker:
         for spec in cmd.transfers:
             if not spec.after_forward:
                 self._launch(spec, spec.transfer_id in fail_ids)
+        landing = {dev for copies in self.landing.values() for dev, _ in copies}
+        if landing:
+            readable = set(self.residency[self.residency >= 0].tolist())
+            assert not readable & landing, (
+                f"step {cmd.step_id}: device blocks {sorted(readable & landing)} are mapped for "
+                "the forward while the restore writing them is not fenced")
         # The forward writes the rows listed in the mirror (or, without a mirror, the caller
         # passes them through ``forward_rows``).
         for spec in cmd.transfers:
@@ -122,7 +133,11 @@ class FakeWorker:
                 self.host_mem[host] = GARBAGE if will_fail else self.device_mem[dev]
         elif spec.kind == TransferKind.RESTORE:
             for dev, host in zip(spec.device_blocks, spec.host_blocks):
-                self.device_mem[dev] = GARBAGE if will_fail else self.host_mem[host]
+                if not (spec.forward_reads or will_fail):  # lands at completion
+                    self.landing.setdefault(spec.transfer_id, []).append(
+                        (dev, self.host_mem[host].copy()))
+                self.device_mem[dev] = GARBAGE if will_fail or not spec.forward_reads \
+                    else self.host_mem[host]
         else:
             for row, start, end in zip(spec.mirror_rows, spec.mirror_starts, spec.mirror_ends):
                 for pos in range(start, end):
@@ -146,6 +161,8 @@ class FakeWorker:
                 continue
             del self.launched[tid]
             self.enqueued.discard(tid)
+            for dev, data in self.landing.pop(tid, []):
+                self.device_mem[dev] = data
             (acks.failed if launched.will_fail else acks.completed).append(tid)
         return WorkerAcks.from_dict(acks.to_dict())
 

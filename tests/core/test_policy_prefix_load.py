@@ -48,7 +48,7 @@ def test_adopted_prefix_is_restored_before_the_forward_and_reads_exactly():
     # The prompt's remainder is scheduled in the same step as the load.
     cmd = d.step({"b": 2})
     loads = [t for t in cmd.transfers if t.kind == TransferKind.RESTORE]
-    assert len(loads) == 1 and not loads[0].after_forward
+    assert len(loads) == 1 and not loads[0].after_forward and loads[0].forward_reads
     assert loads[0].device_blocks == blocks and loads[0].host_blocks == hits
     table = d.policy.page_table("b")
     assert table.pinned.all() and table.host_valid[:3].all()

@@ -59,16 +59,16 @@ class LateCompletions:
         engine._submit, engine._launch = self.submit, self.launch
         engine.poll, engine.wait_all = self.poll, self.wait_all
 
-    def submit(self, transfer_id, kind, src_ids, dst_ids) -> None:
+    def submit(self, transfer_id, kind, src_ids, dst_ids, **kw) -> None:
         self._tid = transfer_id
-        self._submit(transfer_id, kind, src_ids, dst_ids)
+        self._submit(transfer_id, kind, src_ids, dst_ids, **kw)
         flight = self.engine._in_flight
         if flight and flight[-1].transfer_id == transfer_id:
             flight[-1].event = _Due(self, self.polls + self.lag)
 
-    def launch(self, kind, src_ids, dst_ids) -> None:
+    def launch(self, kind, src_ids, dst_ids, background=False) -> None:
         if kind is TransferKind.RESTORE:
-            self._launch(kind, src_ids, dst_ids)
+            self._launch(kind, src_ids, dst_ids, background)
             return
         src = torch.as_tensor(list(src_ids), dtype=torch.int64)
         dst = torch.as_tensor(list(dst_ids), dtype=torch.int64)

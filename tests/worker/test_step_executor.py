@@ -126,3 +126,23 @@ def test_page_tables_refuse_ragged_columns_and_wrong_shapes():
         tables.update([0, 1], [0], [1, 2], [3, 4])
     with pytest.raises(ValueError, match="shape"):
         HotState(4, 8, 2 * BS, BS, page_tables=tables)
+
+
+def test_a_restore_the_forward_does_not_read_is_not_fenced(monkeypatch):
+    """``forward_reads`` reaches the engine: only a restore the step's forward reads (a host
+    prefix load) is fenced; the others run where no step waits for them."""
+    dev, host, ex = setup()
+    calls = []
+    restore = ex.engine.restore
+
+    def recording(tid, host_blocks, device_blocks, *, fenced=True):
+        calls.append((tid, fenced))
+        restore(tid, host_blocks, device_blocks, fenced=fenced)
+
+    monkeypatch.setattr(ex.engine, "restore", recording)
+    ex.before_forward(StepCommand(step_id=1, transfers=[
+        TransferSpec(1, int(TransferKind.RESTORE), False, device_blocks=[3], host_blocks=[2]),
+        TransferSpec(2, int(TransferKind.RESTORE), False, device_blocks=[4], host_blocks=[5],
+                     forward_reads=False)]))
+    assert calls == [(1, True), (2, False)]
+    assert sorted(ex.acks().completed) == [1, 2]

@@ -100,3 +100,68 @@ def test_fence_covers_a_spill_submitted_before_a_mirror():
     engine.wait_all()
     torch.cuda.synchronize()
     assert torch.equal(host[0], before.cpu())
+
+
+def test_an_unfenced_restore_on_cpu_copies_and_reports_as_a_fenced_one():
+    dev, host, engine = make()
+    host[0][7 * BS:8 * BS] = 9
+    engine.restore(4, [7], [1], fenced=False)
+    report = engine.poll()
+    assert report.enqueued == [4] and report.completed == [4]
+    assert bool((dev[0][BS:2 * BS] == 9).all())
+
+
+def gpu_engine(blocks, row_bytes=1024, bs=64):
+    dev = [torch.zeros((blocks * bs, row_bytes), dtype=torch.uint8, device="cuda")
+           for _ in range(2)]
+    host = [torch.randint(0, 256, (blocks * bs, row_bytes), dtype=torch.uint8).pin_memory()
+            for _ in range(2)]
+    return dev, host, TransferEngine(dev, host, bs)
+
+
+@pytest.mark.gpu
+def test_the_fence_waits_for_a_fenced_restore_only():
+    """A restore the forward reads is fenced: the compute stream is past the fence only once
+    the copy is done. A restore it does not read (a promotion's) holds nothing back: 512 MiB
+    of copy is still running when the compute stream's next work has finished; it reports
+    enqueued and completed together, its bytes exact."""
+    blocks = 4096
+    dev, host, engine = gpu_engine(blocks)
+    ids = list(range(blocks))
+    mark = torch.cuda.Event()
+    engine.restore(1, ids, ids, fenced=False)
+    engine.fence()
+    mark.record()
+    mark.synchronize()
+    assert engine.poll().completed == []  # the compute stream did not wait
+    report = engine.wait_all()
+    assert report.enqueued == [1] and report.completed == [1]
+    assert all(torch.equal(d.cpu(), h) for d, h in zip(dev, host))
+    for d in dev:
+        d.zero_()
+    engine.restore(2, ids, ids)
+    engine.fence()
+    mark.record()
+    mark.synchronize()
+    assert engine.poll().completed == [2]  # past the fence: the copy is done
+    assert all(torch.equal(d.cpu(), h) for d, h in zip(dev, host))
+
+
+@pytest.mark.gpu
+def test_an_unfenced_restore_starts_after_the_spills_before_it():
+    """A spill's source block may be handed to a restore as soon as the spill is enqueued:
+    the unfenced restore's stream waits for the copy stream, so the spill reads the old
+    bytes first."""
+    blocks = 2048
+    dev, host, engine = gpu_engine(blocks)
+    for d in dev:
+        d.random_(0, 256)
+    old = [d.clone() for d in dev]
+    half = list(range(blocks // 2))
+    engine.spill(1, half, half)  # device blocks 0.. -> host blocks 0..
+    engine.restore(2, [b + blocks // 2 for b in half], half, fenced=False)
+    engine.wait_all()
+    for d, h, o in zip(dev, host, old):
+        rows = len(half) * engine.block_size
+        assert torch.equal(h[:rows], o[:rows].cpu())  # the spill read the old bytes
+        assert torch.equal(d[:rows].cpu(), h[rows:2 * rows])  # then the restore landed

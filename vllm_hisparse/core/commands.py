@@ -10,7 +10,8 @@ Worker contract for one :class:`StepCommand`, in order:
    state reset), then ``page_updates`` to its ``residency`` / ``host_blocks`` tables, then
    ``hot_leases`` (a new lease resets that row's hot slots; a resize keeps the slots of the
    blocks it keeps and empties the others);
-2. launch transfers with ``after_forward == False`` before the step's forward;
+2. launch transfers with ``after_forward == False`` before the step's forward, which waits
+   for those with ``forward_reads`` (and for earlier spills, whose blocks it may reuse);
 3. run the forward;
 4. launch transfers with ``after_forward == True`` (page spills of pages the forward
    sealed, and the ``MIRROR`` of the rows it wrote);
@@ -52,7 +53,14 @@ class Residency(IntEnum):
 
 @dataclass
 class TransferSpec:
-    """One transaction: a batch of page copies, or this step's row mirror."""
+    """One transaction: a batch of page copies, or this step's row mirror.
+
+    ``forward_reads`` (RESTORE): this step's forward reads the destination pages (a host
+    prefix loaded into pages the engine already gave the request). False for every other
+    restore: its pages reach the worker's tables only in a command after its completion
+    ack, so the forward never waits for the copy (a promotion's restores of a whole
+    request would otherwise stall one step by their copy time).
+    """
 
     transfer_id: int
     kind: int
@@ -62,6 +70,7 @@ class TransferSpec:
     mirror_rows: list[int] = field(default_factory=list)
     mirror_starts: list[int] = field(default_factory=list)
     mirror_ends: list[int] = field(default_factory=list)
+    forward_reads: bool = True
 
 
 @dataclass

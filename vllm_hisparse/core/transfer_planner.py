@@ -217,6 +217,9 @@ class TransferPlanner:
                 after_forward=False,
                 device_blocks=list(device),
                 host_blocks=list(host),
+                # only a host-prefix load fills pages this step's forward reads; the others
+                # are shown to the worker after their ack
+                forward_reads=into_pinned,
             )
         )
         return txn

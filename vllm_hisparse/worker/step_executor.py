@@ -6,7 +6,8 @@ The contract (``core/commands.py``), per command:
    group's :class:`HotState` (and into a host-side copy of the page tables, used to turn
    mirrored positions into rows without reading GPU memory);
 2. :meth:`StepExecutor.before_forward` launches the transfers marked ``after_forward=False``
-   and fences the compute stream behind them;
+   and fences the compute stream behind those the forward reads (``forward_reads``) and
+   behind earlier spills;
 3. the model's forward runs (and reads KV through ``HotState.resolve`` + ``gather``);
 4. :meth:`StepExecutor.after_forward` launches the spills of sealed pages and the mirror of
    the rows the forward wrote;
@@ -113,7 +114,8 @@ class StepExecutor:
         if kind is TransferKind.SPILL:
             self.engine.spill(spec.transfer_id, spec.device_blocks, spec.host_blocks)
         elif kind is TransferKind.RESTORE:
-            self.engine.restore(spec.transfer_id, spec.host_blocks, spec.device_blocks)
+            self.engine.restore(spec.transfer_id, spec.host_blocks, spec.device_blocks,
+                                fenced=spec.forward_reads)
         else:
             try:
                 device_rows, host_rows = self._mirror_rows(spec)

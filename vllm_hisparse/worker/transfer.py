@@ -12,7 +12,12 @@ A transfer whose launch raised is reported as **failed** (with the reason) and n
 completed; the scheduler side keeps the source copy and marks nothing valid.
 
 On CUDA spills and restores run on a dedicated stream that first waits for the compute stream
-(the bytes it reads were written by the forward), and each transfer records an event. Mirrors
+(the bytes it reads were written by the forward), and each transfer records an event;
+:meth:`TransferEngine.fence` makes the compute stream wait for that stream. A restore whose
+pages the step's forward does not read (``fenced=False``: the scheduler shows them to the
+worker only after their completion ack, e.g. a promotion's) runs on a second stream, which
+first waits for the copy stream and the compute stream and which no fence covers: a step
+never stalls on it. Its id is reported enqueued and completed together, once done. Mirrors
 (a step's newly written rows: a few µs of copy) run on the compute stream itself, after the
 forward: a copy stream queued behind the forward's end stalls every launch of that forward
 (the step's GPU gaps doubled on the H200 with one such stream per lane; docs/benchmarks.md,
@@ -100,7 +105,10 @@ class TransferEngine:
         self.device = device_layers[0].device if device_layers else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        # restores no step waits for (``fenced=False``): their own stream and queue
+        self._background = torch.cuda.Stream(self.device) if self._cuda else None
         self._in_flight: deque[_InFlight] = deque()
+        self._in_background: deque[_InFlight] = deque()
         self._report = TransferReport()
         # the copy stream's last event (fence) and the last mirror's, on the compute stream
         self._last_event: torch.cuda.Event | None = None
@@ -115,9 +123,12 @@ class TransferEngine:
         self._submit(transfer_id, TransferKind.SPILL, device_blocks, host_blocks)
 
     def restore(self, transfer_id: int, host_blocks: Sequence[int],
-                device_blocks: Sequence[int]) -> None:
-        """Copy whole pages host → device for every layer."""
-        self._submit(transfer_id, TransferKind.RESTORE, host_blocks, device_blocks)
+                device_blocks: Sequence[int], *, fenced: bool = True) -> None:
+        """Copy whole pages host → device for every layer. ``fenced=False``: nothing on the
+        compute stream waits for the copy (see the module docstring); the destination
+        blocks must not be read or written until its completion is reported."""
+        self._submit(transfer_id, TransferKind.RESTORE, host_blocks, device_blocks,
+                     background=not fenced and self._cuda)
 
     def mirror(self, transfer_id: int, device_rows: Sequence[int],
                host_rows: Sequence[int]) -> None:
@@ -125,7 +136,7 @@ class TransferEngine:
         self._submit(transfer_id, TransferKind.MIRROR, device_rows, host_rows)
 
     def _submit(self, transfer_id: int, kind: TransferKind, src_ids: Sequence[int],
-                dst_ids: Sequence[int]) -> None:
+                dst_ids: Sequence[int], *, background: bool = False) -> None:
         if transfer_id in self._ids_in_use:
             raise ValueError(f"TransferEngine: transfer id {transfer_id} is already in flight")
         if len(src_ids) != len(dst_ids):
@@ -137,7 +148,7 @@ class TransferEngine:
             if self._fail_transfer is not None and self._fail_transfer(transfer_id):
                 raise RuntimeError("injected failure")
             if not skip:
-                self._launch(kind, src_ids, dst_ids)
+                self._launch(kind, src_ids, dst_ids, background)
         except Exception as exc:  # reported to the scheduler, which keeps the source copy
             logger.warning("transfer %d (%s) failed: %s", transfer_id, kind.value, exc)
             self._report.failed.append((transfer_id, f"{type(exc).__name__}: {exc}"))
@@ -149,20 +160,23 @@ class TransferEngine:
             self._report.bytes_to_device += moved
         else:
             self._report.bytes_to_host += moved
-        self._report.enqueued.append(transfer_id)
+        if not background:  # no later fenced work is ordered after a background copy
+            self._report.enqueued.append(transfer_id)
         self.num_skipped_host_writes += skip
         event = None
         if self._cuda and not skip:
             event = torch.cuda.Event()
-            event.record(self._stream_of(kind))
+            event.record(self._stream_of(kind, background))
             if kind is TransferKind.MIRROR:
                 self._last_mirror_event = event
-            else:
+            elif not background:
                 self._last_event = event
         self._ids_in_use.add(transfer_id)
-        self._in_flight.append(_InFlight(transfer_id, event))
+        (self._in_background if background else self._in_flight).append(
+            _InFlight(transfer_id, event))
 
-    def _launch(self, kind: TransferKind, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    def _launch(self, kind: TransferKind, src_ids: Sequence[int], dst_ids: Sequence[int],
+                background: bool = False) -> None:
         index_device = self.device if self._cuda else torch.device("cpu")
         # Both id lists in one tensor: on CUDA one pinned copy (a step's mirrors are small).
         ids = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int32).reshape(2, -1)
@@ -177,9 +191,11 @@ class TransferEngine:
             else:
                 self._ops.copy_blocks(src_layers, dst_layers, src, dst, self.block_size)
             return
-        stream = self._stream_of(kind)
+        stream = self._stream_of(kind, background)
         if stream != torch.cuda.current_stream(self.device):
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what the forward wrote
+        if background:  # an enqueued spill may still read a block handed to this restore
+            stream.wait_stream(self._stream)
         with torch.cuda.stream(stream):
             ids = ids.pin_memory().to(index_device, non_blocking=True)
             src, dst = ids[0], ids[1]
@@ -190,11 +206,12 @@ class TransferEngine:
             # The index tensors must outlive the copy: tie them to the copy stream.
             ids.record_stream(stream)
 
-    def _stream_of(self, kind: TransferKind) -> "torch.cuda.Stream":
-        """Mirrors on the compute stream, spills and restores on the copy stream."""
+    def _stream_of(self, kind: TransferKind, background: bool = False) -> "torch.cuda.Stream":
+        """Mirrors on the compute stream, spills and fenced restores on the copy stream, the
+        other restores on the background stream."""
         if kind is TransferKind.MIRROR:
             return torch.cuda.current_stream(self.device)
-        return self._stream
+        return self._background if background else self._stream
 
     # ---------------------------------------------------------------- progress
 
@@ -206,13 +223,16 @@ class TransferEngine:
 
     def poll(self) -> TransferReport:
         """Progress since the last poll; never blocks."""
-        while self._in_flight:
-            head = self._in_flight[0]
-            if head.event is not None and not head.event.query():
-                break  # copies complete in stream order: nothing behind it is done either
-            self._in_flight.popleft()
-            self._ids_in_use.discard(head.transfer_id)
-            self._report.completed.append(head.transfer_id)
+        for queue, background in ((self._in_flight, False), (self._in_background, True)):
+            while queue:
+                head = queue[0]
+                if head.event is not None and not head.event.query():
+                    break  # copies complete in stream order: nothing behind it is done either
+                queue.popleft()
+                self._ids_in_use.discard(head.transfer_id)
+                if background:
+                    self._report.enqueued.append(head.transfer_id)
+                self._report.completed.append(head.transfer_id)
         report, self._report = self._report, TransferReport()
         return report
 
@@ -220,10 +240,11 @@ class TransferEngine:
         """Block until every enqueued copy has completed, then poll."""
         if self._cuda and self._stream is not None:
             self._stream.synchronize()
+            self._background.synchronize()
         if self._last_mirror_event is not None:
             self._last_mirror_event.synchronize()
         return self.poll()
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._in_flight) + len(self._in_background)
