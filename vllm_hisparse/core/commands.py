@@ -58,8 +58,7 @@ class TransferSpec:
     ``forward_reads`` (RESTORE): this step's forward reads the destination pages (a host
     prefix loaded into pages the engine already gave the request). False for every other
     restore: its pages reach the worker's tables only in a command after its completion
-    ack, so the forward never waits for the copy (a promotion's restores of a whole
-    request would otherwise stall one step by their copy time).
+    ack, so the forward has no reason to wait for the copy.
     """
 
     transfer_id: int

@@ -16,8 +16,8 @@ On CUDA spills and restores run on a dedicated stream that first waits for the c
 :meth:`TransferEngine.fence` makes the compute stream wait for that stream. A restore whose
 pages the step's forward does not read (``fenced=False``: the scheduler shows them to the
 worker only after their completion ack, e.g. a promotion's) runs on a second stream, which
-first waits for the copy stream and the compute stream and which no fence covers: a step
-never stalls on it. Its id is reported enqueued and completed together, once done. Mirrors
+first waits for the copy stream and the compute stream and which no fence covers: no step
+waits for it (the copy kernel still shares the GPU with the steps it runs beside). Its id is reported enqueued and completed together, once done. Mirrors
 (a step's newly written rows: a few µs of copy) run on the compute stream itself, after the
 forward: a copy stream queued behind the forward's end stalls every launch of that forward
 (the step's GPU gaps doubled on the H200 with one such stream per lane; docs/benchmarks.md,
