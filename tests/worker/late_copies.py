@@ -59,9 +59,9 @@ class LateCompletions:
         engine._submit, engine._launch = self.submit, self.launch
         engine.poll, engine.wait_all = self.poll, self.wait_all
 
-    def submit(self, transfer_id, kind, src_ids, dst_ids, **kw) -> None:
+    def submit(self, transfer_id, kind, src_ids, dst_ids, *, background=False) -> None:
         self._tid = transfer_id
-        self._submit(transfer_id, kind, src_ids, dst_ids, **kw)
+        self._submit(transfer_id, kind, src_ids, dst_ids, background=background)
         flight = self.engine._in_flight
         if flight and flight[-1].transfer_id == transfer_id:
             flight[-1].event = _Due(self, self.polls + self.lag)
