@@ -3,7 +3,7 @@
 # tests, compute-sanitizer (memcheck + racecheck) on a representative case, the kernel
 # benchmarks. Logs under $OUT (default ./out); a short table is printed last.
 #   bash scripts/gpu_session.sh            # everything
-#   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test worker graphs
+#   STEPS="build bench" bash scripts/gpu_session.sh   # steps: build test standins worker graphs
 #   simulate adaptive scored throughput overlap connector bench capacity sanitize tp2
 #   (build skips compiling when a carried vllm_hisparse/_C*.so of this Python imports and
 #   holds the probe kernels: cmake -DHISPARSE_PROBE_KERNELS=ON)
@@ -21,7 +21,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
-STEPS="${STEPS:-build test worker graphs simulate throughput bench capacity sanitize tp2}"
+STEPS="${STEPS:-build test standins worker graphs simulate throughput bench capacity sanitize tp2}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -95,6 +95,16 @@ if has test; then
     tests/ops/test_cuda_resolve_errors.py -q -p no:cacheprovider -rfE >> "$OUT/pytest.log" 2>&1
   rc=$?
   note "pytest (resolve, 512-thread CTAs) rc=$rc: $(tail -n 1 "$OUT/pytest.log")"
+fi
+
+if has standins; then
+  # bench throughput's fused Triton stand-ins (sparse MLA decode, indexer logits) against
+  # their torch twins at the geometries' sizes
+  timeout 240 $PY -m pytest -m gpu tests/cli/test_standin_kernels.py -q -p no:cacheprovider -rfE \
+    --durations=4 > "$OUT/pytest_standins.log" 2>&1
+  rc=$?
+  note "pytest -m gpu test_standin_kernels rc=$rc: $(tail -n 1 "$OUT/pytest_standins.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest_standins.log" | head -n 20 | tee -a "$SUMMARY"
 fi
 
 if has worker; then

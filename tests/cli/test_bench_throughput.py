@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from vllm_hisparse.cli.benchmarks import throughput
+from vllm_hisparse.cli.benchmarks.indexer_logits import indexer_logits_reference
+from vllm_hisparse.cli.benchmarks.mla_decode import sparse_mla_decode_reference
 from vllm_hisparse.cli.benchmarks.model_layer import (PRE_ATTENTION_GEMM, LayerShape,
                                                       ModelLayerWork, log_points, split_batch,
                                                       tokens_per_expert)
@@ -46,21 +48,27 @@ def test_points_step_down_by_powers_of_two():
 
 def test_layer_work_runs_every_stand_in_on_cpu():
     shape = LayerShape.named("dsv32", **throughput.TINY)
-    kv = [torch.randint(0, 255, (4096, shape.mla_row_bytes), dtype=torch.uint8)]
+    # bf16 values (the TINY shape's rows are bf16 MLA rows), no NaN among them
+    kv = [torch.randn(4096, shape.mla_row_bytes // 2).bfloat16().view(torch.uint8)]
     work = ModelLayerWork(shape, max_batch=4, context=256, top_k=32, kv_rows=kv,
                           device=torch.device("cpu"))
     rows = torch.randint(-1, 4096, (4, 32), dtype=torch.int32)
-    work.indexer(0, 3)
-    assert work.topk_indices[:3].max() < 256
+    work.indexer(1, 3)  # the second key set
+    want = indexer_logits_reference(work.index_q[:3], work.index_weights[:3],
+                                    work.index_keys[1][:3], work.index_key_scales[1][:3])
+    assert torch.equal(work.logits[:3], want)
+    assert torch.equal(work.topk_values[:3], want.topk(32, dim=1).values)
     work.new_kv[0].random_(0, 255)
     work.before_attention(0, 3)  # the KV write and the absorbed query projection
     assert torch.equal(work.new_kv[1, :3], work.new_kv[0, :3]) and not work.new_kv[1, 3].any()
     j = [name for name, _, _ in work.gemm_shapes].index(PRE_ATTENTION_GEMM)
     _, i, o = work.gemm_shapes[j]
     assert torch.equal(work.act_out[:3, :o], work.act_in[:3, :i] @ work.sets[0][0][j])
+    work.attn_out.zero_()
     work.attention(0, rows, 3)
-    flat = rows[:3].reshape(-1).clamp_min(0).long()
-    assert torch.equal(work.reads[:flat.numel()], kv[0][flat])
+    want = sparse_mla_decode_reference(work.attn_q[:3], kv[0], rows[:3], work.mla_layout,
+                                       work.sm_scale)
+    assert torch.equal(work.attn_out[:3], want.bfloat16()) and not work.attn_out[3].any()
     work.mlp(0, 3)
 
 
@@ -159,7 +167,8 @@ def test_layer_work_over_halves_is_the_whole_batch_read_twice():
     token once), while the EP wait runs once per half and each half's experts get the router
     stand-in's token count for that half."""
     shape = LayerShape.named("dsv32", **throughput.TINY)
-    kv = [torch.randint(0, 255, (4096, shape.mla_row_bytes), dtype=torch.uint8)]
+    # bf16 values (the TINY shape's rows are bf16 MLA rows), no NaN among them
+    kv = [torch.randn(4096, shape.mla_row_bytes // 2).bfloat16().view(torch.uint8)]
     work = ModelLayerWork(shape, max_batch=5, context=256, top_k=32, kv_rows=kv,
                           device=torch.device("cpu"))
     rows = torch.randint(-1, 4096, (5, 32), dtype=torch.int32)

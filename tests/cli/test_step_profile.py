@@ -51,3 +51,5 @@ def test_kernel_classes_first_match_wins():
     assert kernel_class("resolve_topk") == "resolve"  # before top-k
     assert kernel_class("radixSortKernel") == "top-k"
     assert kernel_class("elementwise") == "other"
+    assert kernel_class("sparse_mla_decode_kernel") == "sparse MLA"
+    assert kernel_class("indexer_logits_kernel") == "indexer logits"

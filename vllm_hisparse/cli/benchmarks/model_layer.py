@@ -9,13 +9,13 @@ decode step and layer, for its own batch of ``B`` requests:
 ========================  ======================================================================
 stand-in                  what it does here, and why it is faithful
 ========================  ======================================================================
-indexer logits            one batched matrix-vector product over ``B × context`` rows of
-                          ``index_row_bytes`` (the bytes the indexer reads: every cached key
-                          of every request; two such buffers, cycled over the leaders, since
-                          vLLM's plan packs indexer pages into blocks shared with other
-                          layers), a query per request. The real kernel (fp8 ``[heads, 128]`` per query)
-                          is bound by the same bytes: 64 heads × 128 fp8 MACs per 132 B row is
-                          ~120 FLOP/B, under the H200's ~400 FLOP/B fp8 ridge.
+indexer logits            every cached indexer key of every request (``B × context`` fp8 keys
+                          of ``index_head_dim`` bytes and an fp32 scale each: the 132 B rows;
+                          two such sets, cycled over the leaders, since vLLM's plan packs
+                          indexer pages into blocks shared with other layers) scored against
+                          the token's fp8 queries of ``index_heads`` heads, ReLU, weighted sum
+                          over the heads (:mod:`.indexer_logits`, fused in Triton: bound by
+                          the key bytes, as DeepGEMM's ``fp8_mqa_logits`` is).
 indexer top-k             ``torch.topk`` of ``K`` over each request's ``context`` logits (vLLM
                           runs its own top-k kernel; this one is slower, so the stand-in
                           overstates the step the IO hides under).
@@ -24,12 +24,12 @@ before attention          what the compute stream runs between the indexer and t
                           KV rows written (a copy of ``B`` rows) and the absorbed query
                           projection (``W_UK``, one of the weight GEMMs below). vLLM's
                           conversion, and ours, run beside it on the index group's side stream.
-attention rows            the ``K`` rows each token's conversion returned, gathered from the
-                          layer's KV cache (``index_select``: the bytes sparse MLA reads, plus
-                          the same again written to a buffer).
-attention math            ``[B·heads, 576] @ [576, K]``, softmax, ``[B·heads, K] @ [K, 512]``
-                          in bf16 (the FLOPs of sparse MLA decode over ``K`` rows; the score
-                          matrix goes through HBM, which FlashMLA keeps on chip).
+sparse MLA                the absorbed MLA decode of every head over the ``K`` rows each
+                          token's conversion returned, read once from the layer's KV cache in
+                          its own layout (fp8 rows with scales, or bf16), online softmax, the
+                          scores on chip (:mod:`.mla_decode`, fused in Triton: FlashMLA's
+                          sparse decode FLOPs and bytes; FlashMLA itself is not on the GPU
+                          machine).
 weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`` whose weight
                           bytes equal the model's fp8 weights (``out`` halved): q/kv down
                           projections, q up projection with the indexer's, the absorbed kv up
@@ -51,7 +51,9 @@ Left out: embeddings, norms, rotary embeddings, the LM head and sampling (per st
 layer), DeepSeek-V3.2's three dense layers (modelled as MoE layers). Weights are random and
 shared by every ``weight_sets``-th layer (each set is many times the L2, so every layer's read
 still comes from HBM). Every tensor is allocated once at the largest batch, so a layer is
-capturable in a CUDA graph at any batch up to it.
+capturable in a CUDA graph at any batch up to it (the fused kernels choose their launch at a
+batch's first, eager, step). Without CUDA (smoke runs) the fused stand-ins run as their torch
+twins.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ import dataclasses
 import math
 
 import torch
+
+from vllm_hisparse.cli.benchmarks.indexer_logits import IndexerLogits, indexer_logits_reference
+from vllm_hisparse.cli.benchmarks.mla_decode import (MlaRowLayout, SparseMlaDecode,
+                                                     sparse_mla_decode_reference)
 
 #: Public per-layer sizes of the geometries ``bench throughput`` runs (config.json of each).
 GEOMETRIES: dict[str, dict] = {
@@ -242,25 +248,35 @@ class ModelLayerWork:
         def rand(*size):
             return torch.empty(size, **bf16).uniform_(-0.05, 0.05, generator=g)
 
-        # indexer: B × context rows of index_row_bytes, read as bf16 lanes
-        self.index_lanes = shape.index_row_bytes // 2
-        self.index_keys = [rand(max_batch, context, self.index_lanes) for _ in range(2)]
-        self.index_q = rand(max_batch, self.index_lanes, 1)
-        self.logits = torch.empty((max_batch, context, 1), **bf16)
-        self.topk_values = torch.empty((max_batch, top_k), **bf16)
+        # indexer: every request's context keys (fp8 + an fp32 scale each), two sets cycled
+        # over the leaders; fp8 bytes drawn with exponents below 0b0111 (|x| < 1, no NaN)
+        def fp8_bytes(*size):
+            return torch.randint(0, 256, size, dtype=torch.uint8, device=device,
+                                 generator=g).bitwise_and_(0xB7)
+
+        H_i, D_i = shape.index_heads, shape.index_head_dim
+        self.index_keys = [fp8_bytes(max_batch, context, D_i) for _ in range(2)]
+        self.index_key_scales = [torch.rand((max_batch, context), device=device, generator=g)
+                                 for _ in range(2)]
+        self.index_q = fp8_bytes(max_batch, H_i, D_i)
+        self.index_weights = torch.rand((max_batch, H_i), device=device, generator=g)
+        self.logits = torch.empty((max_batch, context), dtype=torch.float32, device=device)
+        self.topk_values = torch.empty((max_batch, top_k), dtype=torch.float32, device=device)
         self.topk_indices = torch.empty((max_batch, top_k), dtype=torch.int64, device=device)
         # before attention: the new KV rows (written to a buffer of their own: the cache's
         # rows are the attention's reads)
         self.new_kv = torch.zeros((2, max_batch, shape.mla_row_bytes), dtype=torch.uint8,
                                   device=device)
-        # attention
-        self.reads = torch.empty((max_batch * top_k, shape.mla_row_bytes), dtype=torch.uint8,
-                                 device=device)
-        qk_dim, v_dim = shape.kv_lora_rank + shape.rope_dim, shape.kv_lora_rank
-        self.attn_q = rand(max_batch * shape.heads, qk_dim)
-        self.attn_kv = rand(top_k, qk_dim)  # the rows' values after dequantisation
-        self.attn_scores = torch.empty((max_batch * shape.heads, top_k), **bf16)
-        self.attn_out = torch.empty((max_batch * shape.heads, v_dim), **bf16)
+        # attention: the absorbed query of every head, the output's latent values
+        self.mla_layout = MlaRowLayout.fitting(shape.kv_lora_rank, shape.rope_dim,
+                                               shape.mla_row_bytes)
+        self.sm_scale = (shape.qk_nope_dim + shape.rope_dim) ** -0.5
+        self.attn_q = rand(max_batch, shape.heads, shape.kv_lora_rank + shape.rope_dim)
+        self.attn_out = torch.empty((max_batch, shape.heads, shape.kv_lora_rank), **bf16)
+        # the fused kernels on the GPU (Triton), their torch twins elsewhere (smoke runs)
+        fused = device.type == "cuda"
+        self._logits = IndexerLogits(H_i, D_i) if fused else None
+        self._mla = SparseMlaDecode(self.mla_layout, shape.heads, self.sm_scale) if fused else None
         # weights: dense GEMMs and the routed experts, weight_sets distinct sets
         self.gemm_shapes = shape.gemms()
         self._pre_gemm = [n for n, _, _ in self.gemm_shapes].index(PRE_ATTENTION_GEMM)
@@ -289,9 +305,14 @@ class ModelLayerWork:
         if "indexer" not in self.components or batch <= first:
             return
         t = slice(first, batch)
-        keys = self.index_keys[leader % len(self.index_keys)][t]
-        torch.bmm(keys, self.index_q[t], out=self.logits[t])
-        torch.topk(self.logits[t, :, 0], self.top_k, dim=1,
+        j = leader % len(self.index_keys)
+        args = (self.index_q[t], self.index_weights[t], self.index_keys[j][t],
+                self.index_key_scales[j][t])
+        if self._logits is not None:
+            self._logits(*args, out=self.logits[t])
+        else:
+            self.logits[t] = indexer_logits_reference(*args)
+        torch.topk(self.logits[t], self.top_k, dim=1,
                    out=(self.topk_values[t], self.topk_indices[t]))
 
     def before_attention(self, layer: int, batch: int, first: int = 0) -> None:
@@ -311,12 +332,15 @@ class ModelLayerWork:
         """Sparse MLA over the ``K`` rows of each of the tokens."""
         if "attention" not in self.components or batch <= first:
             return
-        flat = rows[first:batch].reshape(-1).clamp_min(0).to(torch.int64)
-        torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
-        h = slice(first * self.shape.heads, batch * self.shape.heads)
-        torch.matmul(self.attn_q[h], self.attn_kv.t(), out=self.attn_scores[h])
-        probs = torch.softmax(self.attn_scores[h], dim=1)
-        torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank], out=self.attn_out[h])
+        rows = rows[first:batch]
+        if rows.dtype != torch.int32 or not rows.is_contiguous():
+            rows = rows.to(torch.int32).contiguous()
+        q, out = self.attn_q[first:batch], self.attn_out[first:batch]
+        if self._mla is not None:
+            self._mla(q, self.kv_rows[layer], rows, out)
+        else:
+            out.copy_(sparse_mla_decode_reference(q, self.kv_rows[layer], rows,
+                                                  self.mla_layout, self.sm_scale))
 
     def mlp(self, layer: int, batch: int, first: int = 0) -> None:
         """The other projections' GEMMs, EP dispatch, the routed experts, EP combine."""
@@ -336,6 +360,15 @@ class ModelLayerWork:
             torch.bmm(self.expert_mid[:, :t], down, out=self.expert_out[:, :t])
         if "comm" in self.components:
             self.spin(self.shape.ep_comm_us / 2)  # combine
+
+    def launches(self) -> dict[str, dict[str, dict]]:
+        """The launch each fused stand-in chose, per batch size (MLA) or shape (indexer)."""
+        out = {}
+        for name, kernel in (("sparse MLA", self._mla), ("indexer logits", self._logits)):
+            if kernel is not None:
+                out[name] = {str(k[0]) if name == "sparse MLA" else "x".join(map(str, k)): c
+                             for k, c in kernel.launches().items()}
+        return out
 
     def expert_tokens(self, batch: int) -> int:
         if batch not in self._expert_tokens:

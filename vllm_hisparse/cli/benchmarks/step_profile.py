@@ -27,6 +27,8 @@ import tempfile
 #: Kernel-name patterns of the split, first match wins (our kernels by their names in csrc/;
 #: elementwise torch kernels fall to "other").
 KERNEL_CLASSES = (
+    ("indexer logits", re.compile(r"indexer_logits", re.I)),  # bench throughput's stand-ins
+    ("sparse MLA", re.compile(r"sparse_mla_decode", re.I)),
     ("resolve", re.compile(r"resolve", re.I)),
     ("merge rows", re.compile(r"merge_rows|token_state_rows|score_threshold|slot_classes", re.I)),
     ("gather", re.compile(r"copy_rows|gather_rows|zero_copy", re.I)),

@@ -257,6 +257,7 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
     case["scale"] = shape.num_layers / a.sim_layers[0]
     case["sim_layers"] = a.sim_layers[0]
     case["flops_bytes_top"] = layer_flops_and_bytes(shape, top, context, a.top_k)
+    case["launches"] = work.launches()  # the fused stand-ins' chosen block sizes and splits
     ceiling = [dict(concurrency=r["concurrency"], **r["dbo_ceiling"],
                     dbo_ceiling_over_hybrid=r.get("dbo_ceiling_over_hybrid"))
                for r in curve(case) if "dbo_ceiling" in r]
@@ -440,6 +441,11 @@ def print_case(case: dict) -> None:
                              for g in split.get("idle_before", [])[:5])
             print(f"  {kind} at {split['profiled_batch']}: profiled span {split['span_ms']:.2f} "
                   f"ms, GPU idle {split['idle_ms']:.2f} ms; idle before: {gaps}")
+    mla = case.get("launches", {}).get("sparse MLA", {})
+    if mla:
+        print("  sparse MLA launches by batch: " + ", ".join(
+            f"{b}: {c['BLOCK_H']}x{c['BLOCK_N']}/{c['num_warps']}w/{c['num_stages']}s"
+            f"/{c['splits']} splits" for b, c in sorted(mla.items(), key=lambda kv: -int(kv[0]))))
 
 
 def plot(path: str, cases: list[dict]) -> None:
