@@ -46,12 +46,13 @@ def test_points_step_down_by_powers_of_two():
     assert log_points(5, 2) == [5, 4, 2]
 
 
-def test_layer_work_runs_every_stand_in_on_cpu():
+@pytest.mark.parametrize("attention", ["matmul", "fused"])
+def test_layer_work_runs_every_stand_in_on_cpu(attention):
     shape = LayerShape.named("dsv32", **throughput.TINY)
     # bf16 values (the TINY shape's rows are bf16 MLA rows), no NaN among them
     kv = [torch.randn(4096, shape.mla_row_bytes // 2).bfloat16().view(torch.uint8)]
     work = ModelLayerWork(shape, max_batch=4, context=256, top_k=32, kv_rows=kv,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), attention=attention)
     rows = torch.randint(-1, 4096, (4, 32), dtype=torch.int32)
     work.indexer(1, 3)  # the second key set
     want = indexer_logits_reference(work.index_q[:3], work.index_weights[:3],
@@ -66,9 +67,18 @@ def test_layer_work_runs_every_stand_in_on_cpu():
     assert torch.equal(work.act_out[:3, :o], work.act_in[:3, :i] @ work.sets[0][0][j])
     work.attn_out.zero_()
     work.attention(0, rows, 3)
-    want = sparse_mla_decode_reference(work.attn_q[:3], kv[0], rows[:3], work.mla_layout,
-                                       work.sm_scale)
-    assert torch.equal(work.attn_out[:3], want.bfloat16()) and not work.attn_out[3].any()
+    if attention == "fused":  # off the GPU: the fused kernel's torch twin
+        want = sparse_mla_decode_reference(work.attn_q[:3], kv[0], rows[:3], work.mla_layout,
+                                           work.sm_scale)
+        assert torch.equal(work.attn_out[:3], want.bfloat16())
+    else:  # the gathered rows, then the products over one row set's values
+        flat = rows[:3].reshape(-1).clamp_min(0).long()
+        assert torch.equal(work.reads[:flat.numel()], kv[0][flat])
+        assert work.attn_out[:3].any()
+    assert not work.attn_out[3].any()
+    with pytest.raises(ValueError, match="attention stand-in 'x'"):
+        ModelLayerWork(shape, max_batch=1, context=8, top_k=4, kv_rows=kv,
+                       device=torch.device("cpu"), attention="x")
     work.mlp(0, 3)
 
 

@@ -24,12 +24,18 @@ before attention          what the compute stream runs between the indexer and t
                           KV rows written (a copy of ``B`` rows) and the absorbed query
                           projection (``W_UK``, one of the weight GEMMs below). vLLM's
                           conversion, and ours, run beside it on the index group's side stream.
-sparse MLA                the absorbed MLA decode of every head over the ``K`` rows each
-                          token's conversion returned, read once from the layer's KV cache in
-                          its own layout (fp8 rows with scales, or bf16), online softmax, the
-                          scores on chip (:mod:`.mla_decode`, fused in Triton: FlashMLA's
-                          sparse decode FLOPs and bytes; FlashMLA itself is not on the GPU
-                          machine).
+sparse MLA                two stand-ins (``attention``). ``matmul`` (default): the ``K`` rows
+                          each token's conversion returned gathered from the layer's KV cache
+                          (``index_select``), then ``[B·heads, 576] @ [576, K]``, softmax,
+                          ``[B·heads, K] @ [K, 512]`` in bf16 (cuBLAS; sparse MLA decode's
+                          FLOPs, the score matrix through HBM). ``fused``: the absorbed MLA
+                          decode of every head over the rows, each read once from the KV
+                          cache in its own layout (fp8 rows with scales, or bf16), online
+                          softmax, the scores on chip (:mod:`.mla_decode`, Triton: FlashMLA's
+                          FLOPs and bytes). FlashMLA itself is not on the GPU machine; on the
+                          H100 at 90 requests × 2048 rows (DeepSeek-V3.2) ``matmul`` takes
+                          about 2.1× and ``fused`` 3.1× the time FlashMLA's published 410
+                          TFLOPS would give, so ``matmul``, the closer in time, is the default.
 weights                   every projection as a bf16 GEMM ``[B, in] @ [in, out]`` whose weight
                           bytes equal the model's fp8 weights (``out`` halved): q/kv down
                           projections, q up projection with the indexer's, the absorbed kv up
@@ -89,6 +95,9 @@ GEOMETRIES: dict[str, dict] = {
                   index_heads=32, index_head_dim=128, mla_row_bytes=1152,
                   index_row_bytes=132, kv_gib=32.0),
 }
+
+#: The sparse MLA stand-ins (``--attention-stand-in``; module docstring).
+ATTENTION_STAND_INS = ("matmul", "fused")
 
 #: DeepEP low-latency dispatch + combine on 8 GPUs (README table: 77 + 114 µs).
 DEFAULT_EP_COMM_US = 191.0
@@ -237,7 +246,12 @@ class ModelLayerWork:
                  kv_rows: list[torch.Tensor], device: torch.device, weight_sets: int = 2,
                  seed: int = 0,
                  components: frozenset[str] = frozenset({"indexer", "attention", "weights",
-                                                         "comm"})):
+                                                         "comm"}),
+                 attention: str = "matmul"):
+        if attention not in ATTENTION_STAND_INS:
+            raise ValueError(f"attention stand-in {attention!r}: expected one of "
+                             f"{', '.join(ATTENTION_STAND_INS)}")
+        self.attention_stand_in = attention
         self.shape, self.context, self.top_k, self.device = shape, context, top_k, device
         self.max_batch = max_batch
         self.components = components
@@ -274,9 +288,15 @@ class ModelLayerWork:
         self.attn_q = rand(max_batch, shape.heads, shape.kv_lora_rank + shape.rope_dim)
         self.attn_out = torch.empty((max_batch, shape.heads, shape.kv_lora_rank), **bf16)
         # the fused kernels on the GPU (Triton), their torch twins elsewhere (smoke runs)
-        fused = device.type == "cuda"
-        self._logits = IndexerLogits(H_i, D_i) if fused else None
-        self._mla = SparseMlaDecode(self.mla_layout, shape.heads, self.sm_scale) if fused else None
+        on_gpu = device.type == "cuda"
+        self._logits = IndexerLogits(H_i, D_i) if on_gpu else None
+        self._mla = (SparseMlaDecode(self.mla_layout, shape.heads, self.sm_scale)
+                     if on_gpu and attention == "fused" else None)
+        if attention == "matmul":  # the gathered rows, one row set's values for the products
+            self.reads = torch.empty((max_batch * top_k, shape.mla_row_bytes),
+                                     dtype=torch.uint8, device=device)
+            self.attn_kv = rand(top_k, shape.kv_lora_rank + shape.rope_dim)
+            self.attn_scores = torch.empty((max_batch * shape.heads, top_k), **bf16)
         # weights: dense GEMMs and the routed experts, weight_sets distinct sets
         self.gemm_shapes = shape.gemms()
         self._pre_gemm = [n for n, _, _ in self.gemm_shapes].index(PRE_ATTENTION_GEMM)
@@ -331,6 +351,16 @@ class ModelLayerWork:
     def attention(self, layer: int, rows: torch.Tensor, batch: int, first: int = 0) -> None:
         """Sparse MLA over the ``K`` rows of each of the tokens."""
         if "attention" not in self.components or batch <= first:
+            return
+        if self.attention_stand_in == "matmul":
+            flat = rows[first:batch].reshape(-1).clamp_min(0).to(torch.int64)
+            torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
+            h = slice(first * self.shape.heads, batch * self.shape.heads)
+            q = self.attn_q.view(-1, self.attn_q.shape[-1])
+            torch.matmul(q[h], self.attn_kv.t(), out=self.attn_scores[h])
+            probs = torch.softmax(self.attn_scores[h], dim=1)
+            torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank],
+                         out=self.attn_out.view(-1, self.attn_out.shape[-1])[h])
             return
         rows = rows[first:batch]
         if rows.dtype != torch.int32 or not rows.is_contiguous():

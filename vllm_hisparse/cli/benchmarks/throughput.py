@@ -59,7 +59,8 @@ import torch
 from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_path,
                                     positive_float, positive_int)
 from vllm_hisparse.cli.benchmarks.connector import plan_requests
-from vllm_hisparse.cli.benchmarks.model_layer import (GEOMETRIES, LayerShape, ModelLayerWork,
+from vllm_hisparse.cli.benchmarks.model_layer import (ATTENTION_STAND_INS, GEOMETRIES,
+                                                      LayerShape, ModelLayerWork,
                                                       layer_flops_and_bytes, log_points)
 from vllm_hisparse.cli.benchmarks.throughput_fit import real_step
 from vllm_hisparse.cli.benchmarks.throughput_probe import (GraphStepProbe, disagreeing_steps,
@@ -242,6 +243,7 @@ def run_case(a, key: str, context: int, device: str, *, batch: int | None = None
         return case
     top = max(n_full, n_hybrid if "hybrid" in systems else 0)
     work = ModelLayerWork(shape, max_batch=top, context=context, top_k=a.top_k, kv_rows=[],
+                          attention=a.attention_stand_in,
                           device=torch.device(device))
     case["runs"] = {}
     for i, (layers, p) in enumerate(zip(a.sim_layers, plans)):
@@ -511,6 +513,10 @@ def main(argv=None) -> int:
     p.add_argument("--inline-conversion", action="store_true",
                    help="the connector's overlap_conversion false: each leader converts on "
                    "the compute stream (default: on its index group's side stream, as vLLM)")
+    p.add_argument("--attention-stand-in", choices=ATTENTION_STAND_INS, default="matmul",
+                   help="sparse MLA as cuBLAS products over the gathered rows (matmul, the "
+                   "closer to FlashMLA's time) or one fused Triton kernel reading each row "
+                   "once (fused, FlashMLA's bytes); docs/benchmarks.md, \"Throughput\"")
     p.add_argument("--dbo-ceiling", action="store_true",
                    help="also time the two-micro-batch ceiling (issue [16]): the oracle step "
                    "with each layer's stand-ins run once per half of the batch")
