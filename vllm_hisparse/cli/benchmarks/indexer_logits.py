@@ -81,9 +81,9 @@ class IndexerLogits:
         self._kernel = _kernel()
         self._chooser = LaunchChooser("indexer logits")
 
-    def launches(self) -> dict:
-        """The launch config chosen per key so far."""
-        return dict(self._chooser.chosen)
+    def launches(self) -> dict[str, dict]:
+        """The launch chosen so far per ``heads x head_dim``."""
+        return {"x".join(map(str, key)): config for key, config in self._chooser.chosen.items()}
 
     def __call__(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                  key_scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -105,10 +105,9 @@ class IndexerLogits:
         dot = tl.float8e4nv if q.device.type == "cuda" else tl.float32
 
         def launch(config: dict) -> None:
-            meta = dict(config)
-            grid = (B, -(-T // meta["BLOCK_T"]))
+            grid = (B, -(-T // config["BLOCK_T"]))
             self._kernel[grid](q, weights, keys, key_scales, out, T, HEADS=H, DIM=D, DOT=dot,
-                               **meta)
+                               **config)
 
         self._chooser.run((H, D), lambda: CONFIGS, launch, q.device)
         return out

@@ -277,9 +277,9 @@ class SparseMlaDecode:
                 del self._workspace[(B, n)]
         return out
 
-    def launches(self) -> dict:
-        """The launch chosen per ``(B, K, splits)`` so far."""
-        return dict(self._chooser.chosen)
+    def launches(self) -> dict[str, dict]:
+        """The launch chosen so far per batch size (the key of ``bench throughput``'s JSON)."""
+        return {str(batch): config for (batch, _, _), config in self._chooser.chosen.items()}
 
     def _check(self, q, kv_rows, indices, out) -> None:
         L = self.layout

@@ -393,12 +393,9 @@ class ModelLayerWork:
 
     def launches(self) -> dict[str, dict[str, dict]]:
         """The launch each fused stand-in chose, per batch size (MLA) or shape (indexer)."""
-        out = {}
-        for name, kernel in (("sparse MLA", self._mla), ("indexer logits", self._logits)):
-            if kernel is not None:
-                out[name] = {str(k[0]) if name == "sparse MLA" else "x".join(map(str, k)): c
-                             for k, c in kernel.launches().items()}
-        return out
+        return {name: kernel.launches()
+                for name, kernel in (("sparse MLA", self._mla), ("indexer logits", self._logits))
+                if kernel is not None}
 
     def expert_tokens(self, batch: int) -> int:
         if batch not in self._expert_tokens:
