@@ -214,6 +214,8 @@ if has throughput; then
     timeout "${THROUGHPUT_TIMEOUT:-540}" "${BENCH[@]}" throughput --json "$OUT/throughput.json" \
       --plot "$OUT/throughput.png" ${THROUGHPUT_ARGS:-} > "$OUT/throughput.log" 2>&1
     note "bench throughput rc=$?"
+    # each start's host link (bench throughput measures it first): hybrid figures carry it
+    grep -m 1 "^host link" "$OUT/throughput.log" | tee -a "$SUMMARY"
   fi
 fi
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vllm_hisparse.cli.benchmarks import throughput
+from vllm_hisparse.cli.benchmarks import host_link, throughput, throughput_table
 from vllm_hisparse.cli.benchmarks.indexer_logits import indexer_logits_reference
 from vllm_hisparse.cli.benchmarks.mla_decode import sparse_mla_decode_reference
 from vllm_hisparse.cli.benchmarks.model_layer import (PRE_ATTENTION_GEMM, LayerShape,
@@ -108,6 +108,33 @@ def test_cpu_smoke_run_through_the_scheduler(tmp_path, capsys):
     # without --dbo-ceiling nothing of the two-micro-batch ceiling is run, stored or printed
     assert "dbo" not in out.read_text().replace('"dbo_ceiling": false', "")
     assert "dbo" not in printed
+    # no CUDA: no host link measured, none printed
+    assert data["host_link"] == {} and "host link" not in printed
+    # the docs' table over two starts, the second with a recorded link
+    second = dict(data, host_link=dict(dma_h2d_gbps=53.1, dma_d2h_gbps=54.2,
+                                       gather_gbps={"656": 31.5},
+                                       default_grid_gather_gbps={"656": 29.0},
+                                       gather_rows=16384,
+                                       span_bytes=2 << 30, ctas_per_sm=1))
+    other = tmp_path / "u.json"
+    other.write_text(json.dumps(second))
+    assert throughput_table.main([str(out), str(other)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in table if line.startswith("| DeepSeek-V3.2 |")]
+    h = throughput.headline(case)
+    assert f"**{h['hybrid_over_full']:.2f} / {h['hybrid_over_full']:.2f}**" in row
+    assert "largest gap between the starts' ratios: 0.0 %" in "\n".join(table)
+    # a start that did not run the case keeps its place in every cell
+    none = tmp_path / "none.json"
+    none.write_text(json.dumps(dict(data, cases=[])))
+    assert throughput_table.main([str(out), str(none)]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines()
+              if line.startswith("| DeepSeek-V3.2 |")]
+    assert f"**{h['hybrid_over_full']:.2f} / –**" in row
+    links = [line for line in table if "host link" in line]
+    assert links == [f"{other}: host link of this start: DMA H2D 53.1 / D2H 54.2 GB/s; 16384 "
+                     "random rows from 2 GiB pinned, 1 CTA per SM: 656 B 31.5 (default grid "
+                     "29.0) GB/s"]
 
 
 def test_device_plan_counts_one_backing_allocation():
@@ -285,3 +312,19 @@ def test_a_pool_of_one_full_request_holds_the_runs_longest_request(tmp_path):
     (case,) = json.loads(out.read_text())["cases"]
     assert case["full_requests"] == 1 and case["runs"]["full"]["peak_running"] == 1
     assert throughput.pool_blocks(99) == 101
+
+
+def test_host_link_is_not_measured_without_cuda():
+    assert host_link.measure([656, 1152], torch.device("cpu")) == {}
+    assert host_link.describe({}) == ""
+
+
+@pytest.mark.gpu
+def test_host_link_measures_every_row_size_on_the_gpu():
+    link = host_link.measure([1152, 656, 656], torch.device("cuda"))
+    assert sorted(link["gather_gbps"]) == sorted(link["default_grid_gather_gbps"]) == ["1152",
+                                                                                     "656"]
+    # a PCIe link: each figure positive and below what any x16 Gen5/Gen6 link carries
+    for gbps in (link["dma_h2d_gbps"], link["dma_d2h_gbps"], *link["gather_gbps"].values(),
+                 *link["default_grid_gather_gbps"].values()):
+        assert 1.0 < gbps < 260.0

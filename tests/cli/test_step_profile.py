@@ -4,8 +4,10 @@ from vllm_hisparse.cli.benchmarks.step_profile import gpu_events, kernel_class, 
 
 
 def trace(*events):
-    return {"traceEvents": [dict(ph="X", cat=cat, name=name, ts=ts, dur=dur)
-                            for cat, name, ts, dur in events]}
+    """Chrome-trace events ``(cat, name, ts, dur)`` on stream 7, or ``(..., stream)``."""
+    return {"traceEvents": [dict(ph="X", cat=ev[0], name=ev[1], ts=ev[2], dur=ev[3],
+                                 args=dict(stream=ev[4] if len(ev) > 4 else 7))
+                            for ev in events]}
 
 
 def test_events_before_the_gate_are_left_out_and_gaps_are_named():
@@ -53,3 +55,22 @@ def test_kernel_classes_first_match_wins():
     assert kernel_class("elementwise") == "other"
     assert kernel_class("sparse_mla_decode_kernel") == "sparse MLA"
     assert kernel_class("indexer_logits_kernel") == "indexer logits"
+
+
+def test_side_stream_time_is_split_by_what_the_compute_stream_did_meanwhile():
+    t = trace(("kernel", "spin_kernel", 0, 60_000, 7),          # the gate: the compute stream
+              ("kernel", "sm90_gemm_bf16", 60_000, 100, 7),     # compute busy 60_000-60_100
+              ("kernel", "copy_rows_kernel", 60_050, 110, 9),   # leader: 60 µs of it alone
+              ("kernel", "sm90_gemm_bf16", 60_160, 100, 7),     # compute busy 60_160-60_260
+              ("kernel", "copy_rows_kernel", 60_170, 80, 11),   # background: under compute
+              ("kernel", "resolve_kernel", 60_270, 10, 9))      # alone: exposed
+    split = split_timeline(gpu_events(t), gate_us=60_000)
+    assert abs(split["kernel_ms"]["gather"] - 0.190) < 1e-12
+    assert abs(split["side_ms"]["gather"] - 0.190) < 1e-12
+    assert abs(split["side_exposed_ms"]["gather"] - 0.060) < 1e-12
+    assert abs(split["side_exposed_ms"]["resolve"] - 0.010) < 1e-12
+    assert "gemm" not in split["side_ms"]  # compute-stream classes are not beside it
+    # without a gate the first event's stream is the compute stream
+    split = split_timeline(gpu_events(trace(("kernel", "a", 0, 10, 3),
+                                            ("kernel", "copy_rows_kernel", 5, 10, 4))), 1e6)
+    assert split["side_ms"] == {"gather": 0.010} and split["side_exposed_ms"] == {"gather": 0.005}

@@ -58,6 +58,7 @@ import torch
 
 from vllm_hisparse.cli.args import (CliParser, nonneg_float, nonneg_int, output_path,
                                     positive_float, positive_int)
+from vllm_hisparse.cli.benchmarks import host_link
 from vllm_hisparse.cli.benchmarks.connector import plan_requests
 from vllm_hisparse.cli.benchmarks.model_layer import (ATTENTION_STAND_INS, GEOMETRIES,
                                                       LayerShape, ModelLayerWork,
@@ -438,6 +439,11 @@ def print_case(case: dict) -> None:
             ker = ", ".join(f"{k} {v:.2f}" for k, v in sorted(split["kernel_ms"].items(),
                                                              key=lambda kv: -kv[1]))
             print(f"  {kind} at {split['profiled_batch']}: profiled kernel ms: {ker}")
+        if split.get("side_ms"):
+            side = ", ".join(f"{k} {v:.2f} ({split['side_exposed_ms'][k]:.2f})"
+                             for k, v in sorted(split["side_ms"].items(), key=lambda kv: -kv[1]))
+            print(f"  {kind} at {split['profiled_batch']}: beside the compute stream, ms (of "
+                  f"which the compute stream ran nothing): {side}")
         if split.get("span_ms"):
             gaps = ", ".join(f"{g['name'][:48]} {g['ms']:.2f} ({g['gaps']})"
                              for g in split.get("idle_before", [])[:5])
@@ -548,13 +554,19 @@ def main(argv=None) -> int:
     for key in a.geometries:
         print("  " + LayerShape.named(key, **({} if a.ep_comm_us is None else
                                               {"ep_comm_us": a.ep_comm_us})).describe())
+    # the hybrid figures carry this start's host link with them: measured, printed, kept
+    link = host_link.measure([GEOMETRIES[k]["mla_row_bytes"] for k in a.geometries],
+                             torch.device(device))
+    if link:
+        print(host_link.describe(link), flush=True)
     cases = []
     for key in a.geometries:
         for context in a.contexts:
             cases.append(run_case(a, key, context, device))
             if a.json:  # what is done so far survives a time-out
-                write_json("--json", a.json, dict(args=vars(a), device=device, cases=cases,
-                                                  partial=True), command="bench throughput")
+                write_json("--json", a.json, dict(args=vars(a), device=device, host_link=link,
+                                                  cases=cases, partial=True),
+                           command="bench throughput")
     if not a.no_realism and REALISM["geometry"] in a.geometries and device == "cuda":
         r = run_case(a, REALISM["geometry"], REALISM["context"], device,
                      batch=REALISM["batch"], systems=("full",))
@@ -589,7 +601,7 @@ def main(argv=None) -> int:
         plot(a.plot, cases)
         print(f"plot: {a.plot}")
     if a.json and not write_json("--json", a.json, dict(args=vars(a), device=device,
-                                                        cases=cases),
+                                                        host_link=link, cases=cases),
                                  command="bench throughput"):
         return 1
     return 0
