@@ -14,7 +14,10 @@ its results:
   link slows both; a grid that suits one host and not another shows here).
 
 Each figure is the median of ``REPEATS`` timed launches after one untimed. Without CUDA, or
-without the extension's kernels, there is nothing to measure (``{}``).
+without the extension's kernels, there is nothing to measure (``{}``). The probe describes the
+host, not the step: two H100 starts whose probes read 656 B rows at 31.9 and 39.2 GB/s exposed
+the same gather in the step (docs/benchmarks.md, "Starts h and i"), whose gathers repeat every
+step over each layer's own slab; the step's exposed gather is hybrid minus oracle.
 """
 
 from __future__ import annotations
