@@ -61,8 +61,17 @@ def _gather_gbps(row_bytes: int, ctas_per_sm: int, device: torch.device,
     count = torch.full((tiles,), k, dtype=torch.int32, device=device)
     ms = _median_ms(lambda: cuda_ops.gather_rows_tuned([host], [dev], src, dst, count,
                                                        ctas_per_sm=ctas_per_sm))
-    del host
     return GATHER_ROWS * row_bytes / (ms * 1e-3) / 1e9
+
+
+def _dma_gbps(device: torch.device) -> tuple[float, float]:
+    """H2D and D2H GB/s of one :data:`DMA_BYTES` copy on the copy engines."""
+    host = torch.empty(DMA_BYTES, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(DMA_BYTES, dtype=torch.uint8, device=device)
+    host.fill_(3)
+    h2d = _median_ms(lambda: dev.copy_(host, non_blocking=True))
+    d2h = _median_ms(lambda: host.copy_(dev, non_blocking=True))
+    return DMA_BYTES / (h2d * 1e-3) / 1e9, DMA_BYTES / (d2h * 1e-3) / 1e9
 
 
 def measure(row_bytes: list[int], device: torch.device) -> dict:
@@ -73,19 +82,13 @@ def measure(row_bytes: list[int], device: torch.device) -> dict:
 
     if device.type != "cuda" or not cuda_ops.available():
         return {}
-    host = torch.empty(DMA_BYTES, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(DMA_BYTES, dtype=torch.uint8, device=device)
-    host.fill_(3)
-    h2d = _median_ms(lambda: dev.copy_(host, non_blocking=True))
-    d2h = _median_ms(lambda: host.copy_(dev, non_blocking=True))
-    del host, dev
+    h2d_gbps, d2h_gbps = _dma_gbps(device)
     g = torch.Generator().manual_seed(0)
     sizes = sorted(set(row_bytes))
     leader = {str(rb): _gather_gbps(rb, DEFAULT_LEADER_CTAS_PER_SM, device, g) for rb in sizes}
     default = {str(rb): _gather_gbps(rb, 0, device, g) for rb in sizes}
-    return dict(dma_h2d_gbps=DMA_BYTES / (h2d * 1e-3) / 1e9,
-                dma_d2h_gbps=DMA_BYTES / (d2h * 1e-3) / 1e9,
-                gather_gbps=leader, default_grid_gather_gbps=default, gather_rows=GATHER_ROWS,
+    return dict(dma_h2d_gbps=h2d_gbps, dma_d2h_gbps=d2h_gbps, gather_gbps=leader,
+                default_grid_gather_gbps=default, gather_rows=GATHER_ROWS,
                 span_bytes=SPAN_BYTES, ctas_per_sm=DEFAULT_LEADER_CTAS_PER_SM)
 
 

@@ -6,9 +6,9 @@ One row per (geometry, context) case of the first JSON, each cell ``start A / st
 ...`` in the order given (``–`` where a start did not run the case): requests per GPU,
 tokens/s per GPU of the real model at each system's largest batch (median [range over the
 timed steps]), hybrid / full and hybrid / oracle, the miss rate and the hybrid step's GPU /
-host ms (first JSON). Then the largest relative gap between the
-starts' headline ratios, which the docs quote, and each start's host link where its JSON
-recorded one (:mod:`.host_link`).
+host ms (first JSON). Then the largest relative gap between the starts' headline ratios,
+which the docs quote, and each start's host link where its JSON recorded one
+(:mod:`.host_link`).
 """
 
 from __future__ import annotations
@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                 worst = ((max(r) - min(r)) / min(r), f"{first['shape']['name']} {_k(key[1])} {name}")
         hyb = tops[0].get("hybrid", {})
         miss = hyb.get("miss_rate")
-        over_full = " / ".join(f"{t[k]:.2f}" if k in t else "–"
-                               for t in tops for k in ("hybrid_over_full",))
-        over_oracle = " / ".join(f"{t[k]:.2f}" if k in t else "–"
-                                 for t in tops for k in ("hybrid_over_oracle",))
+        def ratio_cells(name):
+            return " / ".join(f"{t[name]:.2f}" if name in t else "–" for t in tops)
+        over_full, over_oracle = ratio_cells("hybrid_over_full"), ratio_cells("hybrid_over_oracle")
         print(f"| {first['shape']['name']} | {_k(key[1])} | {first['full_requests']} / "
               f"{first['hybrid_requests']} | {cells('full')} | {cells('hybrid')} "
               f"| {cells('oracle')} | **{over_full}** | {over_oracle} "
