@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from vllm_hisparse.cli.benchmarks import host_link, throughput, throughput_table
+from vllm_hisparse.cli.benchmarks import (host_link, throughput, throughput_report,
+                                          throughput_table)
 from vllm_hisparse.cli.benchmarks.indexer_logits import indexer_logits_reference
 from vllm_hisparse.cli.benchmarks.mla_decode import sparse_mla_decode_reference
 from vllm_hisparse.cli.benchmarks.model_layer import (PRE_ATTENTION_GEMM, LayerShape,
@@ -121,7 +122,7 @@ def test_cpu_smoke_run_through_the_scheduler(tmp_path, capsys):
     assert throughput_table.main([str(out), str(other)]) == 0
     table = capsys.readouterr().out.splitlines()
     (row,) = [line for line in table if line.startswith("| DeepSeek-V3.2 |")]
-    h = throughput.headline(case)
+    h = throughput_report.headline(case)
     assert f"**{h['hybrid_over_full']:.2f} / {h['hybrid_over_full']:.2f}**" in row
     assert "largest gap between the starts' ratios: 0.0 %" in "\n".join(table)
     # a start that did not run the case keeps its place in every cell

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vllm_hisparse.cli.benchmarks import throughput
+from vllm_hisparse.cli.benchmarks import throughput, throughput_report
 from vllm_hisparse.cli.benchmarks.throughput_fit import real_step
 
 
@@ -100,7 +100,7 @@ def case_with_fit():
 
 
 def test_curve_uses_the_fit_where_both_counts_have_the_point():
-    rows = {r["concurrency"]: r for r in throughput.curve(case_with_fit())}
+    rows = {r["concurrency"]: r for r in throughput_report.curve(case_with_fit())}
     top = rows[8]
     full = fitted(summary(5.0, batch=4), summary(9.0, batch=4), batch=4, host_scale=1.25)
     hybrid = fitted(summary(6.0, batch=8), summary(11.0, batch=8), batch=8, host_scale=1.25)
@@ -113,13 +113,13 @@ def test_curve_uses_the_fit_where_both_counts_have_the_point():
     # a line that falls below zero at the real count is said, and the step scaled
     broken = case_with_fit()
     broken["fit"]["runs"]["hybrid"]["points"]["8"]["hybrid"] = summary(1.0, batch=8)
-    top = throughput.curve(broken)[0]
+    top = throughput_report.curve(broken)[0]
     assert "gives a GPU time of" in top["hybrid"]["fit_error"]
     assert top["hybrid"]["real_step_ms"] == pytest.approx(6.0 * 78 / 8)
     # without the second count: every figure scaled
     plain = case_with_fit()
     del plain["fit"]
-    top = throughput.curve(plain)[0]
+    top = throughput_report.curve(plain)[0]
     assert top["hybrid"]["tokens_per_s"] == pytest.approx(8 / (6.0 * 78 / 8 / 1e3))
 
 
@@ -139,7 +139,7 @@ def test_cpu_smoke_run_at_two_layer_counts(tmp_path, capsys):
     (case,) = json.loads(out.read_text())["cases"]
     assert case["sim_layers"] == 2 and case["fit"]["sim_layers"] == 4
     assert case["host_scale"] > 0
-    top = throughput.curve(case)[0]
+    top = throughput_report.curve(case)[0]
     c = top["concurrency"]
     first = case["runs"]["hybrid"]["points"][str(c)]["hybrid"]
     second = case["fit"]["runs"]["hybrid"]["points"][str(c)]["hybrid"]
@@ -198,18 +198,18 @@ def test_all_full_overhead_compares_the_same_batch():
             for s in point.values():
                 s.pop("miss_rate", None)
     del idle["fit"]["runs"]["full"]["points"]["4"]  # neither system fitted at 4
-    got = throughput.all_full_overhead(idle)
+    got = throughput_report.all_full_overhead(idle)
     assert got["concurrency"] == 4 and not got["fitted"]  # 8: full saturated at 4
     assert got["overhead"] == pytest.approx(5.5 / 5.0 - 1)
     # full fitted at 4 but hybrid not (the second run never reached 4): no mixed ratio
     idle["fit"]["runs"]["full"]["points"]["4"] = {"full": summary(8.0, batch=4)}
-    assert throughput.all_full_overhead(idle) == {}
+    assert throughput_report.all_full_overhead(idle) == {}
     # both fitted at 4: the lines' ratio
     idle["fit"]["runs"]["hybrid"]["points"]["4"] = {"hybrid": summary(9.5, batch=4)}
-    got = throughput.all_full_overhead(idle)
+    got = throughput_report.all_full_overhead(idle)
     full = fitted(summary(5.0, batch=4), summary(8.0, batch=4), batch=4, host_scale=1.25)
     hyb = fitted(summary(5.5, batch=4), summary(9.5, batch=4), batch=4, host_scale=1.25)
     assert got["fitted"] and got["overhead"] == pytest.approx(hyb["gpu_ms"] / full["gpu_ms"] - 1)
     tracked = case_with_fit()
     tracked["runs"]["hybrid"]["points"]["4"]["hybrid"]["miss_rate"] = 0.01
-    assert throughput.all_full_overhead(tracked) == {}
+    assert throughput_report.all_full_overhead(tracked) == {}

@@ -17,7 +17,7 @@ import argparse
 import json
 
 from vllm_hisparse.cli.benchmarks import host_link
-from vllm_hisparse.cli.benchmarks.throughput import curve
+from vllm_hisparse.cli.benchmarks.throughput_report import curve
 
 
 def _load(path: str) -> tuple[dict[tuple[str, int], dict], dict]:
