@@ -46,8 +46,10 @@ def _median_ms(fn) -> float:
     return statistics.median(times)
 
 
-def _gather_gbps(row_bytes: int, ctas_per_sm: int, device: torch.device,
-                 g: torch.Generator) -> float:
+def _gather_gbps(row_bytes: int, grids: tuple[int, ...], device: torch.device,
+                 g: torch.Generator) -> list[float]:
+    """GB/s of one gather of :data:`GATHER_ROWS` random rows of ``row_bytes`` at each of
+    ``grids`` (CTAs per SM; 0 = the kernel's default), from one pinned span."""
     from vllm_hisparse.ops import cuda as cuda_ops
 
     host = torch.empty((SPAN_BYTES // row_bytes, row_bytes), dtype=torch.uint8).pin_memory()
@@ -59,9 +61,12 @@ def _gather_gbps(row_bytes: int, ctas_per_sm: int, device: torch.device,
     dst = torch.randperm(GATHER_ROWS, generator=g).reshape(tiles, k).to(torch.int32)
     src, dst = src.to(device), dst.to(device)
     count = torch.full((tiles,), k, dtype=torch.int32, device=device)
-    ms = _median_ms(lambda: cuda_ops.gather_rows_tuned([host], [dev], src, dst, count,
-                                                       ctas_per_sm=ctas_per_sm))
-    return GATHER_ROWS * row_bytes / (ms * 1e-3) / 1e9
+    out = []
+    for ctas_per_sm in grids:
+        ms = _median_ms(lambda: cuda_ops.gather_rows_tuned([host], [dev], src, dst, count,
+                                                           ctas_per_sm=ctas_per_sm))
+        out.append(GATHER_ROWS * row_bytes / (ms * 1e-3) / 1e9)
+    return out
 
 
 def _dma_gbps(device: torch.device) -> tuple[float, float]:
@@ -84,9 +89,10 @@ def measure(row_bytes: list[int], device: torch.device) -> dict:
         return {}
     h2d_gbps, d2h_gbps = _dma_gbps(device)
     g = torch.Generator().manual_seed(0)
-    sizes = sorted(set(row_bytes))
-    leader = {str(rb): _gather_gbps(rb, DEFAULT_LEADER_CTAS_PER_SM, device, g) for rb in sizes}
-    default = {str(rb): _gather_gbps(rb, 0, device, g) for rb in sizes}
+    leader, default = {}, {}
+    for rb in sorted(set(row_bytes)):
+        leader[str(rb)], default[str(rb)] = _gather_gbps(rb, (DEFAULT_LEADER_CTAS_PER_SM, 0),
+                                                         device, g)
     return dict(dma_h2d_gbps=h2d_gbps, dma_d2h_gbps=d2h_gbps, gather_gbps=leader,
                 default_grid_gather_gbps=default, gather_rows=GATHER_ROWS,
                 span_bytes=SPAN_BYTES, ctas_per_sm=DEFAULT_LEADER_CTAS_PER_SM)

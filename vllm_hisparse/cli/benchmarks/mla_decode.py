@@ -36,7 +36,8 @@ SPLIT_OPTIONS = (1, 2, 3, 4, 6, 8)
 MAX_WAVES = 4
 
 #: Block sizes timed per batch size. At 8 warps every one of them spills on the H100 (255
-#: registers a thread: the [heads, 512] fp32 accumulator); 16 warps halve that, not yet timed.
+#: registers a thread: the [heads, 512] fp32 accumulator); 16 warps halve that (they run in
+#: the GPU test; which one the step chooses is in ``bench throughput``'s JSON).
 CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=s)
            for bh, bn, w, s in ((64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 1), (32, 64, 8, 2),
                                 (32, 32, 4, 2), (16, 32, 4, 2), (64, 64, 16, 2), (64, 32, 16, 2))]
