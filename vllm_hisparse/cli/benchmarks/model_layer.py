@@ -353,15 +353,23 @@ class ModelLayerWork:
         if "attention" not in self.components or batch <= first:
             return
         if self.attention_stand_in == "matmul":
-            flat = rows[first:batch].reshape(-1).clamp_min(0).to(torch.int64)
-            torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
-            h = slice(first * self.shape.heads, batch * self.shape.heads)
-            q = self.attn_q.view(-1, self.attn_q.shape[-1])
-            torch.matmul(q[h], self.attn_kv.t(), out=self.attn_scores[h])
-            probs = torch.softmax(self.attn_scores[h], dim=1)
-            torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank],
-                         out=self.attn_out.view(-1, self.attn_out.shape[-1])[h])
-            return
+            self._attention_matmul(layer, rows, batch, first)
+        else:
+            self._attention_fused(layer, rows, batch, first)
+
+    def _attention_matmul(self, layer: int, rows: torch.Tensor, batch: int, first: int) -> None:
+        """The rows gathered (``index_select``), then cuBLAS products and a softmax."""
+        flat = rows[first:batch].reshape(-1).clamp_min(0).to(torch.int64)
+        torch.index_select(self.kv_rows[layer], 0, flat, out=self.reads[:flat.numel()])
+        h = slice(first * self.shape.heads, batch * self.shape.heads)
+        q = self.attn_q.view(-1, self.attn_q.shape[-1])
+        torch.matmul(q[h], self.attn_kv.t(), out=self.attn_scores[h])
+        probs = torch.softmax(self.attn_scores[h], dim=1)
+        torch.matmul(probs, self.attn_kv[:, :self.shape.kv_lora_rank],
+                     out=self.attn_out.view(-1, self.attn_out.shape[-1])[h])
+
+    def _attention_fused(self, layer: int, rows: torch.Tensor, batch: int, first: int) -> None:
+        """One fused kernel over the rows in their layout (its torch twin off the GPU)."""
         rows = rows[first:batch]
         if rows.dtype != torch.int32 or not rows.is_contiguous():
             rows = rows.to(torch.int32).contiguous()
